@@ -1,0 +1,184 @@
+"""ARMConfig: one dataclass for the routed memory, and the budget arithmetic.
+
+All sizes are per attention layer and per KV head: every layer and KV head holds the
+same structure, so a budget in token-equivalents means the same thing for every method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from armkv.errors import ArmkvError
+
+# Bytes of slot metadata kept beside each slot's key and value: count n (fp32),
+# count-weighted position (fp32) and bucket id (int32).
+SLOT_META_BYTES = 12
+
+CHOICES = {
+    "pool": ("shared", "paper"),
+    "position_mode": ("stored", "fixed"),
+    "scorer": ("similarity", "paper"),
+    "gate": ("scalar", "channel"),
+    "write": ("gated", "mean", "fifo"),
+    "top_m": ("adaptive", "fixed"),
+}
+
+
+@dataclass
+class ARMConfig:
+    """The routed memory of one attention layer (same for every layer and KV head).
+
+    Budget in token-equivalents = ``sinks + window + slots``; see :meth:`state_bytes`
+    for the exact bytes, metadata included.
+    """
+
+    depth: int = 3  # D: levels of routers between the root and the leaf buckets
+    branching: int = 4  # C: children per router node; N_b = C ** D buckets
+    slots: int = 384  # S: slots in the pool (per layer, per KV head)
+    pool: str = "shared"  # "shared": one pool the tree indexes; "paper": S // N_b fixed slots per bucket
+    sinks: int = 4  # first tokens kept exact (StreamingLLM's attention sinks)
+    window: int = 64  # W: most recent tokens kept exact
+    chunk: int = 256  # P: prefill chunk; the sync point of the chunked write scan
+    position_mode: str = "stored"  # "stored": slot keys rotated to their count-weighted position;
+    # "fixed": every slot rotated as if it stood just before the local window (InfLLM)
+    scorer: str = "similarity"  # "similarity": compares token and slot; "paper": w.[K;k]+b (cannot)
+    gate: str = "scalar"  # gamma per token ("scalar") or per channel ("channel")
+    write: str = "gated"  # "gated": learned blend; "mean": beta = 1/n; "fifo": overwrite the oldest slot
+    empty_slot_rule: bool = True  # novel tokens take a free slot exactly (beta = 1); ours, not the paper's
+    merge_threshold: float = 0.98  # initial cosine (pre-RoPE keys) above which a token merges into a slot
+    log_count_bias: bool = True  # add log(n) to a merged slot's attention logit (it stands for n keys)
+    tau: float = 1.0  # Gumbel-Softmax temperature (training only)
+    top_m: str = "adaptive"  # "adaptive": the learned policy picks M per input; "fixed": M = m_fixed
+    m_fixed: int | None = None  # fixed M (default: N_b // 2)
+    m_max: int | None = None  # largest M the policy may pick (default: N_b)
+    policy_hidden: int = 64  # LSTM width of the top-M policy
+    policy_tokens: int = 64  # l: tokens pooled into the policy's starting state
+    balance_alpha: float = 0.01  # alpha: weight of the router balance loss
+    budget_penalty: float = 0.01  # lambda: weight of the policy's read cost E[M] / N_b
+    epsilon: float = 0.1  # epsilon-greedy exploration of the policy in training
+    meta: dict = field(default_factory=dict)  # free-form provenance (calibration data, training run)
+
+    def __post_init__(self) -> None:
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ArmkvError(f"ARMConfig.{name}={value!r} is not one of {', '.join(allowed)}")
+        if self.depth < 1:
+            raise ArmkvError(f"ARMConfig.depth={self.depth}: the tree needs at least 1 level of routers")
+        if self.branching < 2:
+            raise ArmkvError(f"ARMConfig.branching={self.branching}: each router needs at least 2 children")
+        if self.num_buckets > 1 << 20:
+            raise ArmkvError(f"ARMConfig: {self.branching}**{self.depth} buckets is too many; lower depth or branching")
+        if self.slots < 1:
+            raise ArmkvError(f"ARMConfig.slots={self.slots}: the memory needs at least 1 slot")
+        if self.pool == "paper" and self.slots < self.num_buckets:
+            raise ArmkvError(
+                f"ARMConfig: pool='paper' gives each of the {self.num_buckets} buckets slots // N_b slots, "
+                f"but slots={self.slots}; raise slots to a multiple of {self.num_buckets} or lower depth"
+            )
+        if self.sinks < 0 or self.window < 1:
+            raise ArmkvError(f"ARMConfig: sinks={self.sinks} must be >= 0 and window={self.window} >= 1")
+        if self.chunk < 1:
+            raise ArmkvError(f"ARMConfig.chunk={self.chunk} must be >= 1")
+        if not 0.0 < self.merge_threshold <= 1.0:
+            raise ArmkvError(f"ARMConfig.merge_threshold={self.merge_threshold} must be in (0, 1]")
+        if self.tau <= 0:
+            raise ArmkvError(f"ARMConfig.tau={self.tau} must be > 0")
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise ArmkvError(f"ARMConfig.epsilon={self.epsilon} must be in [0, 1]")
+        if self.m_max is not None and not 1 <= self.m_max <= self.num_buckets:
+            raise ArmkvError(
+                f"ARMConfig.m_max={self.m_max} must be between 1 and the number of buckets ({self.num_buckets})"
+            )
+        if self.m_fixed is not None and not 1 <= self.m_fixed <= self.num_buckets:
+            raise ArmkvError(
+                f"ARMConfig.m_fixed={self.m_fixed} must be between 1 and the number of buckets ({self.num_buckets})"
+            )
+        if self.policy_hidden < 1 or self.policy_tokens < 1:
+            raise ArmkvError("ARMConfig.policy_hidden and policy_tokens must be >= 1")
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def num_buckets(self) -> int:
+        """N_b = C ** D leaf buckets."""
+        return self.branching**self.depth
+
+    @property
+    def num_nodes(self) -> int:
+        """Internal router nodes: 1 + C + ... + C ** (D - 1)."""
+        return (self.num_buckets - 1) // (self.branching - 1)
+
+    @property
+    def slots_per_bucket(self) -> int:
+        """Y of the paper's fixed partition (pool='paper'); 0 for the shared pool."""
+        return self.slots // self.num_buckets if self.pool == "paper" else 0
+
+    @property
+    def pool_slots(self) -> int:
+        """Slots actually allocated: S, or N_b * Y for the paper's partition."""
+        return self.num_buckets * self.slots_per_bucket if self.pool == "paper" else self.slots
+
+    @property
+    def max_m(self) -> int:
+        return self.m_max if self.m_max is not None else self.num_buckets
+
+    @property
+    def fixed_m(self) -> int:
+        return self.m_fixed if self.m_fixed is not None else max(1, self.num_buckets // 2)
+
+    @property
+    def budget_tokens(self) -> int:
+        """Token-equivalents held: sinks + window + slots."""
+        return self.sinks + self.window + self.pool_slots
+
+    def state_bytes(self, head_dim: int, dtype_bytes: int = 4) -> int:
+        """Bytes of one layer's state for one KV head and one sequence, metadata included."""
+        token = 2 * head_dim * dtype_bytes
+        return (self.sinks + self.window) * token + self.pool_slots * (token + SLOT_META_BYTES)
+
+    # ------------------------------------------------------------------ budget
+    @classmethod
+    def for_budget(cls, budget: int, head_dim: int, dtype_bytes: int = 4, **overrides) -> "ARMConfig":
+        """The config whose state fits ``budget`` token-equivalents of KV bytes.
+
+        The exact part takes ``sinks`` (4) + ``window`` (budget // 8, at most 64)
+        tokens; the rest, less the slots' metadata, becomes the slot pool. The tree
+        gets about 6 slots per bucket (a power of ``branching``).
+        """
+        token = 2 * head_dim * dtype_bytes
+        sinks = overrides.pop("sinks", min(4, max(0, budget // 16)))
+        window = overrides.pop("window", max(1, min(64, budget // 8)))
+        free = budget * token - (sinks + window) * token
+        slots = free // (token + SLOT_META_BYTES)
+        if slots < 1:
+            raise ArmkvError(
+                f"budget {budget} token-equivalents is too small for ARM with {sinks} sinks and a window of "
+                f"{window}: raise --budget to at least {sinks + window + 2}"
+            )
+        branching = overrides.pop("branching", 4)
+        if "depth" in overrides:
+            depth = overrides.pop("depth")
+        else:
+            depth = max(1, round(math.log(max(slots / 6, 1), branching)))
+        pool = overrides.get("pool", "shared")
+        if pool == "paper":
+            nb = branching**depth
+            while depth > 1 and slots < nb:
+                depth -= 1
+                nb = branching**depth
+            slots = (slots // nb) * nb
+        return cls(sinks=sinks, window=window, slots=int(slots), depth=depth, branching=branching, **overrides)
+
+    # ------------------------------------------------------------------ io
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ARMConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ArmkvError(f"ARM config has unknown fields {unknown}: was it written by another armkv version?")
+        return cls(**data)

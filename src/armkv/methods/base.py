@@ -1,0 +1,128 @@
+"""The contract every cache method implements, and the one registry of methods.
+
+A method's layer owns one attention layer's state for a batch. The attention function
+(``armkv.hf.attention``) hands it the new tokens' post-RoPE queries, keys and values; the
+layer attends (over its state and the new tokens, causally) and then commits the new
+tokens, bringing its state back to budget. It processes the new tokens in chunks of
+``chunk`` tokens, so one forward over a long prompt is exactly the budgeted chunked
+prefill of DESIGN.md: each layer's state after chunk c depends only on chunks <= c.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from armkv.errors import ArmkvError
+from armkv.memory.rope import Rotary
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a cache needs to know about the model it serves."""
+
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+    dtype: torch.dtype = torch.float32
+    device: torch.device | str = "cpu"
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def token_bytes(self) -> int:
+        """Bytes of one token's K and V in one layer, all KV heads."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def budget_bytes(self, budget_tokens: int) -> int:
+        """Bytes of a budget in token-equivalents, per layer and sequence."""
+        return budget_tokens * self.token_bytes()
+
+
+class CacheLayer(ABC):
+    """One attention layer's cache for one method and one batch."""
+
+    def __init__(self, layer_idx: int, info: ModelInfo, rotary: Rotary | None):
+        self.layer_idx = layer_idx
+        self.info = info
+        self.rotary = rotary
+        self.seen = 0  # tokens (padding included) this layer has been given
+        self.peak_bytes = 0
+
+    @abstractmethod
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        valid: torch.Tensor,
+        positions: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Attend and commit.
+
+        Parameters
+        ----------
+        query : [B, Hq, T, d] post-RoPE queries of the new tokens
+        key, value : [B, Hkv, T, d] post-RoPE keys and values of the new tokens
+        valid : [B, T] bool, False for padding (never attended, never stored)
+        positions : [B, T] long, the RoPE positions of the new tokens
+        scaling : softmax scale (usually d ** -0.5)
+
+        Returns
+        -------
+        [B, T, Hq, d] attention output (transformers' layout after attention)
+        """
+
+    @abstractmethod
+    def state_bytes(self) -> int:
+        """Bytes this layer holds now (all state tensors, metadata included)."""
+
+    def note_peak(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.state_bytes())
+
+
+@dataclass
+class Method:
+    """A registered cache method: a factory of layers and a one-line description."""
+
+    name: str
+    make_layer: Callable[..., CacheLayer]  # (layer_idx, info, rotary, budget, **options) -> CacheLayer
+    description: str
+    bounded: bool = True  # False: memory grows with the sequence (full, offload, kivi without budget)
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register_method(name: str, description: str, bounded: bool = True):
+    def wrap(make_layer):
+        METHODS[name] = Method(name, make_layer, description, bounded)
+        return make_layer
+
+    return wrap
+
+
+def get_method(name: str) -> Method:
+    _load_builtin_methods()
+    if name not in METHODS:
+        raise ArmkvError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}")
+    return METHODS[name]
+
+
+def _load_builtin_methods() -> None:
+    # Importing the modules registers them; kept lazy so that base stays import-light.
+    import importlib
+
+    for module in ("full", "window", "kivi", "offload", "arm"):
+        try:
+            importlib.import_module(f"armkv.methods.{module}")
+        except ModuleNotFoundError as e:
+            if e.name != f"armkv.methods.{module}":
+                raise
