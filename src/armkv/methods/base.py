@@ -55,7 +55,8 @@ class CacheLayer(ABC):
         self.seen = 0  # tokens (padding included) this layer has been given
         self.peak_bytes = 0
 
-    @abstractmethod
+    chunk: int = 256  # P: new tokens are processed in chunks of this many (the sync point)
+
     def attend(
         self,
         query: torch.Tensor,
@@ -65,7 +66,7 @@ class CacheLayer(ABC):
         positions: torch.Tensor,
         scaling: float,
     ) -> torch.Tensor:
-        """Attend and commit.
+        """Attend over the state and the new tokens (causally), then commit them, chunk by chunk.
 
         Parameters
         ----------
@@ -79,6 +80,34 @@ class CacheLayer(ABC):
         -------
         [B, T, Hq, d] attention output (transformers' layout after attention)
         """
+        outputs = []
+        for start in range(0, query.shape[2], self.chunk):
+            end = start + self.chunk
+            outputs.append(
+                self.attend_chunk(
+                    query[:, :, start:end],
+                    key[:, :, start:end],
+                    value[:, :, start:end],
+                    valid[:, start:end],
+                    positions[:, start:end],
+                    scaling,
+                )
+            )
+            self.seen += outputs[-1].shape[1]
+            self.note_peak()
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    @abstractmethod
+    def attend_chunk(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        valid: torch.Tensor,
+        positions: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        """:meth:`attend` for at most ``chunk`` new tokens: same shapes, same contract."""
 
     @abstractmethod
     def state_bytes(self) -> int:
