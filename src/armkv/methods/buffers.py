@@ -1,0 +1,188 @@
+"""Exact KV buffers of fixed size: attention sinks and a local window.
+
+``ExactBuffer`` is the exact part shared by the bounded methods (``sink``, ``swa``) and by
+ARM (whose routed slots receive what falls out of the window). Its tensors are allocated
+once and written in place; a push never grows them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Overflow:
+    """Valid tokens pushed out of a window, in time order, left-padded with invalid entries.
+
+    Attributes
+    ----------
+    key, value : [B, H, n, d]
+    valid : [B, n] bool
+    positions : [B, n] long (RoPE positions)
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    valid: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        """n: the longest row (0 when nothing overflowed)."""
+        return self.valid.shape[1]
+
+
+def _gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, H, L, d], index [B, n] -> [B, H, n, d] (the same tokens for every head)."""
+    b, h, _, d = x.shape
+    return x.gather(2, index[:, None, :, None].expand(b, h, index.shape[1], d))
+
+
+class ExactBuffer:
+    """The first ``sinks`` and the last ``window`` valid tokens of each batch row, exact.
+
+    Padding is never stored. Rows may receive different numbers of valid tokens per push.
+    The window is kept right-aligned in time order (its invalid entries, if any, first).
+
+    Parameters
+    ----------
+    sinks, window : tokens kept (either may be 0)
+    batch, num_kv_heads, head_dim : B, H, d
+    dtype, device : of the key and value tensors
+    """
+
+    def __init__(
+        self,
+        sinks: int,
+        window: int,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        if sinks < 0 or window < 0:
+            raise ValueError(f"ExactBuffer: sinks={sinks} and window={window} must be >= 0")
+        self.sinks, self.window = sinks, window
+        shape = (batch, num_kv_heads)
+        # Allocated with empty: entries are read only where *_valid says so (see attention.joint_attention).
+        self.sink_k = torch.empty(*shape, sinks, head_dim, dtype=dtype, device=device)  # [B, H, S, d]
+        self.sink_v = torch.empty_like(self.sink_k)
+        self.win_k = torch.empty(*shape, window, head_dim, dtype=dtype, device=device)  # [B, H, W, d]
+        self.win_v = torch.empty_like(self.win_k)
+        self.sink_valid = torch.zeros(batch, sinks, dtype=torch.bool, device=device)
+        self.win_valid = torch.zeros(batch, window, dtype=torch.bool, device=device)
+        self.sink_pos = torch.zeros(batch, sinks, dtype=torch.long, device=device)
+        self.win_pos = torch.zeros(batch, window, dtype=torch.long, device=device)
+
+    @property
+    def capacity(self) -> int:
+        """L = sinks + window."""
+        return self.sinks + self.window
+
+    def push(
+        self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor
+    ) -> Overflow:
+        """Append a chunk's valid tokens; return the valid tokens that left the window.
+
+        Parameters
+        ----------
+        key, value : [B, H, T, d]
+        valid : [B, T] bool (False = padding, dropped)
+        positions : [B, T] long
+
+        Returns
+        -------
+        Overflow with n = the largest number of tokens any row lost (sinks never leave).
+        """
+        valid = valid.to(torch.bool)
+        to_window = valid
+        if self.sinks:
+            to_window = self._fill_sinks(key, value, valid, positions)
+        # Candidates in time order: the current window, then the chunk's non-sink tokens.
+        cand_k = torch.cat([self.win_k, key], dim=2)  # [B, H, W + T, d]
+        cand_v = torch.cat([self.win_v, value], dim=2)
+        cand_valid = torch.cat([self.win_valid, to_window], dim=1)  # [B, W + T]
+        cand_pos = torch.cat([self.win_pos, positions.to(torch.long)], dim=1)
+        # A stable sort on validity puts each row's invalid entries first and keeps the valid
+        # ones in time order: the last W are the new window, the valid ones before them overflow.
+        order = torch.sort(cand_valid.to(torch.int8), dim=1, stable=True).indices  # [B, W + T]
+        total = cand_valid.shape[1]
+        keep = order[:, total - self.window :]
+        self.win_k.copy_(_gather_tokens(cand_k, keep))
+        self.win_v.copy_(_gather_tokens(cand_v, keep))
+        self.win_valid.copy_(cand_valid.gather(1, keep))
+        self.win_pos.copy_(cand_pos.gather(1, keep))
+
+        lost = (cand_valid.sum(1) - self.window).clamp(min=0)  # [B]
+        n = int(lost.max()) if lost.numel() else 0
+        # Valid entries of the sorted order end at `total`; the window took the last W, so a
+        # row's lost tokens sit just before it and anything earlier in the slice is invalid.
+        out = order[:, total - self.window - n : total - self.window]  # [B, n]
+        return Overflow(
+            key=_gather_tokens(cand_k, out),
+            value=_gather_tokens(cand_v, out),
+            valid=cand_valid.gather(1, out),
+            positions=cand_pos.gather(1, out),
+        )
+
+    def _fill_sinks(
+        self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Move each row's first valid tokens into its free sink entries; return the rest's validity [B, T]."""
+        filled = self.sink_valid.sum(1, keepdim=True)  # [B, 1]
+        rank = valid.cumsum(1) - 1  # [B, T]: index of each valid token among the row's valid ones
+        to_sink = valid & (filled + rank < self.sinks)
+        t = valid.shape[1]
+        if t == 0:
+            return valid
+        # Sink entry j takes the row's valid token of rank j - filled: the (j - filled)-th index
+        # of the stable order that puts valid tokens first.
+        valid_first = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # [B, T]
+        slot = torch.arange(self.sinks, device=valid.device)[None, :]  # [1, S]
+        src_rank = slot - filled  # [B, S]
+        takes = (src_rank >= 0) & (src_rank < to_sink.sum(1, keepdim=True))  # [B, S]
+        src = valid_first.gather(1, src_rank.clamp(0, t - 1))  # [B, S]
+        self.sink_k.copy_(torch.where(takes[:, None, :, None], _gather_tokens(key, src), self.sink_k))
+        self.sink_v.copy_(torch.where(takes[:, None, :, None], _gather_tokens(value, src), self.sink_v))
+        self.sink_pos.copy_(torch.where(takes, positions.to(torch.long).gather(1, src), self.sink_pos))
+        self.sink_valid |= takes
+        return valid & ~to_sink
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sinks then window.
+
+        Returns
+        -------
+        keys, values : [B, H, L, d] with L = sinks + window
+        valid : [B, L] bool
+        positions : [B, L] long
+        """
+        return (
+            torch.cat([self.sink_k, self.win_k], dim=2),
+            torch.cat([self.sink_v, self.win_v], dim=2),
+            torch.cat([self.sink_valid, self.win_valid], dim=1),
+            torch.cat([self.sink_pos, self.win_pos], dim=1),
+        )
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Select batch rows in place (beam search): index [B] long."""
+        for name in ("sink_k", "sink_v", "win_k", "win_v", "sink_valid", "win_valid", "sink_pos", "win_pos"):
+            t = getattr(self, name)
+            t.copy_(t.index_select(0, index.to(t.device)))
+
+    def state_bytes(self) -> int:
+        """Bytes of the exact keys and values: (sinks + window) token-equivalents per row.
+
+        This is what ``ARMConfig.state_bytes`` counts for the exact part. The per-row
+        validity and positions (:meth:`bookkeeping_bytes`) are not counted against a budget
+        by any method (9 bytes per token and row, whatever the heads and head size).
+        """
+        return sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v, self.win_k, self.win_v))
+
+    def bookkeeping_bytes(self) -> int:
+        """Bytes of the validity masks and positions ([B, L] bool and long)."""
+        meta = (self.sink_valid, self.win_valid, self.sink_pos, self.win_pos)
+        return sum(t.numel() * t.element_size() for t in meta)
