@@ -1,0 +1,158 @@
+"""The routing tree: hard top-down writes, top-M reads, and the balance loss (paper 3.1).
+
+Nodes are numbered in heap order: the root is 0 and the children of node p are
+``p * C + 1 ... p * C + C``. The last level's children are the leaf buckets; bucket
+``j`` is node ``num_nodes + j``. Every KV head has its own tree.
+
+A router is ``logits = W_p x + b_p`` over the C children of node p. Writes route a
+(pre-RoPE) key by argmax at each level. Reads score a leaf by the sum of log-softmax
+router outputs along its path, with a read-side bias ``r_p`` (queries and keys live in
+different spaces: ``W_p q`` is the attention a query pays a child's centroid, while the
+write bias ``b_p`` holds -|c|^2 / 2 for nearest-centroid routing of keys).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from armkv.memory.checks import check_tensor
+
+
+class Router(nn.Module):
+    """Routers of one layer, one tree per KV head.
+
+    Parameters
+    ----------
+    num_kv_heads, head_dim, depth, branching : tree shape
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, depth: int, branching: int):
+        super().__init__()
+        self.depth, self.branching = depth, branching
+        self.num_nodes = (branching**depth - 1) // (branching - 1)
+        self.num_buckets = branching**depth
+        self.head_dim = head_dim
+        # weight: [H, nodes, C, d]; bias, read_bias: [H, nodes, C]
+        self.weight = nn.Parameter(torch.randn(num_kv_heads, self.num_nodes, branching, head_dim) / head_dim**0.5)
+        self.bias = nn.Parameter(torch.zeros(num_kv_heads, self.num_nodes, branching))
+        self.read_bias = nn.Parameter(torch.zeros(num_kv_heads, self.num_nodes, branching))
+        self.read_scale = head_dim**-0.5
+
+    # ------------------------------------------------------------------ helpers
+    def _level_nodes(self, level: int) -> range:
+        first = (self.branching**level - 1) // (self.branching - 1)
+        return range(first, first + self.branching**level)
+
+    def _logits_at(self, x: torch.Tensor, nodes: torch.Tensor, read: bool) -> torch.Tensor:
+        """Router logits of the given nodes.
+
+        x : [B, H, N, d]; nodes : [B, H, N, K] node ids -> [B, H, N, K, C]
+        """
+        H = x.shape[1]
+        h = torch.arange(H, device=x.device).view(1, H, 1, 1).expand_as(nodes)
+        w = self.weight[h, nodes]  # [B, H, N, K, C, d]
+        logits = torch.einsum("bhnd,bhnkcd->bhnkc", x, w)
+        if read:
+            return logits * self.read_scale + self.read_bias[h, nodes]
+        return logits + self.bias[h, nodes]
+
+    def level_logits(self, x: torch.Tensor, level: int, read: bool) -> torch.Tensor:
+        """Logits of every node of one level. x [B, H, N, d] -> [B, H, N, C**level, C]."""
+        nodes = self._level_nodes(level)
+        w = self.weight[:, nodes.start : nodes.stop]  # [H, K, C, d]
+        logits = torch.einsum("bhnd,hkcd->bhnkc", x, w)
+        if read:
+            return logits * self.read_scale + self.read_bias[:, nodes.start : nodes.stop]
+        return logits + self.bias[:, nodes.start : nodes.stop]
+
+    # ------------------------------------------------------------------ writes
+    def route_writes(self, x: torch.Tensor) -> torch.Tensor:
+        """Hard top-down routing of keys to buckets.
+
+        x : [B, H, N, d] pre-RoPE keys -> [B, H, N] bucket ids in [0, N_b)
+        """
+        check_tensor("x", x, ndim=4, last=self.head_dim)
+        node = torch.zeros(x.shape[:3], dtype=torch.long, device=x.device)
+        for _ in range(self.depth):
+            logits = self._logits_at(x, node.unsqueeze(-1), read=False).squeeze(-2)  # [B, H, N, C]
+            node = node * self.branching + 1 + logits.argmax(-1)
+        return node - self.num_nodes
+
+    # ------------------------------------------------------------------ reads
+    def leaf_scores(self, x: torch.Tensor, read: bool = True) -> torch.Tensor:
+        """Exhaustive path scores of every bucket (sum of log-softmax along the path).
+
+        x : [B, H, N, d] -> [B, H, N, N_b]. Costs ~N_b * C / (C - 1) dot products per query.
+        """
+        score = torch.zeros(*x.shape[:3], 1, dtype=x.dtype, device=x.device)
+        for level in range(self.depth):
+            logp = torch.log_softmax(self.level_logits(x, level, read), dim=-1)  # [B, H, N, K, C]
+            score = (score.unsqueeze(-1) + logp).flatten(-2)
+        return score
+
+    def beam_topm(self, x: torch.Tensor, m: int, read: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Beam search of width m down the tree: D * m * C dot products per query, whatever N_b.
+
+        x : [B, H, N, d] -> (buckets [B, H, N, m], scores [B, H, N, m]), best first.
+        Exact when m >= N_b / C; otherwise a leaf whose ancestor fell out of the beam is missed.
+        """
+        B, H, N, _ = x.shape
+        node = torch.zeros(B, H, N, 1, dtype=torch.long, device=x.device)
+        score = torch.zeros(B, H, N, 1, dtype=x.dtype, device=x.device)
+        for _ in range(self.depth):
+            logp = torch.log_softmax(self._logits_at(x, node, read), dim=-1)  # [B, H, N, K, C]
+            cand = (score.unsqueeze(-1) + logp).flatten(-2)
+            child = (node.unsqueeze(-1) * self.branching + 1 + torch.arange(self.branching, device=x.device)).flatten(-2)
+            k = min(m, cand.shape[-1])
+            score, idx = cand.topk(k, dim=-1)
+            node = child.gather(-1, idx)
+        return node - self.num_nodes, score
+
+    def topm_buckets(self, x: torch.Tensor, m: int, read: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The m best buckets per query, best first: exhaustive scoring when it is cheaper
+        than the beam (small trees, exact), beam search otherwise (cost flat in N_b).
+
+        x : [B, H, N, d] -> (buckets [B, H, N, m'], scores [B, H, N, m']), m' = min(m, N_b)
+        """
+        check_tensor("x", x, ndim=4, last=self.head_dim)
+        m = min(m, self.num_buckets)
+        exhaustive_cost = self.num_nodes * self.branching
+        beam_cost = self.depth * m * self.branching
+        if exhaustive_cost <= beam_cost:
+            scores, buckets = self.leaf_scores(x, read).topk(m, dim=-1)
+            return buckets, scores
+        return self.beam_topm(x, m, read)
+
+    # ------------------------------------------------------------------ training signal
+    def balance_loss(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """L_bal = sum over levels of (L1 + L2), paper section 3.1, on write routing.
+
+        L1 = mean over tokens of the entropy of the token's child distribution at the node
+        it is (hard-)routed through; L2 = sum over nodes p of sum_j pbar_pj log pbar_pj,
+        pbar_p the mean child distribution of the tokens routed through p. Averaged over
+        the batch and KV heads.
+
+        x : [B, H, N, d]; valid : [B, N] bool or None -> scalar
+        """
+        B, H, N, _ = x.shape
+        w = torch.ones(B, 1, N, dtype=x.dtype, device=x.device) if valid is None else valid[:, None].to(x.dtype)
+        w = w.expand(B, H, N)
+        node = torch.zeros(B, H, N, dtype=torch.long, device=x.device)
+        total = x.new_zeros(())
+        for _ in range(self.depth):
+            logits = self._logits_at(x, node.unsqueeze(-1), read=False).squeeze(-2)  # [B, H, N, C]
+            p = torch.softmax(logits, dim=-1)
+            entropy = -(p * torch.log(p.clamp_min(1e-12))).sum(-1)
+            l1 = (entropy * w).sum((1, 2)) / w.sum((1, 2)).clamp_min(1)  # [B]
+            # pbar per (b, h, node): scatter the child distributions by node
+            flat = (torch.arange(B * H, device=x.device).view(B, H, 1) * self.num_nodes + node).flatten()
+            sums = torch.zeros(B * H * self.num_nodes, self.branching, dtype=x.dtype, device=x.device)
+            sums = sums.index_add(0, flat, (p * w.unsqueeze(-1)).reshape(-1, self.branching))
+            counts = torch.zeros(B * H * self.num_nodes, dtype=x.dtype, device=x.device).index_add(0, flat, w.flatten())
+            pbar = sums / counts.clamp_min(1e-12).unsqueeze(-1)
+            neg_entropy = (pbar * torch.log(pbar.clamp_min(1e-12))).sum(-1) * (counts > 0)
+            l2 = neg_entropy.view(B, H, self.num_nodes).sum(-1).mean(1)  # [B]
+            total = total + (l1 + l2).mean()
+            node = node * self.branching + 1 + logits.argmax(-1)
+        return total

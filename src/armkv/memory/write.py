@@ -1,0 +1,448 @@
+"""Writes (paper 3.2-3.3, read as DESIGN.md says): choose a slot, gate, blend, scan.
+
+A chunk of N tokens is written against the state at the sync point t0 in three steps:
+
+1. ``plan_writes`` decides, for every token, the slot it writes to. With the default
+   similarity scorer a token either merges into the best-scoring occupied slot of its
+   bucket or, when no slot scores above the "new slot" option (logit 0; initialised as
+   cosine >= merge_threshold), it is novel and takes a free slot exactly. Novel tokens
+   of the chunk that are near-duplicates of an earlier novel token of the same bucket
+   join that token's new slot. When the pool has fewer free slots than novel tokens,
+   room is made by merging the closest pairs: mutual-nearest pairs of old slots and
+   least-novel tokens (merged into their nearest slot) compete on similarity, so a
+   novel token keeps an exact slot unless something more redundant can give way.
+2. ``gate_weights`` computes every write's blend weight beta = alpha * gamma, where
+   gamma = sigmoid(w . [K; k; K*k; cos; log n] + b) is initialised to 1 / (1 + n), the
+   running mean; the first write into an empty slot has beta = 1 (the empty-slot rule).
+3. ``scan_writes`` applies them: each slot's final state is
+   prod(1 - beta) * A0 + sum_i beta_i prod_{j>i}(1 - beta_j) a_i, a segmented affine
+   scan over the writes sorted by (slot, time), vectorised (log2 N steps, no loop over
+   tokens). ``armkv.memory.naive`` holds the per-token loop it must equal.
+
+Decoding writes one token at a time through the same functions, so its gates see the
+current state (the paper's state-dependent form).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from armkv.memory.state import MemoryState
+
+SCORE_SHARPNESS = 20.0  # initial weight of cos(slot, token) in the similarity scorer
+
+
+class WriteParams(nn.Module):
+    """Learned slot scorer and gate of one layer (shared by its KV heads)."""
+
+    def __init__(self, head_dim: int, scorer: str = "similarity", gate: str = "scalar", merge_threshold: float = 0.98):
+        super().__init__()
+        d = head_dim
+        self.head_dim, self.scorer_kind = d, scorer
+        if scorer == "similarity":
+            # features [K~; k; K~ * k; cos(K~, k)]: the product and cosine let it compare them
+            self.score = nn.Linear(3 * d + 1, 1)
+            with torch.no_grad():
+                self.score.weight.zero_()
+                self.score.weight[0, 3 * d] = SCORE_SHARPNESS
+                self.score.bias.fill_(-SCORE_SHARPNESS * merge_threshold)
+        else:
+            # the paper's w_s . [K~; k] + b_s: a slot term plus a token term, blind to their match
+            self.score = nn.Linear(2 * d, 1)
+        # features [K~; k; K~ * k; cos; log max(n, 1)] -> gamma, 1 / (1 + n) at initialisation
+        self.gate = nn.Linear(3 * d + 2, 1 if gate == "scalar" else d)
+        with torch.no_grad():
+            self.gate.weight.zero_()
+            self.gate.weight[:, 3 * d + 1] = -1.0
+            self.gate.bias.zero_()
+
+    def pair_scores(self, slot_keys: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score every (token, slot) pair.
+
+        slot_keys : [G, S, d]; tokens : [G, N, d] -> (z [G, N, S], cos [G, N, S])
+        """
+        d = self.head_dim
+        cos = F.normalize(tokens, dim=-1) @ F.normalize(slot_keys, dim=-1).transpose(1, 2)
+        w, b = self.score.weight[0], self.score.bias[0]
+        z = (slot_keys @ w[:d]).unsqueeze(1) + (tokens @ w[d : 2 * d]).unsqueeze(2) + b
+        if self.scorer_kind == "similarity":
+            z = z + tokens @ (slot_keys * w[2 * d : 3 * d]).transpose(1, 2) + w[3 * d] * cos
+        return z, cos
+
+    def gate_values(self, cand: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """gamma for each write. cand, tokens : [..., d]; count : [...] -> [..., 1 or d]."""
+        cos = F.cosine_similarity(cand, tokens, dim=-1, eps=1e-8).unsqueeze(-1)
+        logn = count.clamp_min(1).log().unsqueeze(-1).to(tokens.dtype)
+        return torch.sigmoid(self.gate(torch.cat([cand, tokens, cand * tokens, cos, logn], dim=-1)))
+
+
+@dataclass
+class WritePlan:
+    """Where each token of a chunk goes. G groups (batch x KV heads), N tokens, S slots.
+
+    target : [G, N] slot written (-1: padding, no write)
+    alpha : [G, N] weight of the chosen option (Gumbel-Softmax in training, 1 at inference)
+    cand : [G, N, d] what the gate compares the token with: the slot at t0, or for a slot
+        filled in this chunk the key of its first token
+    count : [G, N] tokens the slot holds before this write (0: fills an empty slot)
+    bucket : [G, S] each slot's bucket after the chunk
+    """
+
+    target: torch.Tensor
+    alpha: torch.Tensor
+    cand: torch.Tensor
+    count: torch.Tensor
+    bucket: torch.Tensor
+
+
+def _gumbel_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    u = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    return -torch.log(-torch.log(u.clamp(1e-10, 1 - 1e-10)))
+
+
+def _merge_pairs(state: MemoryState, src_of: torch.Tensor) -> MemoryState:
+    """Merge slot src_of[g, s] into slot s (count-weighted), freeing the source slot.
+
+    src_of : [G, S] long, -1 where slot s absorbs nothing.
+    """
+    has = src_of >= 0
+    src = src_of.clamp_min(0)
+    n_dst, n_src = state.count, state.count.gather(1, src) * has
+    total = (n_dst + n_src).clamp_min(1e-12)
+    w_dst, w_src = (n_dst / total), (n_src / total)
+
+    def blend(a: torch.Tensor) -> torch.Tensor:
+        if a.ndim == 3:
+            other = a.gather(1, src.unsqueeze(-1).expand_as(a))
+            return torch.where(has.unsqueeze(-1), w_dst.unsqueeze(-1).to(a.dtype) * a + w_src.unsqueeze(-1).to(a.dtype) * other, a)
+        return torch.where(has, w_dst * a + w_src * a.gather(1, src), a)
+
+    freed = _scatter_where(torch.zeros_like(has), src, has, has)  # the sources become free
+    keep = (~freed).to(state.key.dtype)
+    bigger_src = n_src > n_dst
+    bucket = torch.where(has & bigger_src, state.bucket.gather(1, src), state.bucket)
+    return MemoryState(
+        key=blend(state.key) * keep.unsqueeze(-1),
+        value=blend(state.value) * keep.unsqueeze(-1),
+        pos=blend(state.pos) * keep,
+        count=(n_dst + n_src) * keep,
+        bucket=torch.where(freed, torch.full_like(bucket, -1), bucket),
+    )
+
+
+def _scatter_where(base: torch.Tensor, index: torch.Tensor, src: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``base.scatter(1, index, src)`` for the entries where mask holds; the others write
+    into a spare column that is dropped, so they cannot clobber a real entry."""
+    G, S = base.shape
+    ext = torch.cat([base, base[:, :1]], 1)
+    ext = ext.scatter(1, torch.where(mask, index, S), torch.where(mask, src, ext[:, :1].expand_as(src)))
+    return ext[:, :S]
+
+
+def _exclusive_rank(index: torch.Tensor, mask: torch.Tensor, size: int) -> torch.Tensor:
+    """For each token, how many earlier tokens of its group share its index (where mask).
+
+    index : [G, N] in [0, size); mask : [G, N] bool -> [G, N] long
+    """
+    onehot = F.one_hot(index.clamp(0, size - 1), size) * mask.unsqueeze(-1)
+    return ((onehot.cumsum(1) - onehot) * onehot).sum(-1)
+
+
+def plan_writes(
+    state: MemoryState,
+    keys: torch.Tensor,
+    bucket: torch.Tensor,
+    valid: torch.Tensor,
+    params: WriteParams,
+    write: str = "gated",
+    slots_per_bucket: int = 0,
+    training: bool = False,
+    tau: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[WritePlan, MemoryState]:
+    """Decide every write of a chunk against the state at the sync point.
+
+    Parameters
+    ----------
+    state : the memory at t0
+    keys : [G, N, d] pre-RoPE keys of the chunk (what routing and similarity use)
+    bucket : [G, N] bucket of each token (``Router.route_writes``)
+    valid : [G, N] bool; padding writes nothing
+    slots_per_bucket : Y of the paper's fixed partition, 0 for the shared pool
+
+    Returns
+    -------
+    (plan, state') where state' is ``state`` after the pair merges that made room.
+    """
+    G, N, d = keys.shape
+    S = state.slots
+    dev = keys.device
+    t_idx = torch.arange(N, device=dev).expand(G, N)
+    if write == "fifo":
+        return _plan_fifo(state, keys, bucket, valid), state
+
+    occ = state.count > 0
+    z, cos = params.pair_scores(state.key, keys)  # [G, N, S]
+    cand_mask = occ.unsqueeze(1) & (state.bucket.unsqueeze(1) == bucket.unsqueeze(2))
+    z = z.masked_fill(~cand_mask, -math.inf)
+    similarity = params.scorer_kind == "similarity"
+    # options: the candidate slots, then (similarity scorer) "take a new slot" with logit 0
+    options = torch.cat([z, torch.zeros(G, N, 1, device=dev, dtype=z.dtype)], -1) if similarity else z
+    noisy = options + _gumbel_like(options, generator) if training else options
+    choice = noisy.argmax(-1)
+    if training:
+        probs = torch.softmax(noisy / tau, dim=-1)
+        probs = torch.nan_to_num(probs, nan=1.0)  # a token with no option at all: weight 1
+        alpha = probs.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+    else:
+        alpha = torch.ones(G, N, dtype=keys.dtype, device=dev)
+    has_cand = cand_mask.any(-1)
+    best_slot = choice.clamp_max(S - 1)
+    if similarity:
+        novel = valid & ((choice == S) | ~has_cand)
+    else:
+        novel = valid.clone()  # the paper's scorer cannot tell novelty: every token wants a free slot
+
+    # novel tokens that repeat an earlier novel token of their bucket join its new slot
+    zt, _ = params.pair_scores(keys, keys)  # zt[g, t, u]: token t against token u as a slot
+    same = (bucket.unsqueeze(2) == bucket.unsqueeze(1)) & novel.unsqueeze(2) & novel.unsqueeze(1)
+    earlier = t_idx.unsqueeze(2) > t_idx.unsqueeze(1)
+    parent = t_idx.clone()
+    if similarity:
+        passes = same & earlier & (zt >= 0)
+        first = torch.where(passes, t_idx.unsqueeze(1), N).min(-1).values
+        parent = torch.where(first < N, first, t_idx)
+        for _ in range(max(1, math.ceil(math.log2(max(N, 2))))):
+            parent = parent.gather(1, parent)
+    leader = novel & (parent == t_idx)
+
+    src_of = torch.full((G, S), -1, dtype=torch.long, device=dev)
+    demote_to = torch.full((G, N), -1, dtype=torch.long, device=dev)
+    if slots_per_bucket == 0:
+        free = (~occ).sum(-1)
+        deficit = (leader.sum(-1) - free).clamp_min(0)
+        if bool((deficit > 0).any()):
+            src_of, demote_to = _make_room(state, keys, leader, cos, deficit)
+            leader = leader & (demote_to < 0)
+        state = _merge_pairs(state, src_of)
+        free_mask = state.count == 0
+        free_order = torch.sort((~free_mask).to(torch.int8), dim=1, stable=True).indices  # free slots first
+        rank = leader.cumsum(1) - 1
+        new_slot = free_order.gather(1, rank.clamp(0, S - 1))
+    else:
+        Y, NB = slots_per_bucket, S // slots_per_bucket
+        free_mask = (~occ).view(G, NB, Y)
+        free_count = free_mask.sum(-1)  # [G, NB]
+        table = torch.sort((~free_mask).to(torch.int8), dim=-1, stable=True).indices + (
+            torch.arange(NB, device=dev) * Y
+        ).view(1, NB, 1)
+        rank = _exclusive_rank(bucket, leader, NB)
+        fits = rank < free_count.gather(1, bucket.clamp(0, NB - 1))
+        new_slot = table[torch.arange(G, device=dev).unsqueeze(1), bucket.clamp(0, NB - 1), rank.clamp(0, Y - 1)]
+        over = leader & ~fits
+        # over capacity: the best occupied slot of the bucket, or else the best new slot of this chunk
+        kept = leader & fits
+        zk = zt.masked_fill(~(same & earlier & kept.unsqueeze(1)), -math.inf)
+        to_kept = zk.argmax(-1)
+        demote_to = torch.where(over & has_cand, best_slot, torch.where(over, -2 - to_kept, demote_to))
+        leader = kept
+
+    # the target of every token: a new slot (leaders), its root's target (followers), or its choice
+    s_idx = torch.arange(S, device=dev).expand(G, S)
+    # a token aimed at a slot that was merged away follows it into the slot that absorbed it
+    # (new slots may reuse a freed slot: they are not redirected)
+    redirect = _scatter_where(s_idx.clone(), src_of.clamp_min(0), s_idx, src_of >= 0)
+    target = torch.where(leader, new_slot, torch.full_like(new_slot, -1))
+    target = torch.where(demote_to >= 0, redirect.gather(1, demote_to.clamp_min(0)), target)
+    merge_target = redirect.gather(1, best_slot)
+    target = torch.where(valid & ~novel, merge_target, target)
+    # demoted tokens pointing at a kept token of this chunk (paper pool): take that token's slot
+    via_token = demote_to <= -2
+    target = torch.where(via_token, target.gather(1, (-2 - demote_to).clamp_min(0)), target)
+    target = torch.where(novel & ~leader & ~via_token & (demote_to < 0), target.gather(1, parent), target)
+    target = torch.where(valid, target, torch.full_like(target, -1))
+
+    # what each write compares with, and how many tokens its slot holds before it
+    writes = target >= 0
+    base = state.count.gather(1, target.clamp_min(0)) * writes
+    rank_in_slot = _exclusive_rank(target, writes, S)
+    opens = writes & (rank_in_slot == 0)
+    first_writer = _scatter_where(torch.zeros(G, S, dtype=torch.long, device=dev), target.clamp_min(0), t_idx, opens)
+    fresh = base == 0
+    slot_key = state.key.gather(1, target.clamp_min(0).unsqueeze(-1).expand(G, N, d))
+    first_key = keys.gather(1, first_writer.gather(1, target.clamp_min(0)).unsqueeze(-1).expand(G, N, d))
+    cand = torch.where((fresh & (rank_in_slot > 0)).unsqueeze(-1), first_key, slot_key)
+    count = base + rank_in_slot
+
+    new_bucket = state.bucket
+    if slots_per_bucket == 0:
+        fills = writes & fresh & (rank_in_slot == 0)
+        new_bucket = _scatter_where(state.bucket, target.clamp_min(0), bucket, fills)
+    plan = WritePlan(target=target, alpha=alpha, cand=cand, count=count.to(keys.dtype), bucket=new_bucket)
+    return plan, state
+
+
+def _make_room(
+    state: MemoryState, keys: torch.Tensor, leader: torch.Tensor, cos: torch.Tensor, deficit: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick ``deficit`` merges per group among the most similar candidates.
+
+    Candidates: mutual-nearest pairs of occupied slots (disjoint by construction), and
+    each novel leader merged into its nearest occupied slot (any bucket).
+
+    Returns (src_of [G, S]: slot merged into slot s, or -1; demote_to [G, N]: slot a
+    demoted leader merges into, or -1).
+    """
+    G, S = state.count.shape
+    N = keys.shape[1]
+    occ = state.count > 0
+    kn = F.normalize(state.key, dim=-1)
+    ss = kn @ kn.transpose(1, 2)
+    eye = torch.eye(S, dtype=torch.bool, device=ss.device)
+    ss = ss.masked_fill(eye | ~occ.unsqueeze(1) | ~occ.unsqueeze(2), -math.inf)
+    nn_sim, nn_idx = ss.max(-1)
+    s_idx = torch.arange(S, device=ss.device).expand(G, S)
+    mutual = occ & torch.isfinite(nn_sim) & (nn_idx.gather(1, nn_idx) == s_idx) & (s_idx < nn_idx)
+    tok_cos = cos.masked_fill(~occ.unsqueeze(1), -math.inf)
+    a_sim, a_idx = tok_cos.max(-1)
+    a_ok = leader & torch.isfinite(a_sim)
+    sims = torch.cat([torch.where(mutual, nn_sim, -math.inf), torch.where(a_ok, a_sim, -math.inf)], 1)
+    order = sims.argsort(dim=1, descending=True, stable=True)
+    pick_sorted = torch.arange(S + N, device=ss.device).expand(G, S + N) < deficit.unsqueeze(1)
+    picked = torch.zeros_like(pick_sorted).scatter(1, order, pick_sorted) & torch.isfinite(sims)
+    src_of = torch.where(picked[:, :S], nn_idx, torch.full_like(nn_idx, -1))
+    demote_to = torch.where(picked[:, S:], a_idx, torch.full_like(a_idx, -1))
+    return src_of, demote_to
+
+
+def _plan_fifo(state: MemoryState, keys: torch.Tensor, bucket: torch.Tensor, valid: torch.Tensor) -> WritePlan:
+    """The FIFO ablation: every token overwrites the oldest slot (free slots first)."""
+    G, N, d = keys.shape
+    S = state.slots
+    age = torch.where(state.count > 0, state.pos, torch.full_like(state.pos, -math.inf))
+    order = age.argsort(dim=1, stable=True)
+    rank = (valid.cumsum(1) - 1).clamp_min(0) % S
+    target = torch.where(valid, order.gather(1, rank), torch.full_like(rank, -1))
+    new_bucket = _scatter_where(state.bucket, target.clamp_min(0), bucket, valid)
+    zeros = torch.zeros(G, N, dtype=keys.dtype, device=keys.device)
+    return WritePlan(target=target, alpha=torch.ones_like(zeros), cand=torch.zeros_like(keys), count=zeros, bucket=new_bucket)
+
+
+def gate_weights(
+    plan: WritePlan, keys: torch.Tensor, params: WriteParams, write: str = "gated", empty_slot_rule: bool = True
+) -> torch.Tensor:
+    """beta = alpha * gamma for every write; 1 for the first write into an empty slot.
+
+    keys : [G, N, d] -> beta [G, N, 1 or d]
+    """
+    if write == "fifo":
+        return torch.ones_like(plan.alpha).unsqueeze(-1)
+    if write == "mean":
+        gamma = (1.0 / (plan.count + 1.0)).unsqueeze(-1)
+    else:
+        gamma = params.gate_values(plan.cand, keys, plan.count)
+    beta = plan.alpha.unsqueeze(-1) * gamma
+    if empty_slot_rule:
+        beta = torch.where((plan.count == 0).unsqueeze(-1), torch.ones_like(beta), beta)
+    return beta
+
+
+def segmented_affine_scan(
+    decay: torch.Tensor, value: torch.Tensor, segment: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inclusive scan of x -> decay_i * x + value_i within segments (Hillis-Steele).
+
+    decay, value : [M, D] in segment order; segment : [M] non-decreasing ids.
+    Returns (A, U) [M, D]: the composition of elements segment-start..i, so the state
+    after element i is A_i * x0 + U_i.
+    """
+    a, u = decay, value
+    M = a.shape[0]
+    step = 1
+    while step < M:
+        same = (segment[step:] == segment[:-step]).unsqueeze(-1)
+        a_prev, u_prev = a[:-step], u[:-step]
+        a_new = torch.where(same, a[step:] * a_prev, a[step:])
+        u_new = torch.where(same, a[step:] * u_prev + u[step:], u[step:])
+        a = torch.cat([a[:step], a_new], 0)
+        u = torch.cat([u[:step], u_new], 0)
+        step *= 2
+    return a, u
+
+
+def scan_writes(
+    state: MemoryState,
+    plan: WritePlan,
+    beta: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+) -> MemoryState:
+    """Apply a chunk's writes with one vectorised segmented affine scan.
+
+    keys, values : [G, N, d] (pre-RoPE keys); positions : [G, N]; beta : [G, N, 1 or d]
+    """
+    G, N, d = keys.shape
+    S = state.slots
+    writes = plan.target >= 0
+    g_idx, t_idx = writes.nonzero(as_tuple=True)
+    if g_idx.numel() == 0:
+        return MemoryState(state.key, state.value, state.pos, state.count, plan.bucket)
+    slot = plan.target[g_idx, t_idx]
+    seg = g_idx * S + slot
+    order = torch.argsort(seg * N + t_idx)
+    seg, g_s, t_s = seg[order], g_idx[order], t_idx[order]
+    b = beta[g_s, t_s]  # [M, 1 or d]
+    bk = b.expand(-1, d)
+    bp = b.mean(-1, keepdim=True).to(positions.dtype)
+    fresh = (plan.count[g_s, t_s] == 0).unsqueeze(-1)
+    one = torch.ones_like(bp)
+    decay = torch.cat([1 - bk, 1 - bk, (1 - bp).to(bk.dtype), torch.where(fresh, 0.0, 1.0).to(bk.dtype)], -1)
+    value = torch.cat(
+        [bk * keys[g_s, t_s], bk * values[g_s, t_s], (bp * positions[g_s, t_s].unsqueeze(-1)).to(bk.dtype), one.to(bk.dtype)], -1
+    )
+    A, U = segmented_affine_scan(decay, value, seg)
+    last = torch.ones_like(seg, dtype=torch.bool)
+    last[:-1] = seg[1:] != seg[:-1]
+    A, U, seg_last = A[last], U[last], seg[last]
+    x0 = torch.cat(
+        [
+            state.key.reshape(G * S, d)[seg_last],
+            state.value.reshape(G * S, d)[seg_last],
+            state.pos.reshape(G * S, 1)[seg_last].to(keys.dtype),
+            state.count.reshape(G * S, 1)[seg_last].to(keys.dtype),
+        ],
+        -1,
+    )
+    x1 = A * x0 + U
+    key = state.key.reshape(G * S, d).index_copy(0, seg_last, x1[:, :d]).view(G, S, d)
+    value_ = state.value.reshape(G * S, d).index_copy(0, seg_last, x1[:, d : 2 * d]).view(G, S, d)
+    pos = state.pos.reshape(G * S).index_copy(0, seg_last, x1[:, 2 * d].to(state.pos.dtype)).view(G, S)
+    count = state.count.reshape(G * S).index_copy(0, seg_last, x1[:, 2 * d + 1].to(state.count.dtype)).view(G, S)
+    return MemoryState(key=key, value=value_, pos=pos, count=count, bucket=plan.bucket)
+
+
+def write_chunk(
+    state: MemoryState,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    bucket: torch.Tensor,
+    params: WriteParams,
+    write: str = "gated",
+    empty_slot_rule: bool = True,
+    slots_per_bucket: int = 0,
+    training: bool = False,
+    tau: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> MemoryState:
+    """Plan, gate and scan one chunk (see the module docstring). Shapes as in plan_writes."""
+    plan, state = plan_writes(state, keys, bucket, valid, params, write, slots_per_bucket, training, tau, generator)
+    beta = gate_weights(plan, keys, params, write, empty_slot_rule)
+    return scan_writes(state, plan, beta, keys, values, positions)
