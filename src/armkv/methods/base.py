@@ -122,12 +122,27 @@ class Method:
     """A registered cache method: a factory of layers and a one-line description."""
 
     name: str
-    make_layer: Callable[..., CacheLayer]  # (layer_idx, info, rotary, budget, **options) -> CacheLayer
+    make_layer: Callable[..., CacheLayer]  # (layer_idx, info, rotary, budget, chunk, **options) -> CacheLayer
     description: str
     bounded: bool = True  # False: memory grows with the sequence (full, offload, kivi without budget)
 
 
 METHODS: dict[str, Method] = {}
+
+
+def require_budget(method: str, budget: int | None, minimum: int, why: str) -> int:
+    """The budget of a bounded method, or a one-line error that says the smallest one that works."""
+    if budget is None:
+        raise ArmkvError(f"method {method!r} needs a budget: pass --budget N (token-equivalents, at least {minimum})")
+    if budget < minimum:
+        raise ArmkvError(f"budget {budget} is too small for method {method!r} ({why}): raise --budget to at least {minimum}")
+    return budget
+
+
+def reject_options(method: str, options: dict) -> None:
+    """Options a method does not take are an input error, not something to ignore silently."""
+    if options:
+        raise ArmkvError(f"method {method!r} takes no option {', '.join(sorted(options))}")
 
 
 def register_method(name: str, description: str, bounded: bool = True):

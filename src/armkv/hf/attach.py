@@ -1,0 +1,113 @@
+"""Attach armkv to a transformers model (reversibly) and build its caches."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from armkv.errors import ArmkvError
+from armkv.hf.attention import NAME, register
+from armkv.hf.cache import ArmkvCache
+from armkv.memory.rope import Rotary
+from armkv.methods.base import ModelInfo, get_method
+
+# model -> the attention implementation it had before attach (restored by detach).
+_ORIGINAL: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()
+
+
+def _config(model: torch.nn.Module):
+    config = model.config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def attach(model: torch.nn.Module) -> torch.nn.Module:
+    """Route the model's attention through armkv caches (idempotent). Returns the model.
+
+    Without an :class:`ArmkvCache` the model still runs (plain causal attention), so an
+    attached model called with ``use_cache=False`` gives the same logits as before.
+    """
+    register()
+    if model not in _ORIGINAL:
+        _ORIGINAL[model] = model.config._attn_implementation
+        model.config._attn_implementation = NAME
+    return model
+
+
+def detach(model: torch.nn.Module) -> torch.nn.Module:
+    """Restore the attention implementation the model had before :func:`attach`."""
+    if model in _ORIGINAL:
+        model.config._attn_implementation = _ORIGINAL.pop(model)
+    return model
+
+
+def is_attached(model: torch.nn.Module) -> bool:
+    return model in _ORIGINAL
+
+
+@contextlib.contextmanager
+def attached(model: torch.nn.Module):
+    """``with attached(model): ...`` attaches for the block and detaches after (if it attached)."""
+    was = is_attached(model)
+    attach(model)
+    try:
+        yield model
+    finally:
+        if not was:
+            detach(model)
+
+
+def model_info(model: torch.nn.Module) -> ModelInfo:
+    """What a cache needs to know about ``model`` (a Llama-family causal LM)."""
+    config = _config(model)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelInfo(
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        max_positions=config.max_position_embeddings,
+        dtype=model.dtype,
+        device=model.device,
+    )
+
+
+def model_rotary(model: torch.nn.Module) -> Rotary:
+    """The model's RoPE (``model.model.rotary_emb``)."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        raise ArmkvError(f"{type(model).__name__} has no model.rotary_emb.inv_freq: armkv supports Llama-family models")
+    return Rotary(rotary.inv_freq, getattr(rotary, "attention_scaling", 1.0))
+
+
+def make_cache(
+    model: torch.nn.Module, method: str, budget: int | None = None, chunk: int = 256, **options
+) -> ArmkvCache:
+    """A fresh cache of ``method`` for ``model``, attaching the model if it is not yet.
+
+    Parameters
+    ----------
+    method : a registered method name (``armkv.methods.base.METHODS``)
+    budget : token-equivalents of KV bytes per layer and sequence (None: unbounded methods only)
+    chunk : P, the prefill chunk (the sync point of the budgeted chunked prefill)
+    options : method options (e.g. ``bits=4`` for kivi, ``adapter=`` for arm)
+
+    Raises
+    ------
+    ArmkvError for an unknown method, a budget too small for it, or an option it does not take.
+    """
+    if chunk < 1:
+        raise ArmkvError(f"chunk={chunk} must be >= 1")
+    if budget is not None and budget < 1:
+        raise ArmkvError(f"budget={budget} must be >= 1 token-equivalent")
+    spec = get_method(method)
+    info = model_info(model)
+    rotary = model_rotary(model)
+    attach(model)
+
+    def make_layer(layer_idx: int):
+        return spec.make_layer(layer_idx, info, rotary, budget, chunk, **options)
+
+    return ArmkvCache(make_layer, info.num_layers, method, budget)

@@ -1,0 +1,92 @@
+"""``ArmkvCache``: a transformers ``Cache`` whose layers are armkv cache-method layers."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from armkv.errors import ArmkvError
+from armkv.hf.attention import ACTIVE
+from armkv.hf.compat import Cache
+from armkv.methods.base import CacheLayer
+
+
+class ArmkvCache(Cache):
+    """One :class:`~armkv.methods.base.CacheLayer` per attention layer, built by ``make_layer``.
+
+    ``update`` stores nothing itself: it marks the layer active and returns the new key and
+    value unchanged; the ``armkv`` attention function then lets the layer attend and commit
+    (see :mod:`armkv.hf.attention`). Build it with :func:`armkv.hf.make_cache`.
+    """
+
+    def __init__(self, make_layer: Callable[[int], CacheLayer], num_layers: int, method: str, budget: int | None):
+        self.make_layer = make_layer
+        self.num_layers = num_layers
+        self.method = method
+        self.budget = budget
+        super().__init__(layers=[make_layer(i) for i in range(num_layers)])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if ACTIVE.get() is not None:
+            # The previous layer's update was never consumed: the attention that ran was not ours.
+            ACTIVE.set(None)
+            raise ArmkvError("an ArmkvCache needs the model attached: call armkv.hf.attach(model) first")
+        ACTIVE.set((self, layer_idx))
+        return key_states, value_states
+
+    # transformers asks these to size masks and positions. Our mask is the [B, T] validity of
+    # the new tokens only, so kv_length is the query length and the offset is what was seen.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, self.layers[layer_idx].seen
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """-1: any sequence length fits (bounded methods drop or merge; the others grow)."""
+        return -1
+
+    def reset(self) -> None:
+        """Back to an empty cache of the same method (fresh layers, peak cleared)."""
+        self.layers = [self.make_layer(i) for i in range(self.num_layers)]
+
+    def state_bytes(self) -> int:
+        """Bytes the cache holds now, all layers."""
+        return sum(layer.state_bytes() for layer in self.layers)
+
+    def peak_bytes(self) -> int:
+        """Largest size seen per layer, summed over layers."""
+        return sum(layer.peak_bytes for layer in self.layers)
+
+    def reset_peak(self) -> None:
+        for layer in self.layers:
+            layer.peak_bytes = layer.state_bytes()
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return any(layer.seen for layer in self.layers)
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def _unsupported(self, what: str):
+        raise ArmkvError(f"ArmkvCache does not support {what} (greedy and sampled decoding only)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        self._unsupported("beam search")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._unsupported("cropping (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int):
+        if self.is_initialized and repeats != 1:
+            self._unsupported("expanding a filled cache")
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        self._unsupported("selecting batch rows")

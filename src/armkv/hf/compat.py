@@ -1,0 +1,48 @@
+"""The one place that knows which transformers versions armkv works with.
+
+Tested with transformers 5.20 - 5.23. What armkv relies on there: the attention and mask
+interfaces (``AttentionInterface`` / ``AttentionMaskInterface`` registration), attention
+layers that call ``past_key_values.update(key, value, layer_idx)`` right before the
+attention function and pass ``position_ids`` to it (they no longer get ``cache_position``),
+and ``Cache`` taking a ``layers`` list.
+"""
+
+from __future__ import annotations
+
+from armkv.errors import ArmkvError
+
+SUPPORTED = ((5, 20), (5, 24))  # [low, high)
+
+
+def _parse(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def check_transformers():
+    """Import transformers and check its version; returns the module.
+
+    Raises
+    ------
+    ArmkvError if transformers is missing or outside the tested range.
+    """
+    try:
+        import transformers
+    except ModuleNotFoundError:
+        raise ArmkvError('transformers is not installed: pip install -e ".[hf]"') from None
+    version = _parse(transformers.__version__)
+    if not SUPPORTED[0] <= version < SUPPORTED[1]:
+        low, high = (".".join(map(str, v)) for v in SUPPORTED)
+        raise ArmkvError(
+            f"armkv is tested with transformers >={low},<{high} but found {transformers.__version__}: "
+            f'pip install "transformers>={low},<{high}"'
+        )
+    return transformers
+
+
+transformers = check_transformers()
+from transformers import AttentionInterface  # noqa: E402
+from transformers.cache_utils import Cache  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+
+__all__ = ["AttentionInterface", "AttentionMaskInterface", "Cache", "check_transformers", "transformers"]

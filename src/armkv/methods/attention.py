@@ -1,0 +1,98 @@
+"""The one attention kernel of the cache methods: a joint softmax over a state and a new chunk.
+
+A new chunk of T tokens attends over the layer's state (L keys, each valid or not) and over
+itself causally, in one softmax. Grouped-query attention is handled by viewing the Hq query
+heads as Hkv groups of G = Hq / Hkv, so the keys are never repeated in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _safe_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim where -inf marks excluded keys; a row with none left gives zeros.
+
+    Padding queries may have no key at all; a plain softmax would give NaN there, and the
+    NaN would reach valid rows through the value products of later layers' padding tokens.
+    """
+    peak = scores.amax(dim=-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    weights = torch.exp(scores - peak)
+    return weights / weights.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
+
+
+def _zero_invalid(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """values [B, H, L, d], valid broadcastable to [B, H, L]: invalid rows set to 0.
+
+    A zero attention weight times a NaN value is NaN, and unwritten state may hold anything.
+    """
+    return torch.where(valid[..., None], values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def _per_head(mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] or [B, Hkv, L] -> broadcastable to [B, Hkv, rows, L]."""
+    return mask[:, None, None, :] if mask.dim() == 2 else mask[:, :, None, :]
+
+
+def joint_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    state_key: torch.Tensor | None = None,
+    state_value: torch.Tensor | None = None,
+    state_valid: torch.Tensor | None = None,
+    state_bias: torch.Tensor | None = None,
+    state_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attend a chunk's queries over the state (all of it) and the chunk (causally), jointly.
+
+    Parameters
+    ----------
+    query : [B, Hq, T, d] post-RoPE queries
+    key, value : [B, Hkv, T, d] the chunk's keys and values
+    valid : [B, T] bool, False for padding (never attended)
+    scaling : softmax scale
+    state_key, state_value : [B, Hkv, L, d] or None (no state)
+    state_valid : [B, L] or [B, Hkv, L] bool; None = all valid
+    state_bias : [B, Hkv, L] additive logit bias of the state keys (e.g. log of a slot's count)
+    state_mask : [B, Hq, T, L] bool, per query: False excludes that state key for that query
+
+    Returns
+    -------
+    [B, T, Hq, d]
+    """
+    b, hq, t, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    # [B, Hkv, G*T, d]: the G query heads of a KV head share its keys.
+    q = query.reshape(b, hkv, g * t, d)
+    causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril().repeat(g, 1)  # [G*T, T]
+    chunk_ok = causal[None, None] & valid[:, None, None, :]  # [B, 1, G*T, T]
+    chunk_scores = torch.matmul(q, key.transpose(-1, -2)) * scaling
+    chunk_scores = chunk_scores.masked_fill(~chunk_ok, float("-inf"))
+    chunk_value = _zero_invalid(value, valid[:, None, :])
+
+    if state_key is None or state_key.shape[2] == 0:
+        weights = _safe_softmax(chunk_scores)
+        out = torch.matmul(weights, chunk_value)
+    else:
+        n = state_key.shape[2]
+        state_scores = torch.matmul(q, state_key.transpose(-1, -2)) * scaling  # [B, Hkv, G*T, L]
+        if state_bias is not None:
+            state_scores = state_scores + state_bias[:, :, None, :].to(state_scores.dtype)
+        state_ok = None
+        if state_valid is not None:
+            state_ok = _per_head(state_valid)
+        if state_mask is not None:
+            per_query = state_mask.reshape(b, hkv, g * t, n)
+            state_ok = per_query if state_ok is None else state_ok & per_query
+        if state_ok is not None:
+            state_scores = state_scores.masked_fill(~state_ok, float("-inf"))
+        weights = _safe_softmax(torch.cat([state_scores, chunk_scores], dim=-1))
+        if state_valid is not None:
+            state_value = _zero_invalid(state_value, state_valid if state_valid.dim() == 3 else state_valid[:, None])
+        out = torch.matmul(weights[..., :n], state_value) + torch.matmul(weights[..., n:], chunk_value)
+    return out.reshape(b, hq, t, d).transpose(1, 2)
