@@ -408,3 +408,19 @@ def hf_tokenize(tokenizer) -> Callable[[str], list[int]]:
     """A ``tokenize`` callable from a Hugging Face tokenizer (no BOS/EOS added: the packer adds EOS)."""
     return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
 
+
+
+def add_data_arguments(parser) -> None:
+    """The data flags shared by ``armkv train`` and ``armkv calibrate``."""
+    g = parser.add_argument_group("data (default: the offline corpus, see armkv.train.data)")
+    g.add_argument("--data", metavar="PATH", help="local .txt/.jsonl/.parquet file, or a directory of them")
+    g.add_argument("--dataset", metavar="NAME", help="Hugging Face dataset name, streamed (e.g. HuggingFaceFW/fineweb-edu)")
+    g.add_argument("--dataset-config", metavar="C", help="dataset configuration (e.g. sample-10BT)")
+    g.add_argument("--split", default="train", help="dataset split (default: train)")
+    g.add_argument("--text-column", default="text", help="column holding the text (default: text)")
+
+
+def source_from_args(args, seed: int) -> DocumentSource:
+    return make_source(
+        args.data, args.dataset, dataset_config=args.dataset_config, split=args.split, text_column=args.text_column, seed=seed
+    )
