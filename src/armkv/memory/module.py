@@ -42,8 +42,11 @@ class ARMMemory(nn.Module):
             TopMPolicy(num_kv_heads * head_dim, config.policy_hidden, config.max_m) if config.top_m == "adaptive" else None
         )
 
-    def init_state(self, batch: int, dtype: torch.dtype, device: torch.device | str) -> MemoryState:
-        c = self.config
+    def init_state(
+        self, batch: int, dtype: torch.dtype, device: torch.device | str, config: ARMConfig | None = None
+    ) -> MemoryState:
+        """An empty state; ``config`` is the run-time config (slots, pool) if not the adapter's."""
+        c = config or self.config
         return MemoryState.empty(
             batch * self.num_kv_heads, c.pool_slots, self.head_dim, dtype, device, c.slots_per_bucket
         )
@@ -56,10 +59,12 @@ class ARMMemory(nn.Module):
         positions: torch.Tensor,
         valid: torch.Tensor,
         generator: torch.Generator | None = None,
+        config: ARMConfig | None = None,
     ) -> MemoryState:
         """Write a chunk of tokens into the memory (chunked scan; one token = decode step).
 
         keys : [B, H, N, d] pre-RoPE; values : [B, H, N, d]; positions : [B, N]; valid : [B, N]
+        config : the run-time config (write rule, pool) if not the adapter's
         """
         check_tensor("keys", keys, ndim=4, last=self.head_dim)
         check_tensor("values", values, ndim=4, last=self.head_dim)
@@ -70,7 +75,7 @@ class ARMMemory(nn.Module):
             )
         if valid.shape != (B, N) or positions.shape != (B, N):
             raise ArmkvError(f"valid and positions must be [{B}, {N}], got {tuple(valid.shape)}, {tuple(positions.shape)}")
-        c = self.config
+        c = config or self.config
         bucket = self.router.route_writes(keys).reshape(B * H, N)
         flat = lambda x: x.reshape(B * H, N, d)  # noqa: E731
         expand = lambda x: x.unsqueeze(1).expand(B, H, N).reshape(B * H, N)  # noqa: E731
@@ -101,18 +106,6 @@ class ARMMemory(nn.Module):
         grouped = queries.reshape(B, self.num_kv_heads, rep * T, d)
         buckets, _ = self.router.topm_buckets(grouped, m, read=True)
         return buckets.reshape(B, Hq, T, -1)
-
-    def decide_m(
-        self, pooled: torch.Tensor, generator: torch.Generator | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """How many buckets each row reads. pooled : [B, H * d] mean of the first l keys.
-
-        Returns (m [B] long, g_final [B] or None, expected_m [B] or None).
-        """
-        c = self.config
-        if self.policy is None:
-            return torch.full((pooled.shape[0],), c.fixed_m, dtype=torch.long, device=pooled.device), None, None
-        return self.policy.decide(pooled, self.training, c.epsilon, generator)
 
 
 class ARMModel(nn.Module):

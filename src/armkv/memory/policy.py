@@ -25,8 +25,10 @@ class TopMPolicy(nn.Module):
         self.cell = nn.LSTMCell(hidden, hidden)
         self.out = nn.Linear(hidden, 1)
         with torch.no_grad():
-            self.out.weight.mul_(0.1)
-            self.out.bias.fill_(2.0)  # start by reading all m_max buckets; the budget penalty pulls M down
+            # start by reading all m_max buckets (g = 0.88 at every step, whatever the input);
+            # training with the budget penalty pulls M down where reading less costs nothing
+            self.out.weight.zero_()
+            self.out.bias.fill_(2.0)
 
     def continue_probs(self, s0: torch.Tensor) -> torch.Tensor:
         """s0 [B, in_dim] -> g [B, m_max - m_min], g[:, i] for the step from M = m_min + i."""

@@ -63,8 +63,8 @@ class Router(nn.Module):
         w = self.weight[:, nodes.start : nodes.stop]  # [H, K, C, d]
         logits = torch.einsum("bhnd,hkcd->bhnkc", x, w)
         if read:
-            return logits * self.read_scale + self.read_bias[:, nodes.start : nodes.stop]
-        return logits + self.bias[:, nodes.start : nodes.stop]
+            return logits * self.read_scale + self.read_bias[:, nodes.start : nodes.stop].unsqueeze(1)
+        return logits + self.bias[:, nodes.start : nodes.stop].unsqueeze(1)
 
     # ------------------------------------------------------------------ writes
     def route_writes(self, x: torch.Tensor) -> torch.Tensor:

@@ -419,7 +419,8 @@ def scan_writes(
         ],
         -1,
     )
-    x1 = A * x0 + U
+    # a slot's first fill (decay 0) ignores what the slot held: free slots may hold anything
+    x1 = torch.where(A == 0, U, A * x0 + U)
     key = state.key.reshape(G * S, d).index_copy(0, seg_last, x1[:, :d]).view(G, S, d)
     value_ = state.value.reshape(G * S, d).index_copy(0, seg_last, x1[:, d : 2 * d]).view(G, S, d)
     pos = state.pos.reshape(G * S).index_copy(0, seg_last, x1[:, 2 * d].to(state.pos.dtype)).view(G, S)

@@ -1,0 +1,279 @@
+"""``arm``: the routed memory as a cache method, and its ablation ``fifo``.
+
+Per layer the cache holds: the first ``sinks`` and last ``window`` tokens exact (an
+:class:`ExactBuffer`), and a fixed pool of slots the tree indexes. Each chunk of new
+tokens is read against [sinks | slots of the query's top-M buckets | window | the chunk,
+causally] in one softmax, then committed: the tokens that leave the window are written
+into the slots (chunked scan; one token at a time while decoding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import torch
+
+from armkv.config import ARMConfig
+from armkv.errors import ArmkvError
+from armkv.memory.module import ARMModel
+from armkv.memory.read import bucket_slot_mask
+from armkv.memory.rope import Rotary
+from armkv.memory.state import MemoryState
+from armkv.methods.attention import joint_attention
+from armkv.methods.base import CacheLayer, ModelInfo, register_method, require_budget
+from armkv.methods.buffers import ExactBuffer
+
+# ARMConfig fields that may differ from the adapter's at run time: none of them changes
+# a parameter's shape (the tree, scorer, gate and policy come with the adapter).
+RUNTIME_FIELDS = {
+    "sinks", "window", "slots", "pool", "chunk", "position_mode", "write", "empty_slot_rule",
+    "log_count_bias", "tau", "top_m", "m_fixed", "epsilon",
+}  # fmt: skip
+
+SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
+
+
+class ARMLayer(CacheLayer):
+    """One layer of the ARM cache.
+
+    Parameters
+    ----------
+    memory : the layer's ARMMemory (router, scorer and gate, policy)
+    config : the run-time config (budget split and ablation switches)
+    """
+
+    def __init__(self, layer_idx: int, info: ModelInfo, rotary: Rotary, memory, config: ARMConfig):
+        super().__init__(layer_idx, info, rotary)
+        if rotary is None:
+            raise ArmkvError("the arm method needs the model's rotary embedding (a RoPE model)")
+        self.memory, self.config = memory, config
+        self.chunk = config.chunk
+        self.buffer: ExactBuffer | None = None
+        self.state: MemoryState | None = None
+        self.m: torch.Tensor | None = None  # [B] buckets each row reads
+        self.mix: torch.Tensor | None = None  # [B] soft-cascade weight of Top(M + 1) (training)
+        self.aux: dict[str, torch.Tensor] = {}
+        self.generator: torch.Generator | None = None
+
+    # ------------------------------------------------------------------ state
+    def _lazy_init(self, key: torch.Tensor) -> None:
+        B, H, _, d = key.shape
+        c = self.config
+        self.buffer = ExactBuffer(c.sinks, c.window, B, H, d, key.dtype, key.device)
+        self.state = self.memory.init_state(B, key.dtype, key.device, c)
+
+    def state_bytes(self) -> int:
+        if self.buffer is None:
+            return 0
+        return self.buffer.state_bytes() + self.state.nbytes()
+
+    # ------------------------------------------------------------------ attention
+    def attend_chunk(self, query, key, value, valid, positions, scaling):
+        if self.buffer is None:
+            self._lazy_init(key)
+        c, mem = self.config, self.memory
+        B, Hq, T, d = query.shape
+        H = key.shape[1]
+        S = self.state.slots
+        pos = positions.unsqueeze(1)
+        q_pre = self.rotary.unrotate(query, pos)
+        if self.m is None:
+            self._decide_m(self.rotary.unrotate(key, pos), valid)
+
+        exact_k, exact_v, exact_valid, _ = self.buffer.kv()
+        slot_key = self.state.key.view(B, H, S, d)
+        slot_val = self.state.value.view(B, H, S, d)
+        count = self.state.count.view(B, H, S)
+        occupied = count > 0
+        rep = Hq // H
+
+        # which slots each query reads: those of its top-M buckets (M per row); reading every
+        # bucket needs no routing
+        if self.mix is None and int(self.m.min()) >= mem.router.num_buckets:
+            slot_masks = [occupied.repeat_interleave(rep, 1).unsqueeze(2).expand(B, Hq, T, S)]
+        else:
+            slot_masks = self._masks_for(q_pre, occupied, rep)
+
+        bias = count.clamp_min(1).log() if c.log_count_bias else torch.zeros_like(count)
+        exact_valid_h = exact_valid.unsqueeze(1).expand(B, H, -1)
+        state_valid = torch.cat([exact_valid_h, occupied], -1)
+        state_bias = torch.cat([torch.zeros_like(exact_valid_h, dtype=bias.dtype), bias], -1)
+        L = exact_k.shape[2]
+        if c.position_mode == "stored":
+            slot_k = self.rotary.rotate(slot_key, self.state.pos.view(B, H, S))
+            q_in, keys, vals = query, (exact_k, slot_k, key), (exact_v, slot_val, value)
+        else:
+            # every slot stands at distance window + 1 before the query: q.R(p - delta)k_pre =
+            # q_pre.R(-delta)k_pre. The slots' scores use pre-RoPE queries, the rest post-RoPE,
+            # so both ride in one dot product over [post | pre] halves.
+            delta = torch.full((1,), -float(c.window + 1), device=key.device)
+            slot_k = self.rotary.rotate(slot_key, delta)
+            z = lambda x: torch.zeros_like(x)  # noqa: E731
+            q_in = torch.cat([query, q_pre], -1)
+            keys = (torch.cat([exact_k, z(exact_k)], -1), torch.cat([z(slot_k), slot_k], -1), torch.cat([key, z(key)], -1))
+            vals = (torch.cat([exact_v, z(exact_v)], -1), torch.cat([slot_val, z(slot_val)], -1), torch.cat([value, z(value)], -1))
+        outs = []
+        for mask in slot_masks:
+            state_mask = torch.cat([torch.ones(B, Hq, T, L, dtype=torch.bool, device=key.device), mask], -1)
+            outs.append(
+                joint_attention(
+                    q_in, keys[2], vals[2], valid, scaling,
+                    torch.cat([keys[0], keys[1]], 2), torch.cat([vals[0], vals[1]], 2),
+                    state_valid, state_bias, state_mask,
+                )[..., :d]
+            )  # fmt: skip
+        out = outs[0] if len(outs) == 1 else self.mix.view(B, 1, 1, 1) * outs[1] + (1 - self.mix.view(B, 1, 1, 1)) * outs[0]
+
+        # commit: tokens leaving the window go into the slots
+        overflow = self.buffer.push(key, value, valid, positions)
+        if overflow.key.shape[2] > 0:
+            k_pre = self.rotary.unrotate(overflow.key, overflow.positions.unsqueeze(1))
+            if mem.training and c.write != "fifo":
+                loss = mem.router.balance_loss(k_pre, overflow.valid)
+                self.aux["balance"] = self.aux.get("balance", 0) + loss
+            self.state = mem.write(
+                self.state, k_pre, overflow.value, overflow.positions, overflow.valid, self.generator, self.config
+            )
+        return out
+
+    def _masks_for(self, q_pre: torch.Tensor, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
+        mem = self.memory
+        B, Hq = q_pre.shape[:2]
+        extra = 0 if self.mix is None else 1
+        k = min(int(self.m.max()) + extra, mem.router.num_buckets)
+        buckets = mem.route_queries(q_pre, k)
+        slot_bucket = self.state.bucket.view(B, -1, self.state.slots).repeat_interleave(rep, 1)
+        occ = occupied.repeat_interleave(rep, 1).unsqueeze(2)
+        ms = [self.m] if self.mix is None else [self.m, (self.m + 1).clamp_max(mem.router.num_buckets)]
+        return [bucket_slot_mask(buckets, m, slot_bucket, mem.router.num_buckets) & occ for m in ms]
+
+    def _decide_m(self, k_pre: torch.Tensor, valid: torch.Tensor) -> None:
+        """The policy's state: the mean of the first l valid tokens' pre-RoPE keys."""
+        c = self.config
+        first = valid & (valid.cumsum(1) <= c.policy_tokens)
+        w = first.unsqueeze(1).unsqueeze(-1).to(k_pre.dtype)
+        pooled = (k_pre * w).sum(2) / w.sum(2).clamp_min(1)  # [B, H, d]
+        if c.top_m == "fixed" or self.memory.policy is None:
+            self.m = torch.full((k_pre.shape[0],), c.fixed_m, dtype=torch.long, device=k_pre.device)
+            return
+        m, g, expected = self.memory.policy.decide(pooled.flatten(1), self.memory.training, c.epsilon, self.generator)
+        self.m = m.clamp_max(self.memory.router.num_buckets)
+        if self.memory.training:
+            self.mix = g
+            self.aux["read_cost"] = expected.mean() / self.memory.router.num_buckets
+
+    def aux_losses(self) -> dict[str, torch.Tensor]:
+        """Training losses gathered since the cache was made: the balance loss of every
+        chunk written, and the policy's expected read cost E[M] / N_b (unweighted)."""
+        return dict(self.aux)
+
+
+# ---------------------------------------------------------------------- registration
+@functools.lru_cache(maxsize=8)
+def _load_adapter(path: str) -> ARMModel:
+    return ARMModel.load(path).eval()
+
+
+def shipped_adapter(info: ModelInfo) -> Path | None:
+    """The adapter shipped for a model of this shape, trained first, else calibrated."""
+    for kind in ("trained", "calibrated"):
+        for folder in sorted(SHIPPED_ADAPTERS.glob(f"*-{kind}")):
+            try:
+                arm = _load_adapter(str(folder))
+                arm.check_fits(info.num_layers, info.num_kv_heads, info.head_dim)
+                return folder
+            except ArmkvError:
+                continue
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _random_arm(num_layers: int, num_kv_heads: int, head_dim: int, config_json: str) -> ARMModel:
+    import json
+
+    torch.manual_seed(0)
+    return ARMModel(ARMConfig.from_dict(json.loads(config_json)), num_layers, num_kv_heads, head_dim).eval()
+
+
+def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None = None, overrides: dict | None = None):
+    """The ARM parameters and the run-time config for this model and budget.
+
+    adapter : None (the shipped adapter for this model if there is one, else "random"),
+        "random" (a seeded fresh initialisation), or an adapter folder
+    arm : an ARMModel in memory (training passes its own); wins over adapter
+    overrides : run-time ARMConfig fields (ablations), see RUNTIME_FIELDS
+    """
+    overrides = dict(overrides or {})
+    bad = sorted(set(overrides) - RUNTIME_FIELDS)
+    if bad:
+        raise ArmkvError(
+            f"arm option(s) {bad} change the adapter's parameters; make an adapter with them instead "
+            f"(run-time options: {', '.join(sorted(RUNTIME_FIELDS))})"
+        )
+    split = ARMConfig.for_budget(budget, info.head_dim, info.dtype_bytes, pool=overrides.get("pool", "shared"))
+    if arm is None:
+        if adapter is None:
+            found = shipped_adapter(info)
+            adapter = str(found) if found else "random"
+        if adapter == "random":
+            import json
+
+            base = dataclasses.replace(split, **{k: v for k, v in overrides.items() if k in {"top_m", "m_fixed"}})
+            arm = _random_arm(info.num_layers, info.num_kv_heads, info.head_dim, json.dumps(base.to_dict()))
+        else:
+            if not Path(adapter).is_dir():
+                raise ArmkvError(f"adapter {adapter!r} is not a folder (use a path, 'random', or omit --adapter)")
+            arm = _load_adapter(str(Path(adapter).resolve()))
+    arm.check_fits(info.num_layers, info.num_kv_heads, info.head_dim)
+    tree = arm.config
+    runtime = dataclasses.replace(tree, sinks=split.sinks, window=split.window)
+    # the slots that fit the budget, for this adapter's tree (the paper's pool: a multiple of N_b)
+    token = 2 * info.head_dim * info.dtype_bytes
+    from armkv.config import SLOT_META_BYTES
+
+    slots = (budget - split.sinks - split.window) * token // (token + SLOT_META_BYTES)
+    pool = overrides.get("pool", tree.pool)
+    if pool == "paper":
+        slots = (slots // tree.num_buckets) * tree.num_buckets
+    if slots < 1:
+        raise ArmkvError(f"budget {budget} is too small for arm: raise --budget to at least {split.sinks + split.window + 2}")
+    fields = {"slots": int(slots), "pool": pool, **overrides}
+    fields.setdefault("chunk", min(tree.chunk, int(slots)))
+    runtime = dataclasses.replace(runtime, **fields)
+    return arm, runtime
+
+
+@register_method("arm", "ARM: sinks + window exact, a tree-routed pool of merged slots for the rest")
+def make_arm(
+    layer_idx: int,
+    info: ModelInfo,
+    rotary: Rotary | None,
+    budget: int | None,
+    chunk: int,
+    adapter=None,
+    arm: ARMModel | None = None,
+    arm_overrides: dict | None = None,
+    **options,
+):
+    budget = require_budget("arm", budget, 8, "sinks + window + slots")
+    overrides = dict(arm_overrides or {})
+    overrides.update(options)
+    overrides.setdefault("chunk", chunk)
+    arm_model, runtime = resolve_arm(info, budget, adapter, arm, overrides)
+    return ARMLayer(layer_idx, info, rotary, arm_model.layers[layer_idx], runtime)
+
+
+@register_method("fifo", "ablation: ARM's slots overwritten oldest-first, every slot read (no gate, no sparsity)")
+def make_fifo(layer_idx: int, info: ModelInfo, rotary: Rotary | None, budget: int | None, chunk: int, **options):
+    overrides = dict(options.pop("arm_overrides", None) or {})
+    overrides.update(write="fifo", top_m="fixed", log_count_bias=False)
+    arm_model, runtime = resolve_arm(info, require_budget("fifo", budget, 8, "sinks + window + slots"), options.pop("adapter", None), options.pop("arm", None), {**overrides, "chunk": chunk})
+    if options:
+        raise ArmkvError(f"method 'fifo' takes no option {', '.join(sorted(options))}")
+    runtime = dataclasses.replace(runtime, m_fixed=arm_model.config.num_buckets)
+    return ARMLayer(layer_idx, info, rotary, arm_model.layers[layer_idx], runtime)
+
+
+__all__ = ["ARMLayer", "resolve_arm", "shipped_adapter"]
