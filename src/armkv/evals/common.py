@@ -1,0 +1,377 @@
+"""What every eval shares: the output folder, the rows it compares, and the tables.
+
+An output folder holds one append-only JSONL of scored samples per (row, task, length),
+``config.json`` (the settings its samples were produced under), ``summary.json`` as
+``{row: {task: {length: score}}}`` (lengths as strings, scores 0-100) and the markdown
+table. Running an eval again into the same folder skips the sample ids already scored,
+so an interrupted run continues where it stopped.
+
+Nothing here imports torch, transformers or a plotting library at module level: the
+evals are tools around the library, imported only when ``armkv eval`` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from armkv.errors import ArmkvError
+
+# Methods that hold every token: the budget does not apply to them.
+UNBOUNDED_METHODS = ("full", "offload")
+
+# Settings that change what a sample's score means; a folder must not mix them.
+RESULT_SETTINGS = ("eval", "model", "budget", "chunk", "chat", "seed", "options")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a results table: a cache method with its options.
+
+    ``label`` names the row (the method name, or an ablation variant's name);
+    ``options`` are passed to the runner as method options (``arm_overrides`` for the
+    ablation rows).
+    """
+
+    label: str
+    method: str
+    options: dict = field(default_factory=dict)
+
+
+# (method, options) -> an object with the Runner contract:
+# .generate(requests, max_new_tokens=..., do_sample=False) -> list of result dicts.
+RunnerFactory = Callable[[str, dict], object]
+
+
+def parse_list(text: str | None, what: str, cast: Callable = str) -> list:
+    """Split a comma-separated option into a list, with a one-line error naming the option."""
+    if text is None or not str(text).strip():
+        return []
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    try:
+        return [cast(item) for item in items]
+    except ValueError:
+        raise ArmkvError(f"--{what} {text!r}: expected a comma-separated list of {cast.__name__} values") from None
+
+
+def parse_length(text: str) -> int:
+    """``4096``, ``4k`` or ``4K`` -> 4096 (RULER's lengths are powers of two of 1024)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", text)
+    if not match:
+        raise ValueError(text)
+    return int(match.group(1)) * (1024 if match.group(2) else 1)
+
+
+parse_length.__name__ = "length (e.g. 4096 or 4k)"
+
+
+def parse_options(pairs: Iterable[str] | None) -> dict:
+    """``["adapter=run/x", "m_fixed=64"]`` -> ``{"adapter": "run/x", "m_fixed": 64}`` (JSON values where they parse)."""
+    options = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ArmkvError(f"--option {pair!r}: expected KEY=VALUE")
+        try:
+            options[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key.strip()] = value
+    return options
+
+
+def add_common_arguments(parser, *, methods: str | None, samples: int, budget: int = 512) -> None:
+    """The options every eval takes (``--output``, ``--methods``, ``--budget``, ...)."""
+    parser.add_argument("--output", required=True, type=Path, help="folder for per-sample JSONL, summary.json and the table (resumable)")
+    if methods is not None:
+        parser.add_argument("--methods", default=methods, help=f"comma-separated cache methods (default: {methods})")
+    parser.add_argument("--budget", type=int, default=budget, help="cache budget in token-equivalents per layer for the bounded methods (default: %(default)s)")
+    parser.add_argument("--chunk", type=int, default=256, help="prefill chunk P: the budgeted chunked prefill's sync point (default: %(default)s)")
+    parser.add_argument("--samples", type=int, default=samples, help="samples per task and length (default: %(default)s)")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
+    parser.add_argument("--seed", type=int, default=42, help="seed of the generated samples (default: %(default)s, RULER's)")
+    parser.add_argument("--option", action="append", metavar="KEY=VALUE", help="method option passed to every row's runner (repeatable), e.g. adapter=PATH")
+
+
+def method_rows(text: str) -> list[Row]:
+    """``--methods full,arm`` -> one row per method, checked against the method registry."""
+    from armkv.methods.base import get_method
+
+    names = parse_list(text, "methods")
+    if not names:
+        raise ArmkvError("--methods is empty: name at least one cache method")
+    for name in names:
+        get_method(name)
+    return [Row(name, name) for name in names]
+
+
+# --------------------------------------------------------------------------- the folder
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", str(text))
+
+
+class SampleLog:
+    """The append-only JSONL of one (row, task, length): one scored sample per line.
+
+    A line cut short by an interrupted write is dropped on open, so the next append
+    starts on a line of its own.
+    """
+
+    def __init__(self, folder: Path, label: str, task: str, length: str):
+        self.path = Path(folder) / f"{_slug(label)}__{_slug(task)}__{_slug(length)}.jsonl"
+        self.records: list[dict] = []
+        if self.path.exists():
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+            kept = []
+            for i, line in enumerate(lines):
+                try:
+                    self.records.append(json.loads(line))
+                    kept.append(line)
+                except json.JSONDecodeError:
+                    if i != len(lines) - 1:
+                        raise ArmkvError(f"{self.path}: line {i + 1} is not JSON; remove the file to score it again") from None
+            if len(kept) != len(lines):
+                self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+    @property
+    def done_ids(self) -> set:
+        return {record["id"] for record in self.records}
+
+    def append(self, record: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.records.append(record)
+
+
+def check_settings(folder: Path, settings: dict) -> None:
+    """Write ``config.json``, or refuse a folder whose samples were made under other settings."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.json"
+    settings = json.loads(json.dumps(settings))  # normalise tuples and paths as JSON sees them
+    if path.exists():
+        old = json.loads(path.read_text())
+        changed = [k for k in RESULT_SETTINGS if old.get(k) != settings.get(k)]
+        if changed:
+            k = changed[0]
+            raise ArmkvError(
+                f"{folder} holds results for {k}={old.get(k)!r}, not {settings.get(k)!r}: "
+                "pass another --output to keep both"
+            )
+    path.write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def collect_summary(folder: Path) -> dict:
+    """``{row: {task: {length: score}}}`` from every sample log in the folder (mean score, 2 decimals)."""
+    summary: dict = {}
+    for path in sorted(Path(folder).glob("*__*__*.jsonl")):
+        records = SampleLog(path.parent, *path.stem.split("__")).records
+        if not records:
+            continue
+        first = records[0]
+        mean = sum(r["score"] for r in records) / len(records)
+        summary.setdefault(first["label"], {}).setdefault(first["task"], {})[str(first["length"])] = round(mean, 2)
+    return summary
+
+
+def write_summary(folder: Path, summary: dict) -> Path:
+    path = Path(folder) / "summary.json"
+    path.write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def markdown_table(cells: dict, rows: list[str], columns: list[str], caption: str, first: str = "Method") -> str:
+    """A table in the paper's layout: rows, then columns, then ``Avg.`` (over the columns).
+
+    ``cells[row][column]`` is a score or missing; a row with a missing cell shows ``-``
+    there and no average (an average over a subset would not compare with the others).
+    """
+
+    def fmt(value) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    lines = [f"| {first} | " + " | ".join(columns) + " | Avg. |", "|---|" + "---|" * (len(columns) + 1)]
+    for row in rows:
+        values = [cells.get(row, {}).get(col) for col in columns]
+        avg = _mean(values) if values and all(v is not None for v in values) else None
+        lines.append(f"| {row} | " + " | ".join(fmt(v) for v in values) + f" | {fmt(avg)} |")
+    return "\n".join(lines) + f"\n\n{caption}\n"
+
+
+def by_length(summary: dict, rows: list[str], lengths: list[str], tasks: list[str]) -> dict:
+    """``{row: {length: mean over tasks}}``; a length lacking a task stays missing."""
+    cells: dict = {}
+    for row in rows:
+        for length in lengths:
+            scores = [summary.get(row, {}).get(task, {}).get(length) for task in tasks]
+            if scores and all(s is not None for s in scores):
+                cells.setdefault(row, {})[length] = _mean(scores)
+    return cells
+
+
+def by_task(summary: dict, rows: list[str], tasks: list[str], lengths: list[str]) -> dict:
+    """``{row: {task: mean over lengths}}``; a task lacking a length stays missing."""
+    cells: dict = {}
+    for row in rows:
+        for task in tasks:
+            scores = [summary.get(row, {}).get(task, {}).get(length) for length in lengths]
+            if scores and all(s is not None for s in scores):
+                cells.setdefault(row, {})[task] = _mean(scores)
+    return cells
+
+
+def length_label(length: str) -> str:
+    """``"4096"`` -> ``"4K"`` as the paper's columns read; other values unchanged."""
+    if length.isdigit() and int(length) % 1024 == 0:
+        return f"{int(length) // 1024}K"
+    return length
+
+
+def budget_caption(budget: int | None, model_info: dict | None, measured: dict[str, int]) -> str:
+    """The caption every table carries: the budget in token-equivalents and bytes, and the bytes each row measured.
+
+    Parameters
+    ----------
+    budget : token-equivalents per layer given to the bounded methods
+    model_info : ``{"num_layers", "num_kv_heads", "head_dim", "dtype_bytes"}`` of the model, or None
+    measured : row label -> largest ``cache_bytes`` a sample of that row reported
+    """
+    parts = []
+    if budget is not None:
+        text = f"Budget: {budget} token-equivalents per layer"
+        if model_info:
+            token = 2 * model_info["num_kv_heads"] * model_info["head_dim"] * model_info["dtype_bytes"]
+            text += (
+                f" = {budget * token:,} bytes per layer and sequence, "
+                f"{budget * token * model_info['num_layers']:,} bytes over {model_info['num_layers']} layers"
+            )
+        parts.append(text + f" (methods {', '.join(UNBOUNDED_METHODS)} are not bounded).")
+    if measured:
+        parts.append(
+            "Measured cache bytes (largest sample): " + ", ".join(f"{k} {v:,}" for k, v in measured.items()) + "."
+        )
+    return " ".join(parts)
+
+
+def measured_bytes(folder: Path, rows: list[str]) -> dict[str, int]:
+    """Row label -> the largest ``cache_bytes`` over its samples in the folder."""
+    best: dict[str, int] = {}
+    for path in Path(folder).glob("*__*__*.jsonl"):
+        for record in SampleLog(path.parent, *path.stem.split("__")).records:
+            if record.get("cache_bytes") is not None:
+                label = record["label"]
+                best[label] = max(best.get(label, 0), int(record["cache_bytes"]))
+    return {row: best[row] for row in rows if row in best}
+
+
+def model_info_of(model) -> dict:
+    """The sizes :func:`budget_caption` needs, read from a transformers model's config."""
+    config = model.config
+    heads = config.num_attention_heads
+    return {
+        "num_layers": config.num_hidden_layers,
+        "num_kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "dtype_bytes": next(model.parameters()).element_size(),
+    }
+
+
+def max_positions_of(model) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def score_pending(
+    folder: Path,
+    rows: list[Row],
+    jobs: list[tuple[str, str, list[dict]]],
+    runner_factory: RunnerFactory,
+    score: Callable[[str, dict], float],
+    max_new_tokens: Callable[[str], int],
+    desc: str,
+) -> None:
+    """Generate and score every sample not yet in the folder, appending each as it is scored.
+
+    Parameters
+    ----------
+    folder : the output folder
+    rows : the methods (or ablation variants) to run
+    jobs : ``(task, length, samples)``; each sample has an ``id``, the runner's request fields
+        (``context``/``question``/``answer_prefix`` or ``prompt``), ``answers`` and any extra
+        fields to keep in the log
+    runner_factory : ``(method, options) -> runner``; called once per row that has work
+    score : ``(output, sample) -> score`` in 0-100
+    max_new_tokens : task -> generation length
+    desc : progress-bar label
+    """
+    from tqdm.auto import tqdm
+
+    request_keys = ("id", "context", "question", "answer_prefix", "prompt")
+    todo = []
+    for row in rows:
+        for task, length, samples in jobs:
+            log = SampleLog(folder, row.label, task, length)
+            done = log.done_ids
+            pending = [s for s in samples if s["id"] not in done]
+            if pending:
+                todo.append((row, task, length, log, pending))
+    total = sum(len(p) for *_, p in todo)
+    if not total:
+        return
+    with tqdm(total=total, desc=desc, unit="sample") as bar:
+        runner, runner_label = None, None
+        for row, task, length, log, pending in todo:
+            if runner_label != row.label:  # todo is grouped by row: one runner (and its cache) alive at a time
+                runner, runner_label = None, row.label
+                runner = runner_factory(row.method, dict(row.options))
+            for sample in pending:
+                request = {k: sample[k] for k in request_keys if k in sample}
+                (result,) = runner.generate([request], max_new_tokens=max_new_tokens(task), do_sample=False)
+                record = {k: v for k, v in sample.items() if k not in ("context", "question", "prompt")}
+                record.update(
+                    label=row.label,
+                    method=row.method,
+                    task=task,
+                    length=length,
+                    output=result["output"],
+                    score=score(result["output"], sample),
+                    **{k: result.get(k) for k in ("prompt_tokens", "cache_bytes", "prefill_seconds", "decode_seconds_per_token")},
+                )
+                log.append(record)
+                bar.update(1)
+
+
+def finish(folder: Path, title: str, tables: list[str], print_fn=print) -> dict:
+    """Write ``summary.json`` and ``table.md`` (the title and tables), print the tables, return the summary."""
+    folder = Path(folder)
+    summary = collect_summary(folder)
+    write_summary(folder, summary)
+    text = f"# {title}\n\n" + "\n".join(tables)
+    (folder / "table.md").write_text(text)
+    print_fn(text)
+    return summary
+
+
+def fraction(numerator: float, denominator: float) -> float:
+    """0-100 share, 0 for an empty denominator."""
+    return 0.0 if denominator == 0 else 100.0 * numerator / denominator
+
+
+def is_finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
