@@ -25,8 +25,8 @@ def _config(model: torch.nn.Module):
 def attach(model: torch.nn.Module) -> torch.nn.Module:
     """Route the model's attention through armkv caches (idempotent). Returns the model.
 
-    Without an :class:`ArmkvCache` the model still runs (plain causal attention), so an
-    attached model called with ``use_cache=False`` gives the same logits as before.
+    Called with another cache (or none), an attached model runs transformers' sdpa
+    attention, so it gives the same logits as an sdpa model.
     """
     register()
     if model not in _ORIGINAL:

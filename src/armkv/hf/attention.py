@@ -5,18 +5,19 @@ then the attention function, without passing it the cache. :class:`ArmkvCache.up
 therefore marks itself active for that layer (a context variable) and hands the new key and
 value back unchanged; :func:`armkv_attention` picks the layer up and lets it attend over its
 own state. Causality and padding are enforced inside the cache layer, so the mask function
-only passes on which of the current tokens are real: [B, T] bool instead of a 4D mask.
+only passes on which of the current tokens are real: [B, T] bool instead of a 4D mask (and,
+for a model called with another cache, what it needs to build the usual mask instead).
 """
 
 from __future__ import annotations
 
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 
 from armkv.errors import ArmkvError
-from armkv.hf.compat import AttentionInterface, AttentionMaskInterface
-from armkv.methods.attention import joint_attention
+from armkv.hf.compat import AttentionInterface, AttentionMaskInterface, sdpa_attention_forward, sdpa_mask
 
 NAME = "armkv"
 
@@ -24,15 +25,22 @@ NAME = "armkv"
 ACTIVE: ContextVar[tuple[object, int] | None] = ContextVar("armkv_active_layer", default=None)
 
 
-def current_validity(
-    batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-    mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs,
-) -> torch.Tensor | None:
-    """The mask function: [B, T] bool validity of the current tokens (the last T columns of
-    the 2D attention mask), or None when every token is valid."""
-    if attention_mask is None:
-        return None
-    return attention_mask[:, -q_length:].to(torch.bool)
+@dataclass
+class CurrentTokens:
+    """What the mask function hands the attention: the validity of the current tokens."""
+
+    valid: torch.Tensor | None  # [B, T] bool; None = all valid
+    mask_args: dict  # the mask function's arguments, to build an sdpa mask without an ArmkvCache
+
+    def dense_mask(self) -> torch.Tensor | None:
+        return sdpa_mask(**self.mask_args)
+
+
+def current_validity(q_length: int, attention_mask: torch.Tensor | None = None, **kwargs) -> CurrentTokens:
+    """The mask function: the validity of the current tokens (the last T columns of the 2D
+    attention mask), None when every token is valid."""
+    valid = None if attention_mask is None else attention_mask[:, -q_length:].to(torch.bool)
+    return CurrentTokens(valid, dict(kwargs, q_length=q_length, attention_mask=attention_mask))
 
 
 def armkv_attention(
@@ -50,7 +58,7 @@ def armkv_attention(
     Parameters
     ----------
     query : [B, Hq, T, d]; key, value : [B, Hkv, T, d] (post-RoPE, as returned by update)
-    attention_mask : [B, T] bool from :func:`current_validity`, or None (all valid)
+    attention_mask : from :func:`current_validity` (the [B, T] validity), or None (all valid)
     kwargs : ``position_ids`` [B or 1, T] (the tokens' RoPE positions)
 
     Returns
@@ -58,20 +66,19 @@ def armkv_attention(
     ([B, T, Hq, d], None)
     """
     b, _, t, d = query.shape
-    valid = attention_mask if attention_mask is not None else torch.ones(b, t, dtype=torch.bool, device=query.device)
-    if valid.dim() != 2:
-        raise ArmkvError("the armkv attention expects the [B, T] validity from its own mask function, not a 4D mask")
+    if not isinstance(attention_mask, (CurrentTokens, type(None))):
+        raise ArmkvError("the armkv attention expects the mask of its own mask function, not a prepared 4D mask")
     scaling = d**-0.5 if scaling is None else scaling
     active = ACTIVE.get()
     ACTIVE.set(None)
     if active is None:
-        # No ArmkvCache (use_cache=False): plain causal attention over the given tokens.
-        if key.shape[2] != t:
-            raise ArmkvError(
-                "a model attached to armkv needs an ArmkvCache (armkv.hf.make_cache) or use_cache=False, "
-                f"got {key.shape[2] - t} cached tokens from another cache"
-            )
-        return joint_attention(query, key, value, valid, scaling), None
+        # No ArmkvCache (another cache, or use_cache=False): transformers' sdpa attention with
+        # the usual mask, so an attached model still runs as it did.
+        mask = attention_mask.dense_mask() if attention_mask is not None else None
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    valid = attention_mask.valid if attention_mask is not None else None
+    if valid is None:
+        valid = torch.ones(b, t, dtype=torch.bool, device=query.device)
     cache, layer_idx = active
     layer = cache.layers[layer_idx]
     positions = kwargs.get("position_ids")

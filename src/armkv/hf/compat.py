@@ -43,6 +43,15 @@ def check_transformers():
 transformers = check_transformers()
 from transformers import AttentionInterface  # noqa: E402
 from transformers.cache_utils import Cache  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
-__all__ = ["AttentionInterface", "AttentionMaskInterface", "Cache", "check_transformers", "transformers"]
+__all__ = [
+    "AttentionInterface",
+    "AttentionMaskInterface",
+    "Cache",
+    "check_transformers",
+    "sdpa_attention_forward",
+    "sdpa_mask",
+    "transformers",
+]

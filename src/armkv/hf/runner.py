@@ -1,0 +1,221 @@
+"""The generation engine every tool uses (``armkv generate``, the demo, evaluations, benchmarks).
+
+A request is ``{"id", "context", "question"?, "answer_prefix"?}`` or ``{"id", "prompt"}``.
+The context is fed first and the cache brings itself back to budget chunk by chunk while
+reading it; only then is the question (and answer prefix) fed, as a second prefill. So
+every method compresses the context without knowing the question (as kvpress evaluates).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from armkv.errors import ArmkvError
+from armkv.hf.attach import make_cache, model_info
+
+
+def check_request(request: dict) -> None:
+    """Raise ArmkvError unless ``request`` has an id and either a context or a prompt (strings)."""
+    if not isinstance(request, dict) or "id" not in request:
+        raise ArmkvError("a request needs an 'id'")
+    has_context, has_prompt = "context" in request, "prompt" in request
+    if has_context == has_prompt:
+        raise ArmkvError(f"request {request['id']!r} needs exactly one of 'context' or 'prompt'")
+    for key in ("context", "question", "answer_prefix", "prompt"):
+        if key in request and not isinstance(request[key], str):
+            raise ArmkvError(f"request {request['id']!r}: {key!r} must be a string")
+
+
+class Runner:
+    """Generates answers with one cache method at one budget.
+
+    Parameters
+    ----------
+    model, tokenizer : a transformers causal LM of the Llama family and its tokenizer
+    method : a registered cache method
+    budget : token-equivalents per layer (None for unbounded methods)
+    chunk : P, the prefill chunk
+    chat : wrap context + question in the tokenizer's chat template; the answer prefix goes
+        after the start of the assistant turn
+    method_options : passed to the method (e.g. ``adapter=`` for arm, ``bits=`` for kivi)
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        method: str,
+        budget: int | None = None,
+        chunk: int = 256,
+        chat: bool = False,
+        **method_options,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.method, self.budget, self.chunk, self.chat = method, budget, chunk, chat
+        self.method_options = method_options
+        self.info = model_info(model)
+        self.new_cache()  # fails now, not at the first request, on a bad method, budget or option
+        eos = model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        self.eos = set(eos)
+
+    def new_cache(self):
+        return make_cache(self.model, self.method, self.budget, self.chunk, **self.method_options)
+
+    # ------------------------------------------------------------------ prompts
+    def encode(self, request: dict) -> list[list[int]]:
+        """The token ids of a request's prefill stages: [prompt] or [context, question + answer prefix]."""
+        check_request(request)
+        tok = self.tokenizer
+        if "prompt" in request:
+            if self.chat:
+                text = tok.apply_chat_template(
+                    [{"role": "user", "content": request["prompt"]}], add_generation_prompt=True, tokenize=False
+                )
+                return [tok(text, add_special_tokens=False)["input_ids"]]
+            return [tok(request["prompt"])["input_ids"]]
+        context = request["context"]
+        question = request.get("question", "")
+        prefix = request.get("answer_prefix", "")
+        if self.chat:
+            content = context + ("\n\n" + question if question else "")
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+            )
+            cut = text.index(context) + len(context)
+            first, rest = text[:cut], text[cut:] + prefix
+            stages = [tok(first, add_special_tokens=False)["input_ids"]]
+        else:
+            rest = question + prefix
+            stages = [tok(context)["input_ids"]]
+        if rest:
+            stages.append(tok(rest, add_special_tokens=False)["input_ids"])
+        return stages
+
+    # ------------------------------------------------------------------ generation
+    @torch.inference_mode()
+    def generate(
+        self,
+        requests: list[dict],
+        max_new_tokens: int = 64,
+        do_sample: bool = False,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        progress=None,
+    ) -> list[dict]:
+        """Answer each request, one at a time, each with a fresh cache.
+
+        Returns
+        -------
+        One dict per request: ``id, method, output, prompt_tokens, cache_bytes`` (the cache's peak
+        size during the request), ``prefill_seconds``, ``decode_seconds_per_token``.
+        ``progress`` (optional) is called with each result as it is done.
+        """
+        results = []
+        for request in requests:
+            stages = self.encode(request)
+            tokens, timing, cache = self.generate_ids(
+                stages, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                request_id=request["id"],
+            )
+            results.append(
+                {
+                    "id": request["id"],
+                    "method": self.method,
+                    "output": self.tokenizer.decode(tokens, skip_special_tokens=True),
+                    "prompt_tokens": sum(len(s) for s in stages),
+                    "cache_bytes": cache.peak_bytes(),
+                    **timing,
+                }
+            )
+            if progress is not None:
+                progress(results[-1])
+        return results
+
+    def generate_ids(
+        self,
+        stages: list[list[int]],
+        max_new_tokens: int,
+        do_sample: bool = False,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        request_id=None,
+    ):
+        """Prefill each stage in turn, then decode one sequence.
+
+        Returns
+        -------
+        (new token ids up to and including the first end-of-sequence token, timing dict, the cache)
+        """
+        prompt_tokens = sum(len(s) for s in stages)
+        if prompt_tokens == 0:
+            raise ArmkvError(f"request {request_id!r}: the prompt is empty")
+        limit = self.info.max_positions
+        if prompt_tokens + max_new_tokens > limit:
+            raise ArmkvError(
+                f"request {request_id!r}: {prompt_tokens} prompt tokens + {max_new_tokens} new tokens exceed the "
+                f"model's limit of {limit} positions"
+            )
+        device = self.model.device
+        cache = self.new_cache()
+        pick = self._sampler(do_sample, temperature, top_k, top_p)
+        start = time.perf_counter()
+        position = 0
+        for stage in stages:
+            if not stage:
+                continue
+            ids = torch.tensor([stage], device=device)
+            logits = self._forward(ids, cache, position)
+            position += len(stage)
+        prefill = time.perf_counter() - start
+        tokens: list[int] = []
+        start = time.perf_counter()
+        steps = 0
+        while True:
+            token = pick(logits)
+            tokens.append(token)
+            if token in self.eos or len(tokens) >= max_new_tokens:
+                break
+            logits = self._forward(torch.tensor([[token]], device=device), cache, position)
+            position += 1
+            steps += 1
+        decode = time.perf_counter() - start
+        timing = {"prefill_seconds": prefill, "decode_seconds_per_token": decode / max(steps, 1)}
+        return tokens, timing, cache
+
+    def _forward(self, ids: torch.Tensor, cache, position: int) -> torch.Tensor:
+        """Feed ids [1, T] at positions position.. ; returns the last position's logits [1, V] (fp32)."""
+        positions = torch.arange(position, position + ids.shape[1], device=ids.device)[None]
+        out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    def _sampler(self, do_sample: bool, temperature, top_k, top_p):
+        """logits [1, V] -> next token id, as ``model.generate`` picks it (argmax, or the same
+        temperature / top-k / top-p warpers in the same order, then one multinomial draw)."""
+        if not do_sample:
+            return lambda logits: int(logits.argmax(-1))
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        config = self.model.generation_config
+        temperature = temperature if temperature is not None else config.temperature
+        top_k = top_k if top_k is not None else config.top_k
+        top_p = top_p if top_p is not None else config.top_p
+        warpers = LogitsProcessorList()
+        if temperature is not None and temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k is not None and top_k != 0:
+            warpers.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+        if top_p is not None and top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+
+        def pick(logits: torch.Tensor) -> int:
+            scores = warpers(None, logits)
+            return int(torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1))
+
+        return pick
