@@ -11,6 +11,7 @@ from test_evals_fixtures import DATA, fake_factory, tiny_tokenizer
 
 from armkv.errors import ArmkvError
 from armkv.evals import common, ruler
+from armkv.methods.base import ModelInfo
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def gen():
 
 
 def n_tokens(text):
-    return len(tiny_tokenizer().encode(text, add_special_tokens=False))
+    return len(tiny_tokenizer().encode(text))
 
 
 def full_text(sample):
@@ -187,7 +188,8 @@ def test_evaluate_writes_logs_summary_table_plot_and_resumes(tmp_path):
     rows = [common.Row("full", "full"), common.Row("swa", "swa")]
     calls = []
     settings = {"eval": "ruler", "budget": 128}
-    kwargs = dict(settings=settings, budget=128, model_info={"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype_bytes": 4})
+    info = ModelInfo(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_positions=4096)
+    kwargs = dict(settings=settings, budget=128, info=info)
     summary = ruler.evaluate(
         gen, rows, ["niah_single_1", "niah_multikey_2"], [1024], 2, tmp_path, fake_factory(needle_answer, calls), **kwargs
     )
@@ -199,6 +201,7 @@ def test_evaluate_writes_logs_summary_table_plot_and_resumes(tmp_path):
     assert len(calls) == 8 and {c[2] for c in calls} == {128}
     table = (tmp_path / "table.md").read_text()
     assert "| full | 100.00 | 100.00 |" in table and "| swa | 0.00 | 0.00 |" in table
+    assert "(full: not bounded)" in table
     assert "128 token-equivalents per layer = 32,768 bytes per layer" in table
     assert (tmp_path / "ruler.png").stat().st_size > 0
     log = (tmp_path / "full__niah_single_1__1024.jsonl").read_text().splitlines()

@@ -13,16 +13,12 @@ evals are tools around the library, imported only when ``armkv eval`` runs.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
 from armkv.errors import ArmkvError
-
-# Methods that hold every token: the budget does not apply to them.
-UNBOUNDED_METHODS = ("full", "offload")
 
 # Settings that change what a sample's score means; a folder must not mix them.
 RESULT_SETTINGS = ("eval", "model", "budget", "chunk", "chat", "seed", "options")
@@ -69,36 +65,40 @@ def parse_length(text: str) -> int:
 parse_length.__name__ = "length (e.g. 4096 or 4k)"
 
 
-def parse_options(pairs: Iterable[str] | None) -> dict:
-    """``["adapter=run/x", "m_fixed=64"]`` -> ``{"adapter": "run/x", "m_fixed": 64}`` (JSON values where they parse)."""
-    options = {}
+def parse_options(pairs: Iterable[str] | None) -> dict[str, dict]:
+    """``["arm.adapter=run/x", "kivi.bits=2"]`` -> ``{"arm": {"adapter": "run/x"}, "kivi": {"bits": 2}}``.
+
+    Values are read as JSON where they parse (numbers, booleans), else kept as text.
+    """
+    options: dict[str, dict] = {}
     for pair in pairs or ():
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise ArmkvError(f"--option {pair!r}: expected KEY=VALUE")
+        name, sep, value = pair.partition("=")
+        method, dot, key = name.strip().partition(".")
+        if not sep or not dot or not method or not key:
+            raise ArmkvError(f"--option {pair!r}: expected METHOD.KEY=VALUE, e.g. arm.adapter=PATH")
         try:
-            options[key.strip()] = json.loads(value)
+            options.setdefault(method, {})[key] = json.loads(value)
         except json.JSONDecodeError:
-            options[key.strip()] = value
+            options.setdefault(method, {})[key] = value
     return options
 
 
-def add_common_arguments(parser, *, methods: str | None, samples: int, budget: int = 512) -> None:
+def add_common_arguments(parser, *, methods: str | None, samples: int, samples_help: str = "samples per task and length") -> None:
     """The options every eval takes (``--output``, ``--methods``, ``--budget``, ...)."""
     parser.add_argument("--output", required=True, type=Path, help="folder for per-sample JSONL, summary.json and the table (resumable)")
     if methods is not None:
         parser.add_argument("--methods", default=methods, help=f"comma-separated cache methods (default: {methods})")
-    parser.add_argument("--budget", type=int, default=budget, help="cache budget in token-equivalents per layer for the bounded methods (default: %(default)s)")
+    parser.add_argument("--budget", type=int, default=512, help="cache budget in token-equivalents per layer for the bounded methods (default: %(default)s)")
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk P: the budgeted chunked prefill's sync point (default: %(default)s)")
-    parser.add_argument("--samples", type=int, default=samples, help="samples per task and length (default: %(default)s)")
+    parser.add_argument("--samples", type=int, default=samples, help=samples_help + " (default: %(default)s)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the generated samples (default: %(default)s, RULER's)")
-    parser.add_argument("--option", action="append", metavar="KEY=VALUE", help="method option passed to every row's runner (repeatable), e.g. adapter=PATH")
+    parser.add_argument("--option", action="append", metavar="METHOD.KEY=VALUE", help="a method option (repeatable), e.g. arm.adapter=PATH or kivi.bits=2")
 
 
-def method_rows(text: str) -> list[Row]:
-    """``--methods full,arm`` -> one row per method, checked against the method registry."""
+def method_rows(text: str, options: dict[str, dict] | None = None) -> list[Row]:
+    """``--methods full,arm`` -> one row per method (checked against the registry), with its ``--option`` values."""
     from armkv.methods.base import get_method
 
     names = parse_list(text, "methods")
@@ -106,7 +106,55 @@ def method_rows(text: str) -> list[Row]:
         raise ArmkvError("--methods is empty: name at least one cache method")
     for name in names:
         get_method(name)
-    return [Row(name, name) for name in names]
+    return [Row(name, name, dict((options or {}).get(name, {}))) for name in names]
+
+
+def unbounded(rows: list[Row]) -> list[str]:
+    """The rows whose method holds every token, so the budget does not apply to them."""
+    from armkv.methods.base import get_method
+
+    return [row.label for row in rows if not get_method(row.method).bounded]
+
+
+def settings_of(args, eval_name: str, **extra) -> dict:
+    """What a folder's samples were produced under (see :func:`check_settings`)."""
+    return {
+        "eval": eval_name,
+        "model": str(args.model) if args.model else "default",
+        "budget": args.budget,
+        "chunk": args.chunk,
+        "chat": args.chat,
+        "seed": args.seed,
+        "options": parse_options(args.option),
+        **extra,
+    }
+
+
+def load(args):
+    """``(model, tokenizer, info)`` for ``--model`` (default: the packaged model)."""
+    from armkv.hf.attach import model_info
+    from armkv.hf.model import load_model
+
+    model, tokenizer = load_model(args.model)
+    return model, tokenizer, model_info(model)
+
+
+def runner_factory(model, tokenizer, *, budget: int | None, chunk: int, chat: bool) -> RunnerFactory:
+    """Runners of :class:`armkv.hf.runner.Runner` for one model; the budget goes to bounded methods only.
+
+    A ``chat`` key in a row's options overrides ``chat`` for that runner (LongBench leaves
+    some datasets without the chat template).
+    """
+    from armkv.hf.runner import Runner
+    from armkv.methods.base import get_method
+
+    def make(method: str, options: dict):
+        options = dict(options)
+        use_chat = options.pop("chat", chat)
+        method_budget = budget if get_method(method).bounded else None
+        return Runner(model, tokenizer, method, budget=method_budget, chunk=chunk, chat=use_chat, **options)
+
+    return make
 
 
 # --------------------------------------------------------------------------- the folder
@@ -241,29 +289,27 @@ def length_label(length: str) -> str:
     return length
 
 
-def budget_caption(budget: int | None, model_info: dict | None, measured: dict[str, int]) -> str:
+def budget_caption(budget: int | None, info, measured: dict[str, int], unbounded: list[str]) -> str:
     """The caption every table carries: the budget in token-equivalents and bytes, and the bytes each row measured.
 
     Parameters
     ----------
     budget : token-equivalents per layer given to the bounded methods
-    model_info : ``{"num_layers", "num_kv_heads", "head_dim", "dtype_bytes"}`` of the model, or None
+    info : the model's :class:`armkv.methods.base.ModelInfo`, or None
     measured : row label -> largest ``cache_bytes`` a sample of that row reported
+    unbounded : the rows whose method holds every token (the budget does not apply)
     """
     parts = []
     if budget is not None:
         text = f"Budget: {budget} token-equivalents per layer"
-        if model_info:
-            token = 2 * model_info["num_kv_heads"] * model_info["head_dim"] * model_info["dtype_bytes"]
-            text += (
-                f" = {budget * token:,} bytes per layer and sequence, "
-                f"{budget * token * model_info['num_layers']:,} bytes over {model_info['num_layers']} layers"
-            )
-        parts.append(text + f" (methods {', '.join(UNBOUNDED_METHODS)} are not bounded).")
+        if info is not None:
+            per_layer = info.budget_bytes(budget)
+            text += f" = {per_layer:,} bytes per layer and sequence, {per_layer * info.num_layers:,} bytes over {info.num_layers} layers"
+        if unbounded:
+            text += f" ({', '.join(unbounded)}: not bounded)"
+        parts.append(text + ".")
     if measured:
-        parts.append(
-            "Measured cache bytes (largest sample): " + ", ".join(f"{k} {v:,}" for k, v in measured.items()) + "."
-        )
+        parts.append("Measured cache bytes (largest sample): " + ", ".join(f"{k} {v:,}" for k, v in measured.items()) + ".")
     return " ".join(parts)
 
 
@@ -276,22 +322,6 @@ def measured_bytes(folder: Path, rows: list[str]) -> dict[str, int]:
                 label = record["label"]
                 best[label] = max(best.get(label, 0), int(record["cache_bytes"]))
     return {row: best[row] for row in rows if row in best}
-
-
-def model_info_of(model) -> dict:
-    """The sizes :func:`budget_caption` needs, read from a transformers model's config."""
-    config = model.config
-    heads = config.num_attention_heads
-    return {
-        "num_layers": config.num_hidden_layers,
-        "num_kv_heads": getattr(config, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
-        "dtype_bytes": next(model.parameters()).element_size(),
-    }
-
-
-def max_positions_of(model) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
 
 
 # --------------------------------------------------------------------------- running
@@ -366,12 +396,3 @@ def finish(folder: Path, title: str, tables: list[str], print_fn=print) -> dict:
     (folder / "table.md").write_text(text)
     print_fn(text)
     return summary
-
-
-def fraction(numerator: float, denominator: float) -> float:
-    """0-100 share, 0 for an empty denominator."""
-    return 0.0 if denominator == 0 else 100.0 * numerator / denominator
-
-
-def is_finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)

@@ -241,8 +241,8 @@ def score(dataset: str, prediction: str, answers: list[str], all_classes: list[s
 # --------------------------------------------------------------------------- data
 
 
-def load_dataset(data_dir: str | Path | None, dataset: str) -> list[dict]:
-    """The samples of ``<data_dir>/<dataset>.jsonl`` (LongBench's data format)."""
+def dataset_path(data_dir: str | Path | None, dataset: str) -> Path:
+    """``<data_dir>/<dataset>.jsonl``, or a one-line error naming what is missing."""
     if dataset not in DATASET2PROMPT:
         raise ArmkvError(f"unknown LongBench dataset {dataset!r}; choose from: {', '.join(DATASET2PROMPT)}")
     if data_dir is None:
@@ -250,6 +250,12 @@ def load_dataset(data_dir: str | Path | None, dataset: str) -> list[dict]:
     path = Path(data_dir) / f"{dataset}.jsonl"
     if not path.is_file():
         raise ArmkvError(f"LongBench data for {dataset} not found: expected {path} (pass --data-dir, the folder of LongBench's <dataset>.jsonl files)")
+    return path
+
+
+def load_dataset(data_dir: str | Path | None, dataset: str) -> list[dict]:
+    """The samples of ``<data_dir>/<dataset>.jsonl`` (LongBench's data format)."""
+    path = dataset_path(data_dir, dataset)
     samples = []
     for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
         if line.strip():
@@ -304,7 +310,7 @@ def evaluate(
     samples: int | None = None,
     chat: bool = False,
     budget: int | None = None,
-    model_info: dict | None = None,
+    info=None,
 ) -> dict:
     """Run LongBench for every row and dataset into ``output``; return the summary.
 
@@ -347,6 +353,40 @@ def evaluate(
     summary = common.collect_summary(output)
     labels = [row.label for row in rows]
     cells = {r: {PAPER_DATASETS.get(d, d): c[d]["all"] for d in datasets if d in c} for r, c in summary.items()}
-    caption = common.budget_caption(budget, model_info, common.measured_bytes(output, labels))
+    caption = common.budget_caption(budget, info, common.measured_bytes(output, labels), common.unbounded(rows))
     table = common.markdown_table(cells, labels, [PAPER_DATASETS.get(d, d) for d in datasets], caption)
     return common.finish(output, "LongBench", [table])
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--data-dir", default=None, help="folder of LongBench's <dataset>.jsonl files")
+    parser.add_argument("--tasks", default=",".join(PAPER_DATASETS), help="comma-separated datasets (default: the paper's 14: %(default)s)")
+    parser.add_argument("--max-length", type=int, default=None, help="prompt tokens kept (middle truncation; default: the model's positions less the longest generation)")
+    common.add_common_arguments(parser, methods="full,swa,sink,kivi,arm", samples=0, samples_help="first samples of each dataset, 0 for all")
+
+
+def main(args) -> int:
+    datasets = common.parse_list(args.tasks, "tasks")
+    for d in datasets:
+        dataset_path(args.data_dir, d)  # one-line errors before the model loads
+    rows = common.method_rows(args.methods, common.parse_options(args.option))
+    model, tokenizer, info = common.load(args)
+    max_length = args.max_length or info.max_positions - max(DATASET2MAXLEN[d] for d in datasets)
+    evaluate(
+        datasets,
+        args.data_dir,
+        tokenizer,
+        rows,
+        args.output,
+        common.runner_factory(model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat),
+        settings=common.settings_of(args, "longbench", max_length=max_length),
+        max_length=max_length,
+        samples=args.samples or None,
+        chat=args.chat,
+        budget=args.budget,
+        info=info,
+    )
+    return 0

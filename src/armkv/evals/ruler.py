@@ -251,7 +251,7 @@ class RulerGenerator:
 
     Parameters
     ----------
-    tokenizer : anything with ``encode(text, add_special_tokens=False) -> list[int]``
+    tokenizer : anything with ``encode(text) -> list[int]`` (a transformers tokenizer)
     seed : the base seed (RULER's ``random_seed``)
     haystack_words : the essay haystack as words (:func:`load_essay`), or None
     qa_data : :func:`load_qa_files`'s result, or None
@@ -265,8 +265,9 @@ class RulerGenerator:
         self._vt_icl: dict = {}
 
     def count(self, text: str) -> int:
-        """Tokens of ``text`` without special tokens, as RULER's ``text_to_tokens`` counts."""
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
+        """Tokens of ``text`` as the model reads it: with the special tokens the tokenizer adds
+        (a BOS), which RULER's ``text_to_tokens`` leaves out, so a sample fits the model's limit."""
+        return len(self.tokenizer.encode(text))
 
     def check(self, task: str) -> None:
         """Raise a one-line error if the task is unknown or its data file is missing."""
@@ -660,24 +661,25 @@ def evaluate(
     *,
     settings: dict,
     depths: list[float] | None = None,
-    max_positions: int | None = None,
     max_new_tokens: int | None = None,
     budget: int | None = None,
-    model_info: dict | None = None,
+    info=None,
     title: str = "RULER",
+    notes: str = "",
     plot: bool = True,
 ) -> dict:
     """Run RULER for every row, task and length into ``output``; return the summary.
 
     Samples already in ``output`` are skipped (resume). Writes the per-sample logs,
     ``summary.json``, ``table.md`` (rows x lengths, then rows x tasks) and ``ruler.png``.
-    ``max_new_tokens`` caps RULER's per-task generation length (the sample lengths
-    still reserve RULER's).
+    ``info`` (the model's :class:`armkv.methods.base.ModelInfo`) gives the length limit
+    and the bytes of the budget. ``max_new_tokens`` caps RULER's per-task generation
+    length (the sample lengths still reserve RULER's). ``notes`` is appended to the tables.
     """
     output = Path(output)
     for task in tasks:
         generator.check(task)
-    check_lengths(lengths, max_positions)
+    check_lengths(lengths, info.max_positions if info is not None else None)
     common.check_settings(output, settings)
 
     jobs = []
@@ -702,7 +704,7 @@ def evaluate(
     summary = common.collect_summary(output)
     labels = [row.label for row in rows]
     length_keys = [str(length) for length in lengths]
-    caption = common.budget_caption(budget, model_info, common.measured_bytes(output, labels))
+    caption = common.budget_caption(budget, info, common.measured_bytes(output, labels), common.unbounded(rows))
     per_length = common.by_length(summary, labels, length_keys, tasks)
     per_task = common.by_task(summary, labels, tasks, length_keys)
     tables = [
@@ -716,7 +718,69 @@ def evaluate(
         f"## Score by task (mean over lengths {', '.join(common.length_label(k) for k in length_keys)})\n",
         common.markdown_table(per_task, labels, tasks, caption),
     ]
+    if notes:
+        tables.append(notes)
     if plot:
         plot_title = title if budget is None else f"{title}, budget {budget} token-equivalents"
         plot_by_length(per_length, labels, length_keys, output / "ruler.png", plot_title)
     return common.finish(output, title, tables)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument(
+        "--tasks",
+        default=",".join(NO_FILE_TASKS),
+        help="comma-separated RULER tasks, or 'all' for the 13 (default: the tasks that need no data file: %(default)s)",
+    )
+    parser.add_argument("--lengths", default="1k,2k,4k,8k", help="context lengths in tokens, e.g. 1k,2k,4k or 4096 (default: %(default)s)")
+    parser.add_argument("--depths", default=None, help="needle depths in percent, cycled over samples (default: RULER's random depths)")
+    parser.add_argument("--haystack-file", default=None, help="essay haystack for niah_single_2/3, multikey_1, multivalue, multiquery: a .txt of prose or RULER's PaulGrahamEssays.json")
+    parser.add_argument("--qa-file", action="append", default=None, help="SQuAD JSON (qa_1) or HotpotQA JSON (qa_2); repeat for both")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated tokens (default: RULER's per task, 30 to 128)")
+    common.add_common_arguments(parser, methods="full,swa,sink,kivi,arm", samples=25)
+
+
+def parse_tasks(text: str) -> list[str]:
+    tasks = list(TASKS) if text.strip() == "all" else common.parse_list(text, "tasks")
+    for task in tasks:
+        if task not in TASKS:
+            raise ArmkvError(f"unknown RULER task {task!r}; choose from: {', '.join(TASKS)}")
+    return tasks
+
+
+def prepare(args, tasks: list[str]):
+    """Check the tasks' data and lengths, then load the model: ``(generator, lengths, info, model, tokenizer)``."""
+    lengths = common.parse_list(args.lengths, "lengths", common.parse_length)
+    depths = common.parse_list(args.depths, "depths", float) or None
+    haystack = load_essay(args.haystack_file) if args.haystack_file else None
+    qa = load_qa_files(args.qa_file)
+    unchecked = RulerGenerator(None, args.seed, haystack, qa)
+    for task in tasks:
+        unchecked.check(task)
+    check_lengths(lengths, None)
+    model, tokenizer, info = common.load(args)
+    return RulerGenerator(tokenizer, args.seed, haystack, qa), lengths, depths, info, model, tokenizer
+
+
+def main(args) -> int:
+    tasks = parse_tasks(args.tasks)
+    rows = common.method_rows(args.methods, common.parse_options(args.option))
+    generator, lengths, depths, info, model, tokenizer = prepare(args, tasks)
+    evaluate(
+        generator,
+        rows,
+        tasks,
+        lengths,
+        args.samples,
+        args.output,
+        common.runner_factory(model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat),
+        settings=common.settings_of(args, "ruler", depths=depths, max_new_tokens=args.max_new_tokens),
+        depths=depths,
+        max_new_tokens=args.max_new_tokens,
+        budget=args.budget,
+        info=info,
+    )
+    return 0
