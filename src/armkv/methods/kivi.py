@@ -6,6 +6,9 @@ The ``residual`` most recent tokens stay exact, as do the tokens that left the r
 do not yet fill a group. transformers' ``QuantizedCache`` quantises both per channel, so it
 is not KIVI.
 
+Defaults: 2 bits, groups of 32 tokens (keys) and 32 channels (values), a residual of 128
+tokens (at most a quarter of the budget).
+
 Under a budget the quantised groups live in a ring of fixed capacity (as many groups as fit
 in the budget's bytes, codes, scales and zero-points counted) that overwrites its oldest
 group, plus 4 exact attention sinks; without a budget the ring grows.
@@ -251,11 +254,13 @@ def make_kivi(
     bits: int = 2,
     group: int = 32,
     value_group: int | None = None,
-    residual: int = 128,
+    residual: int | None = None,
     sinks: int = 4,
     **options,
 ):
     reject_options("kivi", options)
+    # KIVI's residual is 128 tokens; a small budget keeps a quarter of itself exact instead.
+    residual = residual if residual is not None else (128 if budget is None else min(128, budget // 4))
     if bits not in (2, 4):
         raise ArmkvError(f"kivi: bits={bits} must be 2 or 4")
     value_group = value_group or min(32, info.head_dim)

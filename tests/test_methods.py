@@ -1,0 +1,192 @@
+"""The cache methods: the joint attention kernel, KIVI's quantiser, budgets at every step."""
+
+import pytest
+import torch
+
+from armkv.errors import ArmkvError
+from armkv.memory.rope import Rotary
+from armkv.methods.attention import joint_attention
+from armkv.methods.base import METHODS, ModelInfo, _load_builtin_methods, get_method
+from armkv.methods.kivi import pack, quantise, unpack
+
+_load_builtin_methods()
+BOUNDED = sorted(name for name, m in METHODS.items() if m.bounded)
+
+
+def naive_attention(query, key, value, valid, scaling, state_key=None, state_value=None, state_valid=None,
+                    state_bias=None, state_mask=None):
+    """Per (row, head, query) loop: one softmax over the allowed state keys and chunk keys."""
+    b, hq, t, d = query.shape
+    hkv = key.shape[1]
+    out = torch.zeros(b, t, hq, d, dtype=torch.float64)
+    for i in range(b):
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            for q in range(t):
+                logits, values = [], []
+                if state_key is not None:
+                    for j in range(state_key.shape[2]):
+                        ok = True if state_valid is None else bool(
+                            state_valid[i, j] if state_valid.dim() == 2 else state_valid[i, kv, j])
+                        if state_mask is not None:
+                            ok = ok and bool(state_mask[i, h, q, j])
+                        if ok:
+                            bias = 0.0 if state_bias is None else float(state_bias[i, kv, j])
+                            logits.append(float(query[i, h, q] @ state_key[i, kv, j]) * scaling + bias)
+                            values.append(state_value[i, kv, j].double())
+                for j in range(q + 1):
+                    if valid[i, j]:
+                        logits.append(float(query[i, h, q] @ key[i, kv, j]) * scaling)
+                        values.append(value[i, kv, j].double())
+                if logits:
+                    w = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
+                    out[i, q, h] = (w[:, None] * torch.stack(values)).sum(0)
+    return out
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_joint_attention_matches_naive(with_state):
+    g = torch.Generator().manual_seed(0)
+    b, hq, hkv, t, n, d = 2, 4, 2, 5, 7, 8
+    q = torch.randn(b, hq, t, d, generator=g)
+    k, v = torch.randn(b, hkv, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g)
+    valid = torch.rand(b, t, generator=g) > 0.3
+    valid[:, 0] = False  # a padding query that sees no chunk key at all
+    kwargs = {}
+    if with_state:
+        sk = torch.randn(b, hkv, n, d, generator=g)
+        sv = torch.randn(b, hkv, n, d, generator=g)
+        svalid = torch.rand(b, hkv, n, generator=g) > 0.4
+        sk[~svalid] = float("nan")  # unwritten state: must never be read
+        sv[~svalid] = float("nan")
+        kwargs = dict(state_key=sk, state_value=sv, state_valid=svalid,
+                      state_bias=torch.rand(b, hkv, n, generator=g),
+                      state_mask=torch.rand(b, hq, t, n, generator=g) > 0.3)
+    got = joint_attention(q, k, v, valid, 0.3, **kwargs)
+    want = naive_attention(q, k, v, valid, 0.3, **kwargs)
+    assert got.shape == (b, t, hq, d)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_quantiser_error_bound(bits):
+    x = torch.randn(3, 2, 32, 16) * 3
+    for dim in (2, 3):
+        codes, scale, zero = quantise(x, bits, dim)
+        assert codes.max() < 2**bits
+        assert torch.equal(unpack(pack(codes, bits), bits), codes)
+        err = (codes * scale + zero - x).abs()
+        assert (err <= scale / 2 + 1e-5).all()
+
+
+def info(layers=2, heads=4, kv=2, d=16):
+    return ModelInfo(num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=d, max_positions=1 << 16)
+
+
+def rotary(d=16):
+    return Rotary(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+
+
+def run_layer(layer, steps, batch, info_, generator, chunk_tokens):
+    """Feed random chunks (with random left padding in the first); yield after each call."""
+    d, hq, hkv = info_.head_dim, info_.num_heads, info_.num_kv_heads
+    pos = torch.zeros(batch, dtype=torch.long)
+    for step in range(steps):
+        t = chunk_tokens if step == 0 else 1
+        valid = torch.ones(batch, t, dtype=torch.bool)
+        if step == 0:
+            for i in range(batch):
+                valid[i, : int(torch.randint(0, t // 2, (1,), generator=generator))] = False
+        positions = pos[:, None] + valid.long().cumsum(1) - 1
+        pos = positions[:, -1] + 1
+        out = layer.attend(torch.randn(batch, hq, t, d, generator=generator),
+                           torch.randn(batch, hkv, t, d, generator=generator),
+                           torch.randn(batch, hkv, t, d, generator=generator), valid, positions.clamp(min=0),
+                           d**-0.5)
+        yield out
+
+
+@pytest.mark.parametrize("method", BOUNDED)
+def test_bounded_methods_stay_within_budget_at_every_step(method, nan_empty):
+    info_, batch, budget = info(), 3, 96
+    layer = get_method(method).make_layer(0, info_, rotary(), budget, 16)
+    bound = info_.budget_bytes(budget) * batch
+    g = torch.Generator().manual_seed(1)
+    sizes = []
+    for out in run_layer(layer, 120, batch, info_, g, 300):
+        assert not out.isnan().any()
+        assert layer.state_bytes() <= bound
+        sizes.append(layer.state_bytes())
+    # attend() records the peak after every chunk of the prefill, so this covers each sync point.
+    assert layer.peak_bytes <= bound
+    assert sizes[-1] == sizes[-50], "a bounded method must not grow while decoding"
+
+
+@pytest.mark.parametrize("method", BOUNDED)
+def test_bounded_bytes_independent_of_length(method):
+    info_ = info()
+    sizes = []
+    for length in (2048, 8192):
+        layer = get_method(method).make_layer(0, info_, rotary(), 128, 256)
+        g = torch.Generator().manual_seed(2)
+        for _ in run_layer(layer, 1, 1, info_, g, length):
+            pass
+        sizes.append(layer.state_bytes())
+    assert sizes[0] == sizes[1]
+
+
+def test_full_grows():
+    info_ = info()
+    layer = get_method("full").make_layer(0, info_, rotary(), None, 64)
+    g = torch.Generator().manual_seed(3)
+    for _ in run_layer(layer, 1, 1, info_, g, 200):
+        pass
+    assert layer.state_bytes() == 200 * info_.token_bytes()
+
+
+def test_kivi_budget_holds_more_tokens_than_exact():
+    """At one budget KIVI keeps more tokens than a window (2 bits + scales vs fp32)."""
+    info_ = info(d=64, kv=3)
+    layer = get_method("kivi").make_layer(0, info_, rotary(64), 512, 256)
+    stored = layer.sinks + layer.residual + layer.group + layer.capacity * layer.group
+    assert stored > 4 * 512
+
+
+def test_offload_keeps_kv_in_host_memory():
+    info_ = info()
+    layer = get_method("offload").make_layer(0, info_, rotary(), None, 8)
+    g = torch.Generator().manual_seed(4)
+    for _ in run_layer(layer, 3, 1, info_, g, 20):
+        pass
+    assert layer.host_keys.device.type == "cpu"
+    assert layer.host_bytes() == 22 * info_.token_bytes()
+
+
+@pytest.mark.parametrize(
+    "method,budget,options,message",
+    [
+        ("nope", None, {}, "unknown method"),
+        ("swa", None, {}, "needs a budget"),
+        ("sink", 4, {}, "at least 5"),
+        ("kivi", 40, {}, "too small"),
+        ("kivi", None, {"bits": 3}, "must be 2 or 4"),
+        ("full", None, {"adapter": "x"}, "takes no option adapter"),
+    ],
+)
+def test_bad_method_arguments_are_one_line_errors(method, budget, options, message):
+    with pytest.raises(ArmkvError, match=message) as e:
+        get_method(method).make_layer(0, info(), rotary(), budget, 16, **options)
+    assert "\n" not in str(e.value)
+
+
+def test_core_import_is_light():
+    import subprocess
+    import sys
+
+    code = ("import sys, armkv, armkv.methods.base, armkv.methods.buffers, armkv.methods.attention, "
+            "armkv.methods.full, armkv.methods.window, armkv.methods.kivi, armkv.methods.offload; "
+            "bad = [m for m in ('transformers', 'matplotlib', 'datasets') if m in sys.modules]; "
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"the library core imports {out}"
