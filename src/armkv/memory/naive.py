@@ -56,10 +56,9 @@ def naive_scan(
     return MemoryState(torch.stack(key), torch.stack(value), torch.stack(pos), torch.stack(count), plan.bucket)
 
 
-def naive_path_score(router: Router, head: int, x: torch.Tensor, bucket: int, read: bool = True) -> float:
-    """Sum of log-softmax router outputs along the path root -> bucket, for one vector x [d]."""
+def naive_node_score(router: Router, head: int, x: torch.Tensor, node: int, read: bool = True) -> float:
+    """Sum of log-softmax router outputs along the path root -> node (heap numbering), x [d]."""
     C = router.branching
-    node = router.num_nodes + bucket
     score = 0.0
     while node > 0:
         parent, child = (node - 1) // C, (node - 1) % C
@@ -68,6 +67,11 @@ def naive_path_score(router: Router, head: int, x: torch.Tensor, bucket: int, re
         score += float(torch.log_softmax(logits, -1)[child])
         node = parent
     return score
+
+
+def naive_path_score(router: Router, head: int, x: torch.Tensor, bucket: int, read: bool = True) -> float:
+    """The path score of a leaf bucket."""
+    return naive_node_score(router, head, x, router.num_nodes + bucket, read)
 
 
 def naive_route_write(router: Router, head: int, x: torch.Tensor) -> int:
@@ -158,6 +162,7 @@ def exhaustive_topm(router: Router, head: int, x: torch.Tensor, m: int) -> list[
 
 __all__ = [
     "naive_scan",
+    "naive_node_score",
     "naive_path_score",
     "naive_route_write",
     "naive_read",

@@ -343,10 +343,9 @@ def gate_weights(
     if write == "fifo":
         return torch.ones_like(plan.alpha).unsqueeze(-1)
     if write == "mean":
-        gamma = (1.0 / (plan.count + 1.0)).unsqueeze(-1)
+        beta = (1.0 / (plan.count + 1.0)).unsqueeze(-1)  # a fixed rule: no learned weight enters
     else:
-        gamma = params.gate_values(plan.cand, keys, plan.count)
-    beta = plan.alpha.unsqueeze(-1) * gamma
+        beta = plan.alpha.unsqueeze(-1) * params.gate_values(plan.cand, keys, plan.count)
     if empty_slot_rule:
         beta = torch.where((plan.count == 0).unsqueeze(-1), torch.ones_like(beta), beta)
     return beta
@@ -424,7 +423,7 @@ def scan_writes(
     key = state.key.reshape(G * S, d).index_copy(0, seg_last, x1[:, :d]).view(G, S, d)
     value_ = state.value.reshape(G * S, d).index_copy(0, seg_last, x1[:, d : 2 * d]).view(G, S, d)
     pos = state.pos.reshape(G * S).index_copy(0, seg_last, x1[:, 2 * d].to(state.pos.dtype)).view(G, S)
-    count = state.count.reshape(G * S).index_copy(0, seg_last, x1[:, 2 * d + 1].to(state.count.dtype)).view(G, S)
+    count = state.count.reshape(G * S).index_copy(0, seg_last, x1[:, 2 * d + 1].detach().to(state.count.dtype)).view(G, S)
     return MemoryState(key=key, value=value_, pos=pos, count=count, bucket=plan.bucket)
 
 

@@ -1,0 +1,330 @@
+"""The routed memory against its naive references: scan, routing, reads, policy, budget."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from armkv.config import ARMConfig
+from armkv.errors import ArmkvError
+from armkv.memory import naive
+from armkv.memory.module import ARMMemory, ARMModel
+from armkv.memory.policy import TopMPolicy
+from armkv.memory.read import bucket_slot_mask
+from armkv.memory.route import Router
+from armkv.memory.state import MemoryState
+from armkv.memory.write import WriteParams, gate_weights, plan_writes, scan_writes, segmented_affine_scan
+
+
+def _filled_state(G, S, d, occupied, seed=0, dtype=torch.float64, nb=5):
+    g = torch.Generator().manual_seed(seed)
+    st = MemoryState.empty(G, S, d, dtype)
+    n = occupied
+    st.key[:, :n] = torch.randn(G, n, d, generator=g, dtype=dtype)
+    st.value[:, :n] = torch.randn(G, n, d, generator=g, dtype=dtype)
+    st.pos[:, :n] = torch.arange(n, dtype=torch.float32)
+    st.count[:, :n] = torch.randint(1, 4, (G, n), generator=g).float()
+    st.bucket[:, :n] = torch.randint(0, nb, (G, n), generator=g)
+    return st
+
+
+def _chunk(G, N, d, seed=1, dup_every=3, dtype=torch.float64, state=None):
+    """Random keys where every dup_every-th token repeats an earlier one (or a slot) nearly."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(G, N, d, generator=g, dtype=dtype)
+    for t in range(2, N, dup_every):
+        keys[:, t] = keys[:, t // 2] + 1e-3 * torch.randn(G, d, generator=g, dtype=dtype)
+    if state is not None:
+        keys[:, 1] = state.key[:, 0] * 1.0001
+    values = torch.randn(G, N, d, generator=g, dtype=dtype)
+    positions = torch.arange(100, 100 + N, dtype=torch.float32).expand(G, N).clone()
+    return keys, values, positions
+
+
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+@pytest.mark.parametrize("write", ["gated", "mean"])
+@pytest.mark.parametrize("G,N,S,occupied", [(3, 63, 17, 9), (2, 7, 40, 0), (1, 33, 12, 12)])
+def test_scan_equals_naive_loop(gate, write, G, N, S, occupied):
+    torch.manual_seed(0)
+    d = 5
+    nb = 5
+    params = WriteParams(d, "similarity", gate, 0.9).double()
+    with torch.no_grad():  # a gate that is not just the running mean, so every weight matters
+        params.gate.weight.add_(0.1 * torch.randn_like(params.gate.weight))
+    state = _filled_state(G, S, d, occupied, nb=nb)
+    keys, values, positions = _chunk(G, N, d, state=state if occupied else None)
+    valid = torch.ones(G, N, dtype=torch.bool)
+    valid[0, :3] = False  # left padding in one row
+    bucket = torch.randint(0, nb, (G, N), generator=torch.Generator().manual_seed(3))
+    keys.requires_grad_(True)
+    values.requires_grad_(True)
+    plan, merged = plan_writes(state, keys, bucket, valid, params, write, training=True, generator=torch.Generator().manual_seed(5))
+    fast = scan_writes(merged, plan, gate_weights(plan, keys, params, write), keys, values, positions)
+    slow = naive.naive_scan(merged, plan, keys, values, positions, params, write)
+    for name in ("key", "value", "pos", "count"):
+        tol = 1e-10 if name in ("key", "value") else 1e-5  # positions and counts are kept in fp32
+        torch.testing.assert_close(getattr(fast, name), getattr(slow, name), rtol=tol, atol=tol, msg=name)
+    weights = torch.randn_like(fast.key)
+    grads = []
+    for out in (fast, slow):
+        loss = (out.key * weights).sum() + (out.value * weights).sum()  # the fp64 channels
+        grads.append(torch.autograd.grad(loss, [keys, values, *params.parameters()], allow_unused=True, retain_graph=True))
+    inputs = [keys, values, *params.parameters()]
+    for a, b, x in zip(*grads, inputs):
+        zero = torch.zeros_like(x)  # None: the input did not reach this output at all
+        torch.testing.assert_close(zero if a is None else a, zero if b is None else b, rtol=1e-9, atol=1e-9)
+
+
+def test_segmented_scan_matches_sequential():
+    torch.manual_seed(0)
+    M, D = 37, 3
+    seg = torch.sort(torch.randint(0, 6, (M,))).values
+    decay, value = torch.rand(M, D, dtype=torch.float64), torch.randn(M, D, dtype=torch.float64)
+    A, U = segmented_affine_scan(decay, value, seg)
+    for i in range(M):
+        a, u = torch.ones(D, dtype=torch.float64), torch.zeros(D, dtype=torch.float64)
+        j = i
+        while j > 0 and seg[j - 1] == seg[i]:
+            j -= 1
+        for k in range(j, i + 1):
+            a, u = decay[k] * a, decay[k] * u + value[k]
+        torch.testing.assert_close(A[i], a)
+        torch.testing.assert_close(U[i], u)
+
+
+def test_writes_keep_novel_tokens_exact_and_merge_duplicates():
+    d, S = 8, 32
+    params = WriteParams(d, "similarity", "scalar", 0.98)
+    state = MemoryState.empty(1, S, d)
+    torch.manual_seed(0)
+    base = torch.randn(4, d)
+    keys = base.repeat(3, 1).unsqueeze(0)  # 4 distinct keys, each seen 3 times
+    values = torch.randn(1, 12, d)
+    bucket = torch.zeros(1, 12, dtype=torch.long)
+    plan, merged = plan_writes(state, keys, bucket, torch.ones(1, 12, dtype=torch.bool), params)
+    out = scan_writes(merged, plan, gate_weights(plan, keys, params), keys, values, torch.arange(12.0).unsqueeze(0))
+    assert int((out.count > 0).sum()) == 4
+    assert sorted(out.count[out.count > 0].tolist()) == [3.0, 3.0, 3.0, 3.0]
+    # the running mean at initialisation: each slot's value is the mean of its 3 values
+    for i in range(4):
+        slot = int(plan.target[0, i])
+        torch.testing.assert_close(out.value[0, slot], values[0, i::4].mean(0), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.pos[0, slot], torch.tensor(float(i + 4)))
+
+
+def test_full_pool_merges_closest_pair_not_the_novel_token():
+    d, S = 6, 4
+    params = WriteParams(d, "similarity", "scalar", 0.98)
+    state = MemoryState.empty(1, S, d)
+    e = torch.eye(d)
+    near = e[0] + 0.05 * e[1]  # cos(e0, near) ~ 0.9988 > threshold? no: merges only >= 0.98 in-bucket
+    state.key[0] = torch.stack([e[0], near, e[2], e[3]])
+    state.count[0] = 1
+    state.bucket[0] = torch.tensor([0, 1, 2, 3])  # different buckets: no in-bucket merge
+    novel = e[4].view(1, 1, d)
+    plan, merged = plan_writes(state, novel, torch.tensor([[2]]), torch.ones(1, 1, dtype=torch.bool), params)
+    out = scan_writes(merged, plan, gate_weights(plan, novel, params), novel, novel, torch.zeros(1, 1))
+    assert int((out.count > 0).sum()) == 4
+    assert float(out.count.max()) == 2.0  # e0 and near were merged
+    slot = int(plan.target[0, 0])
+    torch.testing.assert_close(out.key[0, slot], e[4])  # the novel token is stored exactly
+
+
+def test_paper_pool_and_fifo_stay_within_their_slots():
+    for cfg in (
+        ARMConfig(depth=2, branching=2, slots=12, pool="paper", scorer="paper"),
+        ARMConfig(depth=2, branching=2, slots=12, write="fifo"),
+    ):
+        mem = ARMMemory(cfg, 2, 8).eval()
+        st = mem.init_state(1, torch.float32, "cpu")
+        for c in range(5):
+            st = mem.write(st, torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8), torch.arange(8)[None] + 8 * c, torch.ones(1, 8, dtype=torch.bool))
+        assert st.count.sum().item() == (2 * 40 if cfg.write != "fifo" else 2 * 12)
+        if cfg.pool == "paper":
+            assert torch.equal(st.bucket[0], torch.arange(12) // 3)
+
+
+def test_state_size_is_fixed():
+    cfg = ARMConfig(depth=2, branching=4, slots=48, chunk=256)
+    mem = ARMMemory(cfg, 2, 8).eval()
+    st = mem.init_state(1, torch.float32, "cpu")
+    sizes = {}
+    written = 0
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        while written < 100_000:
+            n = 256
+            st = mem.write(st, torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g), torch.arange(written, written + n)[None], torch.ones(1, n, dtype=torch.bool))
+            written += n
+            if written in (256, 100_096 - 256 * 0):
+                sizes[written] = st.nbytes()
+            sizes["last"] = st.nbytes()
+    assert sizes[256] == sizes["last"] == cfg.pool_slots * 2 * (2 * 8 * 4 + 12)
+    assert float(st.count.sum()) == 2 * written
+
+
+# ------------------------------------------------------------------ routing
+def test_beam_equals_exhaustive_when_m_is_all_buckets():
+    torch.manual_seed(0)
+    r = Router(2, 6, depth=3, branching=3)
+    x = torch.randn(2, 2, 5, 6)
+    b_beam, s_beam = r.beam_topm(x, 27)
+    s_all = r.leaf_scores(x)
+    torch.testing.assert_close(s_beam, s_all.topk(27, -1).values)
+    assert torch.equal(torch.sort(b_beam, -1).values, torch.arange(27).expand_as(b_beam))
+
+
+def test_topm_returns_true_topm_and_matches_naive_paths():
+    torch.manual_seed(1)
+    r = Router(1, 4, depth=2, branching=3)
+    x = torch.randn(1, 1, 6, 4)
+    for m in (1, 2, 5):
+        buckets, _ = r.topm_buckets(x, m)  # small tree: exhaustive, exact
+        for i in range(6):
+            assert buckets[0, 0, i].tolist() == naive.exhaustive_topm(r, 0, x[0, 0, i], m)
+    # beam search is exact where every top-m leaf's ancestors are in the top-m of their level
+    beam, _ = r.beam_topm(x, 3)
+    for i in range(6):
+        truth = naive.exhaustive_topm(r, 0, x[0, 0, i], 3)
+        parents = {b // 3 for b in truth}
+        level1 = sorted(range(3), key=lambda c: -naive.naive_node_score(r, 0, x[0, 0, i], 1 + c))[:3]
+        if parents <= set(level1):
+            assert sorted(beam[0, 0, i].tolist()) == sorted(truth)
+
+
+def test_route_writes_matches_naive():
+    torch.manual_seed(2)
+    r = Router(2, 4, depth=3, branching=2)
+    x = torch.randn(1, 2, 9, 4)
+    got = r.route_writes(x)
+    for h in range(2):
+        for i in range(9):
+            assert int(got[0, h, i]) == naive.naive_route_write(r, h, x[0, h, i])
+
+
+def test_balance_loss_matches_hand_computation():
+    r = Router(1, 2, depth=1, branching=2)
+    with torch.no_grad():
+        r.weight.zero_()
+        r.weight[0, 0] = torch.eye(2)
+        r.bias.zero_()
+    x = torch.tensor([[[[2.0, 0.0], [0.0, 1.0]]]])
+    p1 = torch.softmax(torch.tensor([2.0, 0.0]), 0)
+    p2 = torch.softmax(torch.tensor([0.0, 1.0]), 0)
+    h = lambda p: -(p * p.log()).sum()  # noqa: E731
+    pbar = (p1 + p2) / 2
+    expected = (h(p1) + h(p2)) / 2 + (pbar * pbar.log()).sum()
+    torch.testing.assert_close(r.balance_loss(x), expected)
+    torch.manual_seed(3)
+    r2 = Router(2, 3, depth=2, branching=3)
+    x2 = torch.randn(2, 2, 7, 3)
+    assert abs(float(r2.balance_loss(x2)) - naive.naive_balance_loss(r2, x2)) < 1e-5
+
+
+# ------------------------------------------------------------------ reads
+def test_bucket_slot_mask():
+    buckets = torch.tensor([[[[2, 0, 1]]]])  # one query, best first
+    slot_bucket = torch.tensor([[[0, 1, 2, -1, 2]]])
+    m = torch.tensor([2])
+    got = bucket_slot_mask(buckets, m, slot_bucket, 3)
+    assert got[0, 0, 0].tolist() == [True, False, True, False, True]
+
+
+def test_arm_read_equals_naive_read():
+    from armkv.methods.attention import joint_attention
+
+    torch.manual_seed(0)
+    B, Hq, Hkv, T, d, L, S = 2, 4, 2, 5, 6, 3, 7
+    q = torch.randn(B, Hq, T, d, dtype=torch.float64)
+    ek, ev = torch.randn(B, Hkv, L, d, dtype=torch.float64), torch.randn(B, Hkv, L, d, dtype=torch.float64)
+    evalid = torch.rand(B, L) > 0.3
+    ck, cv = torch.randn(B, Hkv, T, d, dtype=torch.float64), torch.randn(B, Hkv, T, d, dtype=torch.float64)
+    cvalid = torch.ones(B, T, dtype=torch.bool)
+    cvalid[1, :2] = False
+    sk, sv = torch.randn(B, Hkv, S, d, dtype=torch.float64), torch.randn(B, Hkv, S, d, dtype=torch.float64)
+    sbias = torch.rand(B, Hkv, S, dtype=torch.float64)
+    smask = torch.rand(B, Hq, T, S) > 0.5
+    fast = joint_attention(
+        q, ck, cv, cvalid, 0.4,
+        torch.cat([ek, sk], 2), torch.cat([ev, sv], 2),
+        torch.cat([evalid.unsqueeze(1).expand(B, Hkv, L), torch.ones(B, Hkv, S, dtype=torch.bool)], -1),
+        torch.cat([torch.zeros(B, Hkv, L, dtype=torch.float64), sbias], -1),
+        torch.cat([torch.ones(B, Hq, T, L, dtype=torch.bool), smask], -1),
+    )  # fmt: skip
+    slow = naive.naive_read(q, ek, ev, evalid, ck, cv, cvalid, 0.4, sk, sv, sbias, smask)
+    torch.testing.assert_close(fast, slow)
+
+
+# ------------------------------------------------------------------ policy
+def test_policy_m_within_bounds_and_penalty_moves_it():
+    torch.manual_seed(0)
+    s0 = torch.randn(16, 8)
+    results = {}
+    for lam in (0.0, 5.0):
+        torch.manual_seed(0)
+        pol = TopMPolicy(8, 16, m_max=8)
+        with torch.no_grad():
+            pol.out.bias.fill_(0.0)  # start in the middle
+        opt = torch.optim.Adam(pol.parameters(), lr=0.05)
+        for _ in range(60):
+            m, g, expected = pol.decide(s0, training=True, epsilon=0.1)
+            assert int(m.min()) >= 1 and int(m.max()) <= 8
+            # the toy task: reading more buckets lowers the task loss a little
+            task = (1.0 - expected / 8).mean()
+            loss = task + lam * (expected / 8).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        m, _, _ = pol.decide(s0)
+        results[lam] = float(m.float().mean())
+    assert results[0.0] > results[5.0]
+    assert results[0.0] >= 6 and results[5.0] <= 2
+
+
+# ------------------------------------------------------------------ inputs
+def test_bad_inputs_name_the_argument():
+    mem = ARMMemory(ARMConfig(depth=1, branching=2, slots=4), 2, 8)
+    st = mem.init_state(1, torch.float32, "cpu")
+    ok = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ArmkvError, match="keys"):
+        mem.write(st, torch.randn(1, 2, 3, 7), ok, torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ArmkvError, match="values"):
+        mem.write(st, ok, torch.zeros(1, 2, 3, 8, dtype=torch.long), torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ArmkvError, match="valid"):
+        mem.write(st, ok, ok, torch.zeros(1, 3), torch.ones(1, 4, dtype=torch.bool))
+    with pytest.raises(ArmkvError, match="queries"):
+        mem.route_queries(torch.randn(1, 2, 3), 1)
+    with pytest.raises(ArmkvError, match="depth"):
+        ARMConfig(depth=0)
+    with pytest.raises(ArmkvError, match="m_max"):
+        ARMConfig(depth=2, branching=2, m_max=5)
+    with pytest.raises(ArmkvError, match="budget"):
+        ARMConfig.for_budget(1, 64)
+
+
+def test_adapter_roundtrip_and_refusals(tmp_path):
+    arm = ARMModel(ARMConfig(depth=2, branching=2, slots=8), 3, 2, 8)
+    arm.save(tmp_path / "a")
+    back = ARMModel.load(tmp_path / "a")
+    for (k, v), (k2, v2) in zip(arm.state_dict().items(), back.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+    with pytest.raises(ArmkvError, match="3 layers"):
+        back.check_fits(30, 3, 64)
+    (tmp_path / "a" / "adapter_model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ArmkvError, match="corrupt"):
+        ARMModel.load(tmp_path / "a")
+    with pytest.raises(ArmkvError, match="not an armkv adapter"):
+        ARMModel.load(tmp_path / "missing")
+
+
+def test_nan_poisoned_free_slots_never_leak():
+    cfg = ARMConfig(depth=2, branching=2, slots=16)
+    mem = ARMMemory(cfg, 2, 8).eval()
+    st = mem.init_state(1, torch.float32, "cpu")
+    st.key.fill_(math.nan)
+    st.value.fill_(math.nan)
+    st = mem.write(st, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool))
+    occ = st.count > 0
+    assert torch.isfinite(st.key[occ]).all() and torch.isfinite(st.value[occ]).all()
