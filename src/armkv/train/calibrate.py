@@ -1,0 +1,155 @@
+"""``armkv calibrate``: the training-free start. Run the model over calibration text and
+collect every attention layer's pre-RoPE keys, from which each layer's tree is built
+(hierarchical k-means, DESIGN.md "Routing").
+
+This module collects the keys (:func:`collect_keys`); building the trees from them and
+saving the adapter is :func:`build_adapter`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from armkv.errors import ArmkvError
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The attention modules (those with a ``k_proj``), in layer order."""
+    found = [m for m in model.modules() if isinstance(getattr(m, "k_proj", None), torch.nn.Module)]
+    if not found:
+        raise ArmkvError(f"{type(model).__name__} has no attention module with a k_proj: not a Llama-family model")
+    return found
+
+
+def _head_dim(attn: torch.nn.Module, model: torch.nn.Module) -> int:
+    if getattr(attn, "head_dim", None):
+        return int(attn.head_dim)
+    config = model.config
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+@torch.no_grad()
+def collect_keys(
+    model: torch.nn.Module,
+    sequences: Iterable[torch.Tensor],
+    max_keys_per_head: int,
+    *,
+    seed: int = 0,
+) -> list[torch.Tensor]:
+    """Pre-RoPE keys of every attention layer, a uniform sample of at most
+    ``max_keys_per_head`` tokens.
+
+    The keys are read by forward hooks: on ``k_norm`` where the layer has one (Qwen3
+    normalises each head's key before RoPE), else on ``k_proj``. The sample is drawn
+    without replacement over all tokens seen, with memory bounded by the sample size:
+    every token gets a random priority and the ``max_keys_per_head`` highest survive
+    each chunk. Tokens are shared by all layers and heads, so key n of every layer
+    comes from the same token.
+
+    Parameters
+    ----------
+    model : a transformers causal LM of the Llama family
+    sequences : iterable of LongTensor [T] or [B, T]
+        One forward pass each (e.g. packed sequences from ``PackedSequences``).
+    max_keys_per_head : int
+    seed : int
+        Seeds the sample (a private generator: the global RNG is untouched).
+
+    Returns
+    -------
+    list over layers of float32 CPU tensors [Hkv, N, d], N <= max_keys_per_head.
+    """
+    if max_keys_per_head < 1:
+        raise ArmkvError(f"max_keys_per_head={max_keys_per_head}: must be at least 1")
+    layers = attention_modules(model)
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    captured: list[torch.Tensor | None] = [None] * len(layers)  # this chunk's keys, [Hkv, B*T, d]
+
+    def make_hook(i: int, head_dim: int):
+        def hook(module, inputs, output):
+            keys = output.detach().float()  # k_proj: [B, T, Hkv*d]; k_norm: [B, T, Hkv, d]
+            keys = keys.reshape(keys.shape[0] * keys.shape[1], -1, head_dim)  # [B*T, Hkv, d]
+            captured[i] = keys.transpose(0, 1).cpu()  # [Hkv, B*T, d]
+
+        return hook
+
+    handles = []
+    was_training = model.training
+    try:
+        for i, attn in enumerate(layers):
+            target = attn.k_norm if isinstance(getattr(attn, "k_norm", None), torch.nn.Module) else attn.k_proj
+            handles.append(target.register_forward_hook(make_hook(i, _head_dim(attn, model))))
+        model.eval()
+        # Only the keys matter: skip the vocabulary projection where the model allows it.
+        extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        kept: list[torch.Tensor] | None = None  # per layer [Hkv, n, d]
+        priority = torch.empty(0)  # [n], the kept tokens' priorities
+        for seq in sequences:
+            ids = seq.reshape(1, -1) if seq.ndim == 1 else seq  # [B, T]
+            model(input_ids=ids.to(device), **extra)
+            new = torch.rand(ids.numel(), generator=generator)  # [B*T]
+            priority = torch.cat([priority, new])
+            order = priority.topk(min(max_keys_per_head, priority.numel())).indices.sort().values
+            priority = priority[order]
+            kept = [
+                (captured[i] if kept is None else torch.cat([kept[i], captured[i]], dim=1))[:, order]
+                for i in range(len(layers))
+            ]
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    if kept is None:
+        raise ArmkvError("no calibration sequences: the data was empty")
+    return kept
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from armkv.train.data import add_data_arguments
+
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: the default model)")
+    parser.add_argument("--gguf-file", help="GGUF file inside --model to load")
+    add_data_arguments(parser)
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per forward pass")
+    parser.add_argument("--tokens", type=int, default=65_536, help="calibration tokens to run through the model")
+    parser.add_argument("--max-keys-per-head", type=int, default=8192, help="keys kept per layer and KV head for the tree")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="adapter directory to write")
+
+
+def build_adapter(keys: list[torch.Tensor], args: argparse.Namespace) -> Path:
+    """Build each layer's tree from its keys (hierarchical k-means) and save the adapter.
+
+    The hook for the ARM integration: ``keys[layer]`` is [Hkv, N, d] pre-RoPE keys.
+    """
+    raise ArmkvError(f"building the trees is not available in this build yet; the keys are in {args.out}/keys.safetensors")
+
+
+def main(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    from armkv.train.cli import load_model
+    from armkv.train.data import PackedSequences, hf_tokenize, source_from_args
+
+    if args.tokens < args.seq_len:
+        raise ArmkvError(f"--tokens {args.tokens} is less than one sequence (--seq-len {args.seq_len})")
+    model, tokenizer = load_model(args)
+    data = PackedSequences(source_from_args(args, args.seed), hf_tokenize(tokenizer), tokenizer.eos_token_id, args.seq_len, max_epochs=1)
+    sequences = (s for _, s in zip(range(args.tokens // args.seq_len), data))
+
+    from tqdm.auto import tqdm
+
+    keys = collect_keys(model, tqdm(sequences, total=args.tokens // args.seq_len, desc="calibrate", unit="seq"),
+                        args.max_keys_per_head, seed=args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({f"layer.{i}": k.contiguous() for i, k in enumerate(keys)}, out / "keys.safetensors")
+    build_adapter(keys, args)
+    return 0

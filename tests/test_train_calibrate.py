@@ -1,0 +1,68 @@
+"""train/calibrate.py: pre-RoPE keys collected by hooks, subsampled without replacement."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from armkv.errors import ArmkvError
+from armkv.train.calibrate import collect_keys
+
+
+def reference_keys(model, seqs):
+    """Per layer [Hkv, N, d]: k_proj (then k_norm, for Qwen3) of each layer's normed input."""
+    per_layer = None
+    for ids in seqs:
+        hidden = model(input_ids=ids[None], output_hidden_states=True).hidden_states
+        keys = []
+        for layer, h in zip(model.model.layers, hidden):
+            attn = layer.self_attn
+            k = attn.k_proj(layer.input_layernorm(h)).view(h.shape[1], -1, attn.head_dim)  # [T, Hkv, d]
+            if hasattr(attn, "k_norm"):
+                k = attn.k_norm(k)
+            keys.append(k.transpose(0, 1))
+        per_layer = keys if per_layer is None else [torch.cat([a, b], 1) for a, b in zip(per_layer, keys)]
+    return per_layer
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@torch.no_grad()
+def test_all_keys_when_the_cap_is_large(arch):
+    model = tiny_model(arch)
+    seqs = [torch.randint(3, 128, (13,)), torch.randint(3, 128, (9,))]
+    got = collect_keys(model, seqs, max_keys_per_head=1000)
+    want = reference_keys(model, seqs)
+    assert len(got) == len(model.model.layers)
+    for g, w in zip(got, want):
+        assert g.shape == (2, 22, model.model.layers[0].self_attn.head_dim)
+        torch.testing.assert_close(g, w)
+
+
+@torch.no_grad()
+def test_subsample_is_capped_shared_across_layers_and_seeded(llama):
+    seqs = [torch.randint(3, 128, (2, 20)) for _ in range(3)]  # [B, T] chunks: 120 tokens
+    llama.train()
+    sample = collect_keys(llama, seqs, max_keys_per_head=17, seed=1)
+    assert llama.training and not any(m._forward_hooks for m in llama.modules())
+    full = reference_keys(llama, [s for chunk in seqs for s in chunk])
+    # Find the sampled tokens by the last layer's keys (layer 0's depend on the token id
+    # alone and repeat); every layer and head must hold the keys of those same tokens.
+    match = (sample[-1][0][:, None] - full[-1][0][None]).abs().amax(-1) < 1e-5  # [17, 120]
+    assert (match.sum(1) == 1).all()
+    picked = match.float().argmax(1)  # [17]
+    assert len(set(picked.tolist())) == 17
+    for got, every in zip(sample, full):
+        assert got.shape == (2, 17, every.shape[-1])
+        torch.testing.assert_close(got, every[:, picked])
+    again = collect_keys(llama, seqs, max_keys_per_head=17, seed=1)
+    other = collect_keys(llama, seqs, max_keys_per_head=17, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(sample, again))
+    assert not torch.equal(sample[0], other[0])
+
+
+def test_bad_input(llama):
+    with pytest.raises(ArmkvError, match="no calibration"):
+        collect_keys(llama, [], 8)
+    with pytest.raises(ArmkvError, match="at least 1"):
+        collect_keys(llama, [torch.arange(4)], 0)
+    with pytest.raises(ArmkvError, match="k_proj"):
+        collect_keys(torch.nn.Linear(2, 2), [torch.arange(4)], 8)
