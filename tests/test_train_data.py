@@ -137,3 +137,11 @@ def test_default_corpus_is_prose_with_a_disjoint_heldout_split():
     text = " ".join(heldout)
     assert "{{" not in text and "[[" not in text and "<ref" not in text
     assert text.count(" the ") > 1000  # English prose
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gensim") is None, reason="default corpus needs `pip install --no-deps gensim`")
+def test_heldout_split_exports_as_text(tmp_path):
+    from armkv.train.data import write_default_corpus
+
+    text = write_default_corpus("heldout", tmp_path / "heldout.txt").read_text()
+    assert text.split("\n\n")[0] == default_corpus("heldout")[0].split("\n\n")[0]

@@ -144,6 +144,8 @@ def test_kill_and_resume_equals_uninterrupted_training(tmp_path):
         torch.testing.assert_close(trainable_state(model)[name], p, rtol=1e-6, atol=1e-7)
     strip = lambda rows: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "elapsed_s")} for r in rows]
     assert strip(resumed.history) == strip(ref.history)  # the log was cut back to step 3 and continued
+    with pytest.raises(ArmkvError, match="pass --resume"):
+        train(TinyLM(dropout=0.2), noisy_loss(), data(32, seed=5), config(tmp_path / "run", **kw))
     with pytest.raises(ArmkvError, match="another training config"):
         train(TinyLM(dropout=0.2), noisy_loss(), data(32, seed=5), config(tmp_path / "run", **dict(kw, lr=1e-3)), resume=True)
     with pytest.raises(ArmkvError, match="another model"):

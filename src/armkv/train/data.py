@@ -11,7 +11,8 @@ Sources:
   means every such file in it, sorted by name. Read into memory and shuffled per epoch.
 - Hugging Face ``datasets`` by name, streamed (``datasets`` is imported only then).
 - the offline default corpus (:func:`default_corpus`): English Wikipedia articles and
-  news stories shipped as test data inside the PyPI package ``gensim``.
+  news stories shipped as test data inside the PyPI package ``gensim``. Its held-out
+  split as a text file: ``python -m armkv.train.data heldout heldout.txt``.
 """
 
 from __future__ import annotations
@@ -410,6 +411,14 @@ def hf_tokenize(tokenizer) -> Callable[[str], list[int]]:
 
 
 
+def write_default_corpus(split: str, path: str | Path) -> Path:
+    """Write a split of the default corpus as one text file (documents separated by a
+    blank line), e.g. the held-out split for ``armkv eval ppl --input FILE``."""
+    path = Path(path)
+    path.write_text("\n\n".join(default_corpus(split)) + "\n", encoding="utf-8")
+    return path
+
+
 def add_data_arguments(parser) -> None:
     """The data flags shared by ``armkv train`` and ``armkv calibrate``."""
     g = parser.add_argument_group("data (default: the offline corpus, see armkv.train.data)")
@@ -424,3 +433,13 @@ def source_from_args(args, seed: int) -> DocumentSource:
     return make_source(
         args.data, args.dataset, dataset_config=args.dataset_config, split=args.split, text_column=args.text_column, seed=seed
     )
+
+
+if __name__ == "__main__":
+    import argparse
+
+    cli = argparse.ArgumentParser(description="write a split of the default corpus to a text file")
+    cli.add_argument("split", choices=("train", "heldout"))
+    cli.add_argument("out")
+    a = cli.parse_args()
+    print(write_default_corpus(a.split, a.out))

@@ -270,7 +270,7 @@ def train(
         ``batch = {"input_ids": LongTensor [micro_batch, seq_len]}``; ``schedule`` holds the
         current value of every ``config.schedules`` entry and ``"step"``. ``loss`` is a
         scalar mean over the micro-batch; ``metrics`` maps names to floats or 0-dim
-        tensors, averaged and logged.
+        tensors, averaged and logged (every rank must report the same names).
     data : PackedSequences
         Every rank builds the same stream; each keeps its own shard of every batch.
     config : TrainConfig
@@ -327,8 +327,13 @@ def train(
         if rank == 0:
             history = _truncate_log(log_path, start)
             print(f"resumed from {ckpt.path} at step {start}")
-    elif rank == 0 and log_path.exists():
-        log_path.unlink()
+    else:
+        if latest_checkpoint(ckpt_root) is not None:
+            # A fresh run would mix its checkpoints with the old ones (and keep-last would
+            # delete its own, lower-numbered, first).
+            raise ArmkvError(f"{ckpt_root} holds checkpoints of an earlier run: pass --resume to continue it, or use another --out")
+        if rank == 0 and log_path.exists():
+            log_path.unlink()
 
     def save(step: int) -> Path | None:
         """Checkpoint from rank 0 with every rank's RNG state; the path on rank 0."""
