@@ -309,6 +309,7 @@ def evaluate(
     max_length: int,
     samples: int | None = None,
     chat: bool = False,
+    max_new_tokens: int | None = None,
     budget: int | None = None,
     info=None,
 ) -> dict:
@@ -316,7 +317,7 @@ def evaluate(
 
     The summary's length key is ``"all"`` (LongBench reports one score per dataset).
     ``runner_factory`` gets ``chat`` in the options: False for the datasets ``pred.py``
-    leaves without the chat template.
+    leaves without the chat template. ``max_new_tokens`` caps the datasets' generation lengths.
     """
     output = Path(output)
     data = {d: load_dataset(data_dir, d) for d in datasets}
@@ -346,7 +347,7 @@ def evaluate(
                 jobs,
                 lambda method, options, use_chat=use_chat: runner_factory(method, {**options, "chat": use_chat}),
                 score=lambda prediction, s: score(s["task"], prediction, s["answers"], s["all_classes"]),
-                max_new_tokens=lambda d: DATASET2MAXLEN[d],
+                max_new_tokens=lambda d: min(DATASET2MAXLEN[d], max_new_tokens or 10**9),
                 desc="LongBench",
             )
 
@@ -364,6 +365,7 @@ def evaluate(
 def add_arguments(parser) -> None:
     parser.add_argument("--data-dir", default=None, help="folder of LongBench's <dataset>.jsonl files")
     parser.add_argument("--tasks", default=",".join(PAPER_DATASETS), help="comma-separated datasets (default: the paper's 14: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated tokens (default: each dataset's, 32 to 512)")
     parser.add_argument("--max-length", type=int, default=None, help="prompt tokens kept (middle truncation; default: the model's positions less the longest generation)")
     common.add_common_arguments(parser, methods="full,swa,sink,kivi,arm", samples=0, samples_help="first samples of each dataset, 0 for all")
 
@@ -382,10 +384,11 @@ def main(args) -> int:
         rows,
         args.output,
         common.runner_factory(model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat),
-        settings=common.settings_of(args, "longbench", max_length=max_length),
+        settings=common.settings_of(args, "longbench", max_length=max_length, max_new_tokens=args.max_new_tokens),
         max_length=max_length,
         samples=args.samples or None,
         chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
         budget=args.budget,
         info=info,
     )
