@@ -125,3 +125,13 @@ def test_calibrate_collects_keys(model_dir, corpus, tmp_path, capsys):
     one_line_error(args, capsys, "building the trees is not available")
     keys = load_file(tmp_path / "keys.safetensors")
     assert sorted(keys) == ["layer.0", "layer.1"] and keys["layer.0"].shape == (2, 24, 16)
+
+
+def test_lora_trains_only_the_adapters(model_dir, corpus, tmp_path):
+    pytest.importorskip("peft")
+    args = train_args(model_dir, corpus, tmp_path, "--steps", "3", "--lora-rank", "4", "--no-plot")
+    args[args.index("all")] = "none"
+    assert main(args) == 0
+    saved = load_file(tmp_path / "checkpoints" / "step_00000003" / "tensors.safetensors")
+    params = [k for k in saved if k.startswith("param.")]
+    assert params and all("lora_" in k for k in params)
