@@ -30,7 +30,7 @@ CHOICES = {
 class ARMConfig:
     """The routed memory of one attention layer (same for every layer and KV head).
 
-    Budget in token-equivalents = ``sinks + window + slots``; see :meth:`state_bytes`
+    Budget in token-equivalents = ``sinks + window + sync + slots``; see :meth:`state_bytes`
     for the exact bytes, metadata included.
     """
 
@@ -41,6 +41,8 @@ class ARMConfig:
     sinks: int = 4  # first tokens kept exact (StreamingLLM's attention sinks)
     window: int = 64  # W: most recent tokens kept exact
     chunk: int = 256  # P: prefill chunk; the sync point of the chunked write scan
+    sync: int = 16  # while decoding, tokens that leave the window wait (exact, still read) and are
+    # written together every `sync` tokens; 1 = the paper's state-dependent write at every token
     position_mode: str = "stored"  # "stored": slot keys rotated to their count-weighted position;
     # "fixed": every slot rotated as if it stood just before the local window (InfLLM)
     scorer: str = "similarity"  # "similarity": compares token and slot; "paper": w.[K;k]+b (cannot)
@@ -82,6 +84,8 @@ class ARMConfig:
             raise ArmkvError(f"ARMConfig: sinks={self.sinks} must be >= 0 and window={self.window} >= 1")
         if self.chunk < 1:
             raise ArmkvError(f"ARMConfig.chunk={self.chunk} must be >= 1")
+        if self.sync < 1:
+            raise ArmkvError(f"ARMConfig.sync={self.sync} must be >= 1 (1 = write at every decoded token)")
         if not 0.0 < self.merge_threshold <= 1.0:
             raise ArmkvError(f"ARMConfig.merge_threshold={self.merge_threshold} must be in (0, 1]")
         if self.tau <= 0:
@@ -130,32 +134,35 @@ class ARMConfig:
 
     @property
     def budget_tokens(self) -> int:
-        """Token-equivalents held: sinks + window + slots."""
-        return self.sinks + self.window + self.pool_slots
+        """Token-equivalents held at most: sinks + window + sync (waiting tokens) + slots."""
+        return self.sinks + self.window + self.sync + self.pool_slots
 
     def state_bytes(self, head_dim: int, dtype_bytes: int = 4) -> int:
         """Bytes of one layer's state for one KV head and one sequence, metadata included."""
         token = 2 * head_dim * dtype_bytes
-        return (self.sinks + self.window) * token + self.pool_slots * (token + SLOT_META_BYTES)
+        return (self.sinks + self.window + self.sync) * token + self.pool_slots * (token + SLOT_META_BYTES)
 
     # ------------------------------------------------------------------ budget
     @classmethod
     def for_budget(cls, budget: int, head_dim: int, dtype_bytes: int = 4, **overrides) -> "ARMConfig":
         """The config whose state fits ``budget`` token-equivalents of KV bytes.
 
-        The exact part takes ``sinks`` (4) + ``window`` (budget // 8, at most 64)
-        tokens; the rest, less the slots' metadata, becomes the slot pool. The tree
+        The exact part takes ``sinks`` (4) + ``window`` + ``sync`` tokens (budget // 8 at
+        most 64 for the last two, a quarter of it for sync); the rest, less the slots'
+        metadata, becomes the slot pool. The tree
         gets about 6 slots per bucket (a power of ``branching``).
         """
         token = 2 * head_dim * dtype_bytes
         sinks = overrides.pop("sinks", min(4, max(0, budget // 16)))
-        window = overrides.pop("window", max(1, min(64, budget // 8)))
-        free = budget * token - (sinks + window) * token
+        exact = max(2, min(64, budget // 8))
+        sync = overrides.pop("sync", max(1, min(16, exact // 4)))
+        window = overrides.pop("window", max(1, exact - sync))
+        free = budget * token - (sinks + window + sync) * token
         slots = free // (token + SLOT_META_BYTES)
         if slots < 1:
             raise ArmkvError(
-                f"budget {budget} token-equivalents is too small for ARM with {sinks} sinks and a window of "
-                f"{window}: raise --budget to at least {sinks + window + 2}"
+                f"budget {budget} token-equivalents is too small for ARM with {sinks} sinks, a window of "
+                f"{window} and {sync} waiting tokens: raise --budget to at least {sinks + window + sync + 2}"
             )
         branching = overrides.pop("branching", 4)
         if "depth" in overrides:
@@ -169,7 +176,9 @@ class ARMConfig:
                 depth -= 1
                 nb = branching**depth
             slots = (slots // nb) * nb
-        return cls(sinks=sinks, window=window, slots=int(slots), depth=depth, branching=branching, **overrides)
+        return cls(
+            sinks=sinks, window=window, sync=sync, slots=int(slots), depth=depth, branching=branching, **overrides
+        )
 
     # ------------------------------------------------------------------ io
     def to_dict(self) -> dict:

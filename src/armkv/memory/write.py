@@ -147,10 +147,20 @@ def _scatter_where(base: torch.Tensor, index: torch.Tensor, src: torch.Tensor, m
 def _exclusive_rank(index: torch.Tensor, mask: torch.Tensor, size: int) -> torch.Tensor:
     """For each token, how many earlier tokens of its group share its index (where mask).
 
-    index : [G, N] in [0, size); mask : [G, N] bool -> [G, N] long
+    index : [G, N] in [0, size); mask : [G, N] bool -> [G, N] long (0 where not mask).
+    One sort by (index, time): a token's rank is its distance from its run's start.
     """
-    onehot = F.one_hot(index.clamp(0, size - 1), size) * mask.unsqueeze(-1)
-    return ((onehot.cumsum(1) - onehot) * onehot).sum(-1)
+    G, N = index.shape
+    t = torch.arange(N, device=index.device)
+    key = torch.where(mask, index.clamp(0, size - 1) * N + t, size * N + t)
+    sorted_key, order = key.sort(dim=1)
+    run = sorted_key // N
+    start = torch.ones_like(run, dtype=torch.bool)
+    start[:, 1:] = run[:, 1:] != run[:, :-1]
+    first = torch.where(start, t.expand(G, N), 0).cummax(1).values
+    rank_sorted = t - first
+    rank = torch.empty_like(rank_sorted).scatter_(1, order, rank_sorted)
+    return rank * mask
 
 
 def plan_writes(

@@ -28,7 +28,7 @@ from armkv.methods.buffers import ExactBuffer
 # ARMConfig fields that may differ from the adapter's at run time: none of them changes
 # a parameter's shape (the tree, scorer, gate and policy come with the adapter).
 RUNTIME_FIELDS = {
-    "sinks", "window", "slots", "pool", "chunk", "position_mode", "write", "empty_slot_rule",
+    "sinks", "window", "sync", "slots", "pool", "chunk", "position_mode", "write", "empty_slot_rule",
     "log_count_bias", "tau", "top_m", "m_fixed", "epsilon",
 }  # fmt: skip
 
@@ -52,6 +52,9 @@ class ARMLayer(CacheLayer):
         self.chunk = config.chunk
         self.buffer: ExactBuffer | None = None
         self.state: MemoryState | None = None
+        # tokens that left the window and wait to be written (decoding writes every `sync`):
+        # (keys [B, H, n, d] post-RoPE, values, valid [B, n], positions [B, n])
+        self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.m: torch.Tensor | None = None  # [B] buckets each row reads
         self.mix: torch.Tensor | None = None  # [B] soft-cascade weight of Top(M + 1) (training)
         self.aux: dict[str, torch.Tensor] = {}
@@ -67,7 +70,8 @@ class ARMLayer(CacheLayer):
     def state_bytes(self) -> int:
         if self.buffer is None:
             return 0
-        return self.buffer.state_bytes() + self.state.nbytes()
+        waiting = 0 if self.pending is None else self.pending[0].nbytes + self.pending[1].nbytes
+        return self.buffer.state_bytes() + self.state.nbytes() + waiting
 
     # ------------------------------------------------------------------ attention
     def attend_chunk(self, query, key, value, valid, positions, scaling):
@@ -83,6 +87,10 @@ class ARMLayer(CacheLayer):
             self._decide_m(self.rotary.unrotate(key, pos), valid)
 
         exact_k, exact_v, exact_valid, _ = self.buffer.kv()
+        if self.pending is not None:
+            exact_k = torch.cat([exact_k, self.pending[0]], 2)
+            exact_v = torch.cat([exact_v, self.pending[1]], 2)
+            exact_valid = torch.cat([exact_valid, self.pending[2]], 1)
         slot_key = self.state.key.view(B, H, S, d)
         slot_val = self.state.value.view(B, H, S, d)
         count = self.state.count.view(B, H, S)
@@ -126,17 +134,27 @@ class ARMLayer(CacheLayer):
             )  # fmt: skip
         out = outs[0] if len(outs) == 1 else self.mix.view(B, 1, 1, 1) * outs[1] + (1 - self.mix.view(B, 1, 1, 1)) * outs[0]
 
-        # commit: tokens leaving the window go into the slots
+        # commit: tokens leaving the window wait, then go into the slots together: at the end
+        # of every prefill chunk, and every `sync` tokens while decoding
         overflow = self.buffer.push(key, value, valid, positions)
         if overflow.key.shape[2] > 0:
-            k_pre = self.rotary.unrotate(overflow.key, overflow.positions.unsqueeze(1))
-            if mem.training and c.write != "fifo":
-                loss = mem.router.balance_loss(k_pre, overflow.valid)
-                self.aux["balance"] = self.aux.get("balance", 0) + loss
-            self.state = mem.write(
-                self.state, k_pre, overflow.value, overflow.positions, overflow.valid, self.generator, self.config
+            new = (overflow.key, overflow.value, overflow.valid, overflow.positions)
+            self.pending = new if self.pending is None else tuple(
+                torch.cat([a, b], 2 if a.ndim == 4 else 1) for a, b in zip(self.pending, new)
             )
+        if self.pending is not None and (T > 1 or self.pending[0].shape[2] >= c.sync):
+            self._flush()
         return out
+
+    def _flush(self) -> None:
+        """Write the waiting tokens into the slots (one chunked scan)."""
+        c, mem = self.config, self.memory
+        keys, values, valid, positions = self.pending
+        self.pending = None
+        k_pre = self.rotary.unrotate(keys, positions.unsqueeze(1))
+        if mem.training and c.write != "fifo":
+            self.aux["balance"] = self.aux.get("balance", 0) + mem.router.balance_loss(k_pre, valid)
+        self.state = mem.write(self.state, k_pre, values, positions, valid, self.generator, c)
 
     def _masks_for(self, q_pre: torch.Tensor, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
         mem = self.memory
@@ -228,17 +246,19 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
             arm = _load_adapter(str(Path(adapter).resolve()))
     arm.check_fits(info.num_layers, info.num_kv_heads, info.head_dim)
     tree = arm.config
-    runtime = dataclasses.replace(tree, sinks=split.sinks, window=split.window)
+    runtime = dataclasses.replace(tree, sinks=split.sinks, window=split.window, sync=split.sync)
     # the slots that fit the budget, for this adapter's tree (the paper's pool: a multiple of N_b)
     token = 2 * info.head_dim * info.dtype_bytes
     from armkv.config import SLOT_META_BYTES
 
-    slots = (budget - split.sinks - split.window) * token // (token + SLOT_META_BYTES)
+    slots = (budget - split.sinks - split.window - split.sync) * token // (token + SLOT_META_BYTES)
     pool = overrides.get("pool", tree.pool)
     if pool == "paper":
         slots = (slots // tree.num_buckets) * tree.num_buckets
     if slots < 1:
-        raise ArmkvError(f"budget {budget} is too small for arm: raise --budget to at least {split.sinks + split.window + 2}")
+        raise ArmkvError(
+            f"budget {budget} is too small for arm: raise --budget to at least {split.sinks + split.window + split.sync + 2}"
+        )
     fields = {"slots": int(slots), "pool": pool, **overrides}
     fields.setdefault("chunk", min(tree.chunk, int(slots)))
     runtime = dataclasses.replace(runtime, **fields)
