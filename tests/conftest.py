@@ -55,3 +55,34 @@ def any_model(request):
 @pytest.fixture
 def llama():
     return tiny_model("llama")
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer built offline, with a minimal chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"])
+    tok.train_from_iterator(["The grass is green. The sky is blue. The magic number is 1234567."] * 10, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A saved tiny Llama (vocab 320, 1024 positions) with its tokenizer: a local model folder."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**dict(TINY, vocab_size=320, max_position_embeddings=1024))
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path

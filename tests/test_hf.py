@@ -1,0 +1,199 @@
+"""The transformers boundary on tiny models: generation equals plain generate, chunked prefill +
+decode equals a no-cache forward under left padding, batched equals one by one, attach/detach."""
+
+import pytest
+import torch
+
+from armkv.errors import ArmkvError
+from armkv.hf import ArmkvCache, attach, attached, detach, is_attached, make_cache
+from armkv.hf.runner import Runner
+from armkv.methods.base import METHODS, _load_builtin_methods
+from conftest import ARCHS, tiny_model
+
+_load_builtin_methods()
+ALL = sorted(METHODS)
+BIG = 256  # a budget above every sequence here: nothing evicted, merged or quantised (kivi's residual is 64)
+
+
+def left_padded(batch=3, length=20, seed=0, vocab=128):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for i in range(1, batch):
+        pad = int(torch.randint(1, length // 2, (1,), generator=g))
+        mask[i, :pad] = 0
+        ids[i, :pad] = 0
+    return ids, mask
+
+
+@pytest.fixture(autouse=True)
+def _restore_models():
+    yield
+    # Each test builds its own models; nothing global to undo but the active-layer marker.
+    from armkv.hf.attention import ACTIVE
+
+    ACTIVE.set(None)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method", ALL)
+def test_greedy_generation_equals_plain_generate(arch, method):
+    model = tiny_model(arch)
+    ids, mask = left_padded()
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    cache = make_cache(model, method, budget=BIG, chunk=7)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                         past_key_values=cache)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("method", ALL)
+def test_chunked_prefill_and_decode_equal_no_cache_forward(arch, method, nan_empty):
+    """Prefill in chunks of 5 under random left padding, then feed 6 tokens one by one: every
+    valid position's logits equal one forward over the whole sequence (fp32 tolerance)."""
+    model = tiny_model(arch)
+    ids, mask = left_padded(batch=3, length=29, seed=1)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, use_cache=False).logits
+    cache = make_cache(model, method, budget=BIG, chunk=5)
+    prompt = 23
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    got = []
+    with torch.no_grad():
+        out = model(ids[:, :prompt], attention_mask=mask[:, :prompt], position_ids=positions[:, :prompt],
+                    past_key_values=cache, use_cache=True)
+        got.append(out.logits)
+        for t in range(prompt, ids.shape[1]):
+            out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=positions[:, t:t + 1],
+                        past_key_values=cache, use_cache=True)
+            got.append(out.logits)
+    got = torch.cat(got, dim=1)
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-4, rtol=1e-4)
+    assert cache.get_seq_length() == ids.shape[1]
+
+
+SMALL = {"swa": dict(budget=8), "sink": dict(budget=10), "kivi": dict(budget=64, group=4, residual=8)}
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_batched_equals_one_by_one(method):
+    """Padding is never stored, so a row's cache is the same alone or in a left-padded batch,
+    also when a small budget evicts, quantises or merges (prefill in one chunk)."""
+    model = tiny_model("llama")
+    kwargs = SMALL.get(method, dict(budget=64 if METHODS[method].bounded else None))
+    ids, mask = left_padded(batch=3, length=24, seed=2)
+    cache = make_cache(model, method, chunk=64, **kwargs)
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                             past_key_values=cache)[:, ids.shape[1]:]
+    for i in range(ids.shape[0]):
+        row = ids[i:i + 1, mask[i].bool()]
+        cache = make_cache(model, method, chunk=64, **kwargs)
+        alone = model.generate(row, max_new_tokens=20, do_sample=False, pad_token_id=0, past_key_values=cache)
+        alone = alone[0, row.shape[1]:]
+        # A row that stopped early is padded in the batch.
+        assert torch.equal(alone, batched[i, : len(alone)]) and not batched[i, len(alone):].any(), f"row {i}"
+
+
+def test_kivi_logits_within_quantisation_error():
+    """With 4-bit groups of 8 and a residual of 8, most of a 60-token prompt is quantised; the
+    logits stay close to the exact ones (the per-entry bound is tested in test_methods)."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(batch=2, length=60, seed=3)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, use_cache=False).logits[:, -1]
+        cache = make_cache(model, "kivi", bits=4, group=8, residual=8, chunk=8)
+        got = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
+    assert cache.layers[0].write_at.min() >= 4, "most tokens went through the quantiser"
+    scale = want.abs().max()
+    assert (got - want).abs().max() < 0.05 * scale
+
+
+def test_sampled_runner_equals_generate():
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, 128, (1, 17), generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(7)
+    want = model.generate(ids, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+                          pad_token_id=0, past_key_values=make_cache(model, "sink", budget=BIG))[0, 17:]
+    runner = Runner(model, _NoTokenizer(), "sink", budget=BIG, chunk=4)
+    torch.manual_seed(7)
+    got, _, _ = runner.generate_ids([ids[0, :9].tolist(), ids[0, 9:].tolist()], 12, do_sample=True,
+                                    temperature=0.8, top_k=20, top_p=0.9)
+    assert got == want[: len(got)].tolist()
+
+
+@pytest.mark.parametrize("method", ["full", "swa", "kivi"])
+def test_greedy_runner_equals_plain_generate(method):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 21), generator=torch.Generator().manual_seed(5))
+    want = model.generate(ids, max_new_tokens=15, do_sample=False, pad_token_id=0)[0, 21:]
+    got, timing, cache = Runner(model, _NoTokenizer(), method, budget=BIG, chunk=6).generate_ids([ids[0].tolist()], 15)
+    assert got == want[: len(got)].tolist()
+    assert cache.peak_bytes() >= cache.state_bytes() > 0
+    assert timing["prefill_seconds"] > 0
+
+
+class _NoTokenizer:
+    eos_token_id = 2
+
+
+def test_attach_detach_gives_identical_logits():
+    model = tiny_model("qwen2")
+    ids, mask = left_padded()
+    original = model.config._attn_implementation
+    with torch.no_grad():
+        before = model(ids, attention_mask=mask).logits
+        with attached(model):
+            assert model.config._attn_implementation == "armkv"
+            during = model(ids, attention_mask=mask, use_cache=False).logits  # sdpa fallback, no ArmkvCache
+            cache = make_cache(model, "full")
+            with_cache = model(ids, attention_mask=mask, past_key_values=cache).logits
+        assert not is_attached(model)
+        assert model.config._attn_implementation == original
+        after = model(ids, attention_mask=mask).logits
+    assert torch.equal(before, after)
+    assert torch.equal(before, during)
+    valid = mask.bool()
+    torch.testing.assert_close(with_cache[valid], before[valid], atol=1e-4, rtol=1e-4)
+
+
+def test_cache_without_attach_is_an_error():
+    model = tiny_model("llama")
+    cache = make_cache(model, "full")
+    detach(model)
+    with pytest.raises(ArmkvError, match="attach"):
+        model(torch.randint(3, 128, (1, 5)), past_key_values=cache)
+
+
+def test_cache_reports_lengths_and_bytes():
+    model = tiny_model("llama")
+    cache = make_cache(model, "swa", budget=8, chunk=4)
+    assert isinstance(cache, ArmkvCache) and cache.get_seq_length() == 0 and cache.get_max_length() == -1
+    with torch.no_grad():
+        model(torch.randint(3, 128, (2, 13)), past_key_values=cache)
+    assert cache.get_seq_length() == 13
+    assert cache.get_mask_sizes(1, 0) == (1, 13)
+    bound = 2 * 8 * cache.layers[0].info.token_bytes() * len(cache.layers)
+    assert cache.state_bytes() == cache.peak_bytes() == bound
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.state_bytes() == 0
+
+
+@pytest.mark.parametrize(
+    "method,budget,options,message",
+    [("nope", None, {}, "unknown method"), ("sink", 3, {}, "too small"), ("swa", None, {}, "needs a budget"),
+     ("full", None, {"chunk": 0}, "chunk")],
+)
+def test_make_cache_errors(method, budget, options, message):
+    model = tiny_model("llama")
+    with pytest.raises(ArmkvError, match=message):
+        make_cache(model, method, budget=budget, **options)
+    assert attach(model) is model
+
+
+def test_prompt_longer_than_the_model_allows():
+    model = tiny_model("llama")
+    runner = Runner(model, _NoTokenizer(), "full")
+    with pytest.raises(ArmkvError, match="limit of 512 positions"):
+        runner.generate_ids([list(range(3, 103)) * 5], 20)
