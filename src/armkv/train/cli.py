@@ -94,6 +94,9 @@ def load_model(args: argparse.Namespace):
     if not args.model:
         raise ArmkvError("pass --model DIR (a local Hugging Face model directory)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per run: the trainer's
 
     path = Path(args.model)
     if not path.is_dir():
@@ -154,7 +157,11 @@ def main(args: argparse.Namespace) -> int:
         ce_weight=args.ce_weight, kl_weight=args.kl_weight, temperature=args.kd_temperature, teacher=teacher,
         aux_weights={"balance": args.alpha, "budget": args.budget_penalty},
     )
-    result = train(model, loss_fn, data, config, resume=args.resume)
+    try:
+        result = train(model, loss_fn, data, config, resume=args.resume)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     if result.history:
         last = result.history[-1]
         print(json.dumps({"step": result.step, "loss": last["loss"], "out_dir": str(result.out_dir),
