@@ -1,0 +1,98 @@
+"""``armkv generate`` end to end on a saved tiny model, its errors, and one real-model run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from armkv.cli import main
+
+FIELDS = {"id", "method", "output", "prompt_tokens", "cache_bytes", "prefill_seconds", "decode_seconds_per_token"}
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def run(tmp_path, model_dir, *extra, lines=None):
+    src = write_lines(tmp_path / "in.jsonl", lines if lines is not None else [
+        json.dumps({"id": "a", "context": "The grass is green. The magic number is 1234567.",
+                    "question": " What is the magic number?", "answer_prefix": " It is"}),
+        "{not json",
+        json.dumps({"id": "b", "prompt": "The sky is blue."}),
+        json.dumps({"id": "c"}),
+    ])
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--model", str(model_dir), "--input", str(src), "--output", str(out),
+            "--max-new-tokens", "5", "--chunk", "8", *extra]
+    return main(args), out
+
+
+def test_generate_writes_one_line_per_good_request(tmp_path, tiny_model_dir, capsys):
+    code, out = run(tmp_path, tiny_model_dir, "--method", "sink", "--budget", "16")
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "in.jsonl:2: skipped, not JSON" in err
+    assert "in.jsonl:4: skipped" in err and "'context' or 'prompt'" in err
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in results] == ["a", "b"]
+    for r in results:
+        assert set(r) == FIELDS and r["method"] == "sink" and r["cache_bytes"] > 0 and r["prompt_tokens"] > 0
+
+
+def test_generate_chat_mode(tmp_path, tiny_model_dir):
+    code, out = run(tmp_path, tiny_model_dir, "--method", "full", "--chat")
+    assert code == 0
+    assert len(out.read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize(
+    "extra,lines,message",
+    [
+        (["--method", "nope"], None, "unknown method 'nope'"),
+        (["--method", "sink", "--budget", "3"], None, "too small"),
+        (["--method", "swa"], None, "needs a budget"),
+        (["--method", "full"], [], "holds no request"),
+        (["--method", "full", "--adapter", "random"], None, "takes no option adapter"),
+    ],
+)
+def test_generate_errors_are_one_line(tmp_path, tiny_model_dir, capsys, extra, lines, message):
+    code, _ = run(tmp_path, tiny_model_dir, *extra, lines=lines)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0
+    assert message in err[-1] and err[-1].startswith("armkv generate: error:")
+
+
+def test_missing_model_folder(tmp_path, capsys):
+    code, _ = run(tmp_path, tmp_path / "no-such-model", "--method", "full")
+    assert code != 0
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_prompt_too_long_is_reported_and_others_go_on(tmp_path, tiny_model_dir, capsys):
+    lines = [json.dumps({"id": "long", "prompt": "The grass is green. " * 400}),
+             json.dumps({"id": "short", "prompt": "The sky is blue."})]
+    code, out = run(tmp_path, tiny_model_dir, "--method", "full", lines=lines)
+    assert code == 1
+    assert "limit of 1024 positions" in capsys.readouterr().err
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["short"]
+
+
+@pytest.mark.real_model
+def test_generate_real_default_model(tmp_path):
+    """The console script on the default model (SmolLM2-135M-Instruct), a short chat prompt."""
+    src = write_lines(tmp_path / "in.jsonl", [json.dumps({
+        "id": "q", "context": "The magic number is 4321.", "question": "What is the magic number?",
+        "answer_prefix": "The magic number is"})])
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "armkv.cli", "generate", "--method", "sink", "--budget", "64", "--chat",
+         "--max-new-tokens", "8", "--input", str(src), "--output", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (result,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert set(result) == FIELDS
+    assert "4321" in result["output"]
