@@ -277,7 +277,9 @@ def train(
     resume : bool
         Continue from the newest checkpoint in ``config.out_dir/checkpoints`` (a fresh
         start if there is none). The model, data and config must be those of the run
-        that wrote it; the result is then the same as an uninterrupted run.
+        that wrote it; the result is then the same as an uninterrupted run. The number
+        of processes may change on resume (the global batch is ``batch_tokens`` either
+        way); only per-rank randomness (e.g. Gumbel noise) then differs.
     fingerprint : str, optional
         Identifies the model in checkpoints (default: :func:`model_fingerprint`).
 
