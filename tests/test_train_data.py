@@ -145,3 +145,9 @@ def test_heldout_split_exports_as_text(tmp_path):
 
     text = write_default_corpus("heldout", tmp_path / "heldout.txt").read_text()
     assert text.split("\n\n")[0] == default_corpus("heldout")[0].split("\n\n")[0]
+
+
+def test_position_from_edited_documents_is_refused():
+    state = packer(DOCS).state_dict()
+    with pytest.raises(ArmkvError, match="saved data position"):
+        packer(DOCS[:-1] + ["edited"]).load_state_dict(state)

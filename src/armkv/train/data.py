@@ -18,6 +18,7 @@ Sources:
 from __future__ import annotations
 
 import bz2
+import hashlib
 import html
 import importlib.util
 import itertools
@@ -226,11 +227,17 @@ class DocumentSource:
         self.dataset, self.dataset_config, self.split = dataset, dataset_config, split
         self.text_column, self.data_files = text_column, data_files
         self.seed, self.shuffle, self.shuffle_buffer = seed, shuffle, shuffle_buffer
+        self._digest = None  # content hash of the documents, computed on first describe()
 
     def describe(self) -> dict:
         """What identifies this stream, stored beside a saved position and checked on resume."""
         if self.documents is not None:
-            return {"kind": "list", "num_docs": len(self.documents), "seed": self.seed, "shuffle": self.shuffle}
+            if self._digest is None:
+                h = hashlib.sha256()
+                for doc in self.documents:
+                    h.update(doc.encode("utf-8", "replace") + b"\0")
+                self._digest = h.hexdigest()[:16]
+            return {"kind": "list", "num_docs": len(self.documents), "sha256": self._digest, "seed": self.seed, "shuffle": self.shuffle}
         return {
             "kind": "hf", "dataset": self.dataset, "config": self.dataset_config, "split": self.split,
             "text_column": self.text_column, "seed": self.seed, "shuffle": self.shuffle,
