@@ -305,37 +305,18 @@ def train(
 
     seed_everything(config.seed + rank)
     optimizer = _make_optimizer(params, config)
-    start = 0
-    history: list[dict] = []
-    last_ckpt: Path | None = None
-    last_ckpt_step: int | None = None
+    start, history, last_ckpt = 0, [], None
     if resume and latest_checkpoint(ckpt_root) is not None:
-        ckpt = load_checkpoint(ckpt_root, fingerprint=fingerprint, config=config.trajectory())
-        missing = set(params) ^ set(ckpt.params)
-        if missing:
-            raise ArmkvError(f"checkpoint {ckpt.path} trains other parameters than this model ({sorted(missing)[:3]} ...)")
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(ckpt.params[name])
-        optimizer.load_state_dict(ckpt.optimizer)
-        data.load_state_dict(ckpt.data)
-        if rank in ckpt.rng:
-            restore_rng(*ckpt.rng[rank])
-        else:
-            # More ranks than the run that wrote the checkpoint: a fresh stream for this one.
-            seed_everything(config.seed + rank + 1_000_003 * ckpt.step)
-        start = last_ckpt_step = ckpt.step
-        last_ckpt = ckpt.path
-        if rank == 0:
-            history = _truncate_log(log_path, start)
-            print(f"resumed from {ckpt.path} at step {start}")
-    else:
-        if latest_checkpoint(ckpt_root) is not None:
-            # A fresh run would mix its checkpoints with the old ones (and keep-last would
-            # delete its own, lower-numbered, first).
-            raise ArmkvError(f"{ckpt_root} holds checkpoints of an earlier run: pass --resume to continue it, or use another --out")
-        if rank == 0 and log_path.exists():
-            log_path.unlink()
+        start, history, last_ckpt = _restore(
+            ckpt_root, params=params, optimizer=optimizer, data=data, config=config, fingerprint=fingerprint, rank=rank, log_path=log_path
+        )
+    elif latest_checkpoint(ckpt_root) is not None:
+        # A fresh run would mix its checkpoints with the old ones (and keep-last would
+        # delete its own, lower-numbered, first).
+        raise ArmkvError(f"{ckpt_root} holds checkpoints of an earlier run: pass --resume to continue it, or use another --out")
+    elif rank == 0 and log_path.exists():
+        log_path.unlink()
+    last_ckpt_step = start if last_ckpt else None
 
     def save(step: int) -> Path | None:
         """Checkpoint from rank 0 with every rank's RNG state; the path on rank 0."""
@@ -425,3 +406,36 @@ def train(
         plot_log(log_path, out_dir / "loss.png")
     return TrainResult(step=step, history=history, out_dir=out_dir, checkpoint=last_ckpt)
 
+
+def _restore(
+    ckpt_root: Path,
+    *,
+    params: dict[str, torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    data: PackedSequences,
+    config: TrainConfig,
+    fingerprint: str,
+    rank: int,
+    log_path: Path,
+) -> tuple[int, list[dict], Path]:
+    """Load the newest checkpoint into the parameters, optimizer, data position and this
+    rank's RNG; cut the log back to it. Returns (step, log rows so far, checkpoint path)."""
+    ckpt = load_checkpoint(ckpt_root, fingerprint=fingerprint, config=config.trajectory())
+    missing = set(params) ^ set(ckpt.params)
+    if missing:
+        raise ArmkvError(f"checkpoint {ckpt.path} trains other parameters than this model ({sorted(missing)[:3]} ...)")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(ckpt.params[name])
+    optimizer.load_state_dict(ckpt.optimizer)
+    data.load_state_dict(ckpt.data)
+    if rank in ckpt.rng:
+        restore_rng(*ckpt.rng[rank])
+    else:
+        # More ranks than the run that wrote the checkpoint: a fresh stream for this one.
+        seed_everything(config.seed + rank + 1_000_003 * ckpt.step)
+    history = []
+    if rank == 0:
+        history = _truncate_log(log_path, ckpt.step)
+        print(f"resumed from {ckpt.path} at step {ckpt.step}")
+    return ckpt.step, history, ckpt.path
