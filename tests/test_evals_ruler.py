@@ -138,6 +138,13 @@ def test_qa_answer_is_in_one_of_the_documents(gen, task):
         assert s["answer_prefix"] == " Answer:"
 
 
+def test_chat_template_tokens_count_in_the_length():
+    plain = ruler.RulerGenerator(tiny_tokenizer()).samples("niah_single_1", 1024, 1)[0]
+    wrapped = ruler.RulerGenerator(tiny_tokenizer(), extra_tokens=40).samples("niah_single_1", 1024, 1)[0]
+    assert wrapped["tokens"] <= 1024 and n_tokens(full_text(wrapped)) + 40 + 128 == wrapped["tokens"]
+    assert len(wrapped["context"]) < len(plain["context"])
+
+
 def test_samples_are_seeded_and_do_not_depend_on_the_others(gen):
     a = gen.samples("niah_single_1", 1024, 4)
     b = gen.samples("niah_single_1", 1024, 2)
@@ -222,3 +229,15 @@ def test_evaluate_writes_logs_summary_table_plot_and_resumes(tmp_path):
 
     with pytest.raises(ArmkvError, match="holds results for budget=128"):
         ruler.evaluate(gen, rows, ["niah_single_1"], [1024], 1, tmp_path, fake_factory(needle_answer), settings={"eval": "ruler", "budget": 256})
+
+
+def test_chat_template_tokens_are_the_wrappers_tokens():
+    import copy
+
+    tok = copy.deepcopy(tiny_tokenizer())
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    wrapper = "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n"
+    assert ruler.chat_template_tokens(tok) == len(tok.encode(wrapper, add_special_tokens=False))

@@ -164,6 +164,11 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", str(text))
 
 
+def log_path(folder: Path, label: str, task: str, length: str) -> Path:
+    """Where the samples of one (row, task, length) are logged."""
+    return Path(folder) / f"{_slug(label)}__{_slug(task)}__{_slug(length)}.jsonl"
+
+
 class SampleLog:
     """The append-only JSONL of one (row, task, length): one scored sample per line.
 
@@ -171,8 +176,8 @@ class SampleLog:
     starts on a line of its own.
     """
 
-    def __init__(self, folder: Path, label: str, task: str, length: str):
-        self.path = Path(folder) / f"{_slug(label)}__{_slug(task)}__{_slug(length)}.jsonl"
+    def __init__(self, path: Path):
+        self.path = Path(path)
         self.records: list[dict] = []
         if self.path.exists():
             lines = self.path.read_text(encoding="utf-8").splitlines()
@@ -220,7 +225,7 @@ def collect_summary(folder: Path) -> dict:
     """``{row: {task: {length: score}}}`` from every sample log in the folder (mean score, 2 decimals)."""
     summary: dict = {}
     for path in sorted(Path(folder).glob("*__*__*.jsonl")):
-        records = SampleLog(path.parent, *path.stem.split("__")).records
+        records = SampleLog(path).records
         if not records:
             continue
         first = records[0]
@@ -317,7 +322,7 @@ def measured_bytes(folder: Path, rows: list[str]) -> dict[str, int]:
     """Row label -> the largest ``cache_bytes`` over its samples in the folder."""
     best: dict[str, int] = {}
     for path in Path(folder).glob("*__*__*.jsonl"):
-        for record in SampleLog(path.parent, *path.stem.split("__")).records:
+        for record in SampleLog(path).records:
             if record.get("cache_bytes") is not None:
                 label = record["label"]
                 best[label] = max(best.get(label, 0), int(record["cache_bytes"]))
@@ -356,7 +361,7 @@ def score_pending(
     todo = []
     for row in rows:
         for task, length, samples in jobs:
-            log = SampleLog(folder, row.label, task, length)
+            log = SampleLog(log_path(folder, row.label, task, length))
             done = log.done_ids
             pending = [s for s in samples if s["id"] not in done]
             if pending:

@@ -153,6 +153,13 @@ def tokens_to_generate(task: str) -> int:
 # --------------------------------------------------------------------------- data files
 
 
+def _read_json(path: Path, option: str):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArmkvError(f"{option} {path}: not a JSON file ({e})") from None
+
+
 def load_essay(path: str | Path) -> list[str]:
     """The essay haystack as a list of words, from a ``.txt`` of prose or a ``.json``.
 
@@ -164,7 +171,7 @@ def load_essay(path: str | Path) -> list[str]:
         raise ArmkvError(f"--haystack-file {path}: no such file")
     raw = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
-        data = json.loads(raw)
+        data = _read_json(path, "--haystack-file")
         if isinstance(data, dict) and "text" in data:
             raw = data["text"]
         elif isinstance(data, list):
@@ -220,7 +227,7 @@ def load_qa_files(paths: list[str | Path] | None) -> dict[str, tuple[list[dict],
         path = Path(path)
         if not path.is_file():
             raise ArmkvError(f"--qa-file {path}: no such file")
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = _read_json(path, "--qa-file")
         if isinstance(data, dict) and "data" in data:
             datasets["squad"] = read_squad(data)
         elif isinstance(data, list) and data and "context" in data[0] and "answer" in data[0]:
@@ -255,11 +262,21 @@ class RulerGenerator:
     seed : the base seed (RULER's ``random_seed``)
     haystack_words : the essay haystack as words (:func:`load_essay`), or None
     qa_data : :func:`load_qa_files`'s result, or None
+    extra_tokens : tokens the runner adds around every prompt (a chat template's), counted
+        in each sample's length as RULER counts its model template
     """
 
-    def __init__(self, tokenizer, seed: int = 42, haystack_words: list[str] | None = None, qa_data: dict | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        seed: int = 42,
+        haystack_words: list[str] | None = None,
+        qa_data: dict | None = None,
+        extra_tokens: int = 0,
+    ):
         self.tokenizer = tokenizer
         self.seed = seed
+        self.extra_tokens = extra_tokens
         self.essay = haystack_words
         self.qa = qa_data or {}
         self._vt_icl: dict = {}
@@ -267,7 +284,7 @@ class RulerGenerator:
     def count(self, text: str) -> int:
         """Tokens of ``text`` as the model reads it: with the special tokens the tokenizer adds
         (a BOS), which RULER's ``text_to_tokens`` leaves out, so a sample fits the model's limit."""
-        return len(self.tokenizer.encode(text))
+        return len(self.tokenizer.encode(text)) + self.extra_tokens
 
     def check(self, task: str) -> None:
         """Raise a one-line error if the task is unknown or its data file is missing."""
@@ -686,7 +703,8 @@ def evaluate(
     for task in tasks:
         for length in lengths:
             pending = any(
-                len(common.SampleLog(output, row.label, task, str(length)).done_ids) < samples for row in rows
+                len(common.SampleLog(common.log_path(output, row.label, task, str(length))).done_ids) < samples
+                for row in rows
             )
             made = generator.samples(task, length, samples, depths) if pending else []
             jobs.append((task, str(length), made))
@@ -762,7 +780,14 @@ def prepare(args, tasks: list[str]):
         unchecked.check(task)
     check_lengths(lengths, None)
     model, tokenizer, info = common.load(args)
-    return RulerGenerator(tokenizer, args.seed, haystack, qa), lengths, depths, info, model, tokenizer
+    extra = chat_template_tokens(tokenizer) if args.chat else 0
+    return RulerGenerator(tokenizer, args.seed, haystack, qa, extra), lengths, depths, info, model, tokenizer
+
+
+def chat_template_tokens(tokenizer) -> int:
+    """Tokens a chat template wraps around an empty user turn (RULER's ``model_template_token``)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=False)
+    return len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def main(args) -> int:
