@@ -20,9 +20,6 @@ from typing import Callable, Iterable
 
 from armkv.errors import ArmkvError
 
-# Settings that change what a sample's score means; a folder must not mix them.
-RESULT_SETTINGS = ("eval", "model", "budget", "chunk", "chat", "seed", "options")
-
 
 @dataclass(frozen=True)
 class Row:
@@ -47,11 +44,14 @@ def parse_list(text: str | None, what: str, cast: Callable = str) -> list:
     """Split a comma-separated option into a list, with a one-line error naming the option."""
     if text is None or not str(text).strip():
         return []
-    items = [item.strip() for item in str(text).split(",") if item.strip()]
-    try:
-        return [cast(item) for item in items]
-    except ValueError:
-        raise ArmkvError(f"--{what} {text!r}: expected a comma-separated list of {cast.__name__} values") from None
+    values = []
+    for item in (item.strip() for item in str(text).split(",")):
+        if item:
+            try:
+                values.append(cast(item))
+            except ValueError:
+                raise ArmkvError(f"--{what} {text!r}: {item!r} is not a valid value") from None
+    return values
 
 
 def parse_length(text: str) -> int:
@@ -60,9 +60,6 @@ def parse_length(text: str) -> int:
     if not match:
         raise ValueError(text)
     return int(match.group(1)) * (1024 if match.group(2) else 1)
-
-
-parse_length.__name__ = "length (e.g. 4096 or 4k)"
 
 
 def parse_options(pairs: Iterable[str] | None) -> dict[str, dict]:
@@ -204,20 +201,24 @@ class SampleLog:
 
 
 def check_settings(folder: Path, settings: dict) -> None:
-    """Write ``config.json``, or refuse a folder whose samples were made under other settings."""
+    """Write ``config.json``, or refuse a folder whose samples were made under other settings.
+
+    ``settings`` holds what changes a sample's score (model, budget, chunk, chat, seed,
+    method options, generation caps); rows, tasks, lengths and sample counts may grow
+    from run to run.
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "config.json"
     settings = json.loads(json.dumps(settings))  # normalise tuples and paths as JSON sees them
     if path.exists():
         old = json.loads(path.read_text())
-        changed = [k for k in RESULT_SETTINGS if old.get(k) != settings.get(k)]
-        if changed:
-            k = changed[0]
-            raise ArmkvError(
-                f"{folder} holds results for {k}={old.get(k)!r}, not {settings.get(k)!r}: "
-                "pass another --output to keep both"
-            )
+        for key in sorted(set(old) | set(settings)):
+            if old.get(key) != settings.get(key):
+                raise ArmkvError(
+                    f"{folder} holds results for {key}={old.get(key)!r}, not {settings.get(key)!r}: "
+                    "pass another --output to keep both"
+                )
     path.write_text(json.dumps(settings, indent=2) + "\n")
 
 
