@@ -1,0 +1,542 @@
+"""``armkv bench decode``: what the cache costs as the context grows (the paper's figure 3).
+
+For every method at one budget, on one model:
+
+(a) cache bytes and per-token decode latency against generation length (one decode from a
+    few-token prompt, read at each ``--gen-lengths`` point);
+(b) per-token decode latency after a prompt of each ``--lengths`` (random token ids: beyond
+    the model's trained positions only the cost matters, so the position limit is raised
+    for the run and put back after);
+(c) prefill throughput over that prompt under the budgeted chunked prefill (the prompt goes
+    to the model ``chunk`` tokens per forward, so activations and cache stay bounded);
+(d) the floor: decode latency of the same model with a context of a few tokens, where the
+    weights, not the cache, bound the step.
+
+Latency is the median of ``repeats`` timed steps after ``warmup`` untimed ones. A step is
+one forward of one token whose id comes from the previous step's argmax on the device, so
+on CUDA the only host sync in a timed step is the ``torch.cuda.synchronize`` that ends it.
+The last stdout line is one JSON document (:func:`run_bench`'s result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from armkv.errors import ArmkvError
+
+DEFAULT_METHODS = "full,swa,sink,kivi,arm"
+DEFAULT_LENGTHS = "1024,2048,4096,8192,16384,32768"
+DEFAULT_GEN_LENGTHS = "64,128,256,512,1024"
+
+
+@dataclass
+class DecodeBench:
+    """One run of the decode benchmark; validated on construction."""
+
+    methods: list[str]
+    lengths: list[int]  # prompt lengths of (b) and (c)
+    gen_lengths: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])  # points of (a)
+    budget: int | None = 512  # token-equivalents per layer (None: unbounded methods only)
+    chunk: int = 256  # P: prefill chunk, one model forward each
+    repeats: int = 8  # timed decode steps per point (the median is reported)
+    warmup: int = 2  # untimed decode steps before them
+    floor_context: int = 4  # prompt tokens of the floor (d) and of the generation curve (a)
+    max_full_length: int | None = None  # skip unbounded methods (full, offload) past this prompt length
+    max_length: int = 131072  # refuse prompt lengths past this (a typo guard, not a model limit)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from armkv.methods.base import get_method
+
+        if self.budget is not None and self.budget < 1:
+            raise ArmkvError(f"--budget {self.budget} must be >= 1 token-equivalent")
+        if not self.methods:
+            raise ArmkvError("--methods is empty: name at least one method")
+        if len(set(self.methods)) != len(self.methods):
+            raise ArmkvError(f"--methods {','.join(self.methods)} names a method twice")
+        for name in self.methods:
+            get_method(name)  # one-line error for an unknown method
+        if not self.lengths:
+            raise ArmkvError("--lengths is empty: give at least one prompt length")
+        for what, values in (("--lengths", self.lengths), ("--gen-lengths", self.gen_lengths)):
+            for n in values:
+                if n < 1:
+                    raise ArmkvError(f"{what} {n}: lengths must be >= 1")
+                if n > self.max_length:
+                    raise ArmkvError(f"{what} {n} is beyond the limit of {self.max_length} tokens (raise --max-length)")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ArmkvError(f"--repeats {self.repeats} must be >= 1 and --warmup {self.warmup} >= 0")
+        if self.chunk < 1:
+            raise ArmkvError(f"--chunk {self.chunk} must be >= 1")
+        if self.floor_context < 1:
+            raise ArmkvError(f"--floor-context {self.floor_context} must be >= 1")
+        if self.max_full_length is not None and self.max_full_length < 1:
+            raise ArmkvError(f"--max-full-length {self.max_full_length} must be >= 1")
+        self.lengths = sorted(set(self.lengths))
+        self.gen_lengths = sorted(set(self.gen_lengths))
+
+    def skips(self, method: str, length: int) -> bool:
+        """Whether an unbounded method is skipped at this prompt length (--max-full-length)."""
+        from armkv.methods.base import get_method
+
+        return (
+            self.max_full_length is not None and length > self.max_full_length and not get_method(method).bounded
+        )
+
+    def positions_needed(self) -> int:
+        decode = self.warmup + self.repeats
+        return max(max(self.lengths) + decode, self.floor_context + max(max(self.gen_lengths), decode)) + 1
+
+
+# ---------------------------------------------------------------------- measurement
+class Clock:
+    """Wall time of device work: on CUDA each reading waits for the queued kernels first."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark of this process (Linux); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss() -> int:
+    """Peak resident set size in bytes: since the last reset where it worked, else of the process."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Session:
+    """A model and what is needed to run it token by token through one cache."""
+
+    def __init__(self, model, bench: DecodeBench):
+        self.model, self.bench = model, bench
+        self.device = model.device
+        self.clock = Clock(self.device)
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        self.generator = torch.Generator().manual_seed(bench.seed)
+        # ids from the upper part of the vocabulary keep clear of special tokens
+        self.vocab_low, self.vocab_high = min(vocab - 1, 16), vocab
+
+    def cache(self, method: str):
+        from armkv.hf.attach import make_cache
+
+        return make_cache(self.model, method, self.bench.budget, self.bench.chunk)
+
+    def random_ids(self, n: int) -> torch.Tensor:
+        ids = torch.randint(self.vocab_low, self.vocab_high, (1, n), generator=self.generator)
+        return ids.to(self.device)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """ids, positions [1, T] on the device -> the next token [1, 1] (argmax, on the device)."""
+        out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def prefill(self, cache, length: int, progress=None) -> tuple[torch.Tensor, float]:
+        """Feed ``length`` random tokens in chunks of P. Returns (next token [1, 1], seconds)."""
+        ids = self.random_ids(length)
+        positions = torch.arange(length, device=self.device)[None]
+        chunk = self.bench.chunk
+        start = self.clock()
+        for s in range(0, length, chunk):
+            token = self.forward(ids[:, s : s + chunk], positions[:, s : s + chunk], cache)
+            if progress is not None:
+                progress(min(chunk, length - s))
+        return token, self.clock() - start
+
+    def decode(self, cache, token: torch.Tensor, start: int, steps: int, progress=None) -> list[float]:
+        """``steps`` decode steps from position ``start``; the seconds of each."""
+        positions = torch.arange(start, start + steps, device=self.device)[None]
+        times = []
+        for i in range(steps):
+            t0 = self.clock()
+            token = self.forward(token, positions[:, i : i + 1], cache)
+            times.append(self.clock() - t0)
+            if progress is not None:
+                progress(1)
+        return times
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return statistics.median(seconds) * 1e3
+
+
+def _device_peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _device_peak(device: torch.device) -> int | None:
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
+def _extend_positions(model, needed: int) -> int:
+    """Raise the config's position limit to ``needed`` (RoPE is computed from the ids, so the
+    cost is that of a longer context); returns the old limit to put back."""
+    config = model.config.get_text_config(decoder=True)
+    old = config.max_position_embeddings
+    config.max_position_embeddings = max(old, needed)
+    return old
+
+
+def run_bench(model, bench: DecodeBench, progress: bool = True) -> dict:
+    """Measure every method of ``bench`` on ``model`` (eval mode, on its device).
+
+    Returns
+    -------
+    The JSON document: ``decode_ms_per_token``, ``cache_bytes``, ``prefill_tokens_per_s``
+    ({method: {length: value}}, None where skipped), ``floor_ms_per_token``, ``threads``,
+    ``device``, and the generation curve (a) under ``gen``, peak memory under ``peak``,
+    skipped points under ``skipped``, and the settings.
+    """
+    from tqdm.auto import tqdm
+
+    config = model.config.get_text_config(decoder=True)
+    old_limit = _extend_positions(model, bench.positions_needed())
+    session = Session(model, bench)
+    for method in bench.methods:
+        session.cache(method)  # a bad budget or option fails now, before any timing
+    decode_steps = bench.warmup + bench.repeats
+    runs = [(m, n) for m in bench.methods for n in bench.lengths]
+    work = bench.floor_context + decode_steps
+    work += len(bench.methods) * (bench.floor_context + max(bench.gen_lengths))
+    work += sum(n + decode_steps for m, n in runs if not bench.skips(m, n))
+    bar = tqdm(total=work, unit="tok", desc="bench decode", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+
+    empty = lambda: {m: {} for m in bench.methods}  # noqa: E731
+    result = {
+        "decode_ms_per_token": empty(),
+        "floor_ms_per_token": None,
+        "cache_bytes": empty(),
+        "prefill_tokens_per_s": empty(),
+        "threads": torch.get_num_threads(),
+        "device": str(session.device),
+        "gen": {"decode_ms_per_token": empty(), "cache_bytes": empty()},
+        "peak": {"rss_bytes": empty(), "cuda_allocated_bytes": empty() if session.device.type == "cuda" else None},
+        "skipped": {m: [] for m in bench.methods},
+        "settings": {
+            "model": getattr(config, "_name_or_path", "") or type(model).__name__,
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "budget": bench.budget,
+            "chunk": bench.chunk,
+            "repeats": bench.repeats,
+            "warmup": bench.warmup,
+            "floor_context": bench.floor_context,
+            "max_full_length": bench.max_full_length,
+            "torch": torch.__version__,
+            "cpu_count": os.cpu_count(),
+        },
+    }
+    try:
+        with torch.inference_mode():
+            # (d) the floor: a few tokens of context, the full cache
+            bar.set_postfix_str("floor")
+            cache = session.cache("full")
+            token, _ = session.prefill(cache, bench.floor_context, bar.update)
+            times = session.decode(cache, token, bench.floor_context, decode_steps, bar.update)
+            result["floor_ms_per_token"] = _median_ms(times[bench.warmup :])
+            del cache
+
+            # (a) against generation length: one decode from a few-token prompt per method
+            steps = max(bench.gen_lengths)
+            for method in bench.methods:
+                bar.set_postfix_str(f"{method} generation")
+                cache = session.cache(method)
+                token, _ = session.prefill(cache, bench.floor_context, bar.update)
+                done: list[float] = []
+                for g in bench.gen_lengths:
+                    done += session.decode(cache, token, bench.floor_context + len(done), g - len(done), bar.update)
+                    window = done[max(bench.warmup, len(done) - bench.repeats) :] or done[-1:]
+                    result["gen"]["decode_ms_per_token"][method][g] = _median_ms(window)
+                    result["gen"]["cache_bytes"][method][g] = cache.state_bytes()
+                del cache
+                gc.collect()
+
+            # (b), (c) against prompt length
+            for method, length in runs:
+                if bench.skips(method, length):
+                    result["skipped"][method].append(length)
+                    for key in ("decode_ms_per_token", "cache_bytes", "prefill_tokens_per_s"):
+                        result[key][method][length] = None
+                    continue
+                bar.set_postfix_str(f"{method} {length}")
+                gc.collect()
+                _reset_peak_rss()
+                _device_peak_reset(session.device)
+                cache = session.cache(method)
+                token, seconds = session.prefill(cache, length, bar.update)
+                result["prefill_tokens_per_s"][method][length] = length / seconds
+                result["cache_bytes"][method][length] = cache.state_bytes()
+                times = session.decode(cache, token, length, decode_steps, bar.update)
+                result["decode_ms_per_token"][method][length] = _median_ms(times[bench.warmup :])
+                result["peak"]["rss_bytes"][method][length] = _peak_rss()
+                if result["peak"]["cuda_allocated_bytes"] is not None:
+                    result["peak"]["cuda_allocated_bytes"][method][length] = _device_peak(session.device)
+                del cache, token
+    finally:
+        config.max_position_embeddings = old_limit
+        bar.close()
+    return result
+
+
+# ---------------------------------------------------------------------- reporting
+def _fmt(value, scale: float = 1.0, digits: int = 1) -> str:
+    return "skipped" if value is None else f"{value / scale:,.{digits}f}"
+
+
+def _get(table: dict, method: str, length) -> float | None:
+    row = table.get(method, {})
+    return row.get(length, row.get(str(length)))
+
+
+def _lengths(table: dict) -> list[int]:
+    return sorted({int(n) for row in table.values() for n in row})
+
+
+def summary(result: dict) -> list[str]:
+    """One line per bounded method: its latency growth from the shortest to the longest prompt,
+    against the floor, and against the full cache at the longest length both have."""
+    lines = []
+    floor = result["floor_ms_per_token"]
+    decode, cache = result["decode_ms_per_token"], result["cache_bytes"]
+    lengths = _lengths(decode)
+    for method in decode:
+        if method == "full":
+            continue
+        have = [n for n in lengths if _get(decode, method, n) is not None]
+        if not have:
+            continue
+        lo, hi = have[0], have[-1]
+        ms_lo, ms_hi = _get(decode, method, lo), _get(decode, method, hi)
+        parts = [f"{method}: {ms_hi:.1f} ms/token at {hi} = {ms_hi / ms_lo:.2f}x its {lo}"]
+        if floor:
+            parts.append(f"{ms_hi / floor:.2f}x the floor")
+        full_at = [n for n in have if "full" in decode and _get(decode, "full", n) is not None]
+        if full_at:
+            n = full_at[-1]
+            speed = _get(decode, "full", n) / _get(decode, method, n)
+            mem = _get(cache, "full", n) / max(_get(cache, method, n), 1)
+            parts.append(f"{speed:.2f}x faster than full at {n} with {mem:.1f}x less cache")
+        sizes = {_get(cache, method, n) for n in have}
+        parts.append("cache bytes identical at every length" if len(sizes) == 1 else "cache bytes VARY with length")
+        lines.append("- " + ", ".join(parts))
+    return lines
+
+
+def markdown(result: dict) -> str:
+    """The result as markdown tables (prompt-length tables, the generation curve, the floor)."""
+    out = []
+    s = result["settings"]
+    out.append(
+        f"model {s['model']} ({s['dtype']}), budget {s['budget']}, chunk {s['chunk']}, device {result['device']}, "
+        f"{result['threads']} torch threads; medians of {s['repeats']} steps after {s['warmup']} warm-up steps"
+    )
+    out.append("")
+    out.append(f"Floor (full cache, {s['floor_context']}-token context): {result['floor_ms_per_token']:.2f} ms/token")
+
+    def table(title: str, data: dict, scale: float, digits: int, unit: str) -> None:
+        lengths = _lengths(data)
+        if not lengths:
+            return
+        out.append("")
+        out.append(f"{title} ({unit})")
+        out.append("")
+        out.append("| method | " + " | ".join(str(n) for n in lengths) + " |")
+        out.append("|---|" + "---:|" * len(lengths))
+        for method in data:
+            cells = [_fmt(_get(data, method, n), scale, digits) if n in {int(k) for k in data[method]} else "" for n in lengths]
+            out.append(f"| {method} | " + " | ".join(cells) + " |")
+
+    table("Decode latency against prompt length", result["decode_ms_per_token"], 1.0, 1, "ms/token")
+    table("Cache bytes after the prompt", result["cache_bytes"], 2**20, 2, "MiB")
+    table("Prefill throughput, budgeted chunked prefill", result["prefill_tokens_per_s"], 1.0, 0, "tokens/s")
+    gen = result["gen"]
+    table("Decode latency against generation length", gen["decode_ms_per_token"], 1.0, 1, "ms/token")
+    table("Cache bytes against generation length", gen["cache_bytes"], 2**20, 2, "MiB")
+    if any(result["peak"]["rss_bytes"].values()):
+        table("Peak process RSS during prefill + decode", result["peak"]["rss_bytes"], 2**20, 0, "MiB")
+    if result["peak"]["cuda_allocated_bytes"] is not None:
+        table("Peak torch.cuda.max_memory_allocated", result["peak"]["cuda_allocated_bytes"], 2**20, 0, "MiB")
+    skipped = {m: n for m, n in result["skipped"].items() if n}
+    if skipped:
+        out.append("")
+        limit = s["max_full_length"]
+        for method, lengths in skipped.items():
+            out.append(f"- {method} skipped at {', '.join(map(str, lengths))} (--max-full-length {limit})")
+    lines = summary(result)
+    if lines:
+        out.append("")
+        out.extend(lines)
+    return "\n".join(out) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    """Log-scale panels as in the paper's figure 3: cache bytes and latency against generation
+    length; latency (with the floor), cache bytes and prefill throughput against prompt length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    panels = [
+        (axes[0, 0], result["gen"]["cache_bytes"], 2**20, "generation length (tokens)", "cache (MiB)"),
+        (axes[0, 1], result["gen"]["decode_ms_per_token"], 1.0, "generation length (tokens)", "decode (ms/token)"),
+        (axes[1, 0], result["cache_bytes"], 2**20, "prompt length (tokens)", "cache (MiB)"),
+        (axes[1, 1], result["decode_ms_per_token"], 1.0, "prompt length (tokens)", "decode (ms/token)"),
+        (axes[1, 2], result["prefill_tokens_per_s"], 1.0, "prompt length (tokens)", "prefill (tokens/s)"),
+    ]
+    for ax, data, scale, xlabel, ylabel in panels:
+        for method, row in data.items():
+            points = sorted((int(n), v / scale) for n, v in row.items() if v is not None)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    floor = result["floor_ms_per_token"]
+    if floor:
+        for ax in (axes[0, 1], axes[1, 1]):
+            ax.axhline(floor, color="black", linestyle="--", linewidth=1, label="floor")
+    for ax, _, _, _, _ in panels:
+        ax.legend(fontsize=8)
+    s = result["settings"]
+    axes[0, 2].axis("off")
+    axes[0, 2].text(
+        0.0, 0.9,
+        f"{Path(str(s['model'])).name}\n{s['dtype']}, budget {s['budget']}, chunk {s['chunk']}\n"
+        f"{result['device']}, {result['threads']} threads\nmedian of {s['repeats']} steps",
+        va="top", fontsize=11,
+    )  # fmt: skip
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------- command line
+def int_list(text: str, what: str) -> list[int]:
+    """'1024,2k,4096' -> [1024, 2048, 4096]; a one-line error on anything else."""
+    values = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        scale = 1024 if part.endswith("k") else 1
+        try:
+            values.append(int(part.removesuffix("k")) * scale)
+        except ValueError:
+            raise ArmkvError(f"{what} {text!r}: expected comma-separated integers such as 1024,2048 or 1k,2k") from None
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated cache methods (default {DEFAULT_METHODS})")
+    parser.add_argument("--budget", type=int, default=512, help="token-equivalents of KV per layer (default 512)")
+    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help=f"prompt lengths of (b), (c) (default {DEFAULT_LENGTHS})")
+    parser.add_argument("--gen-lengths", default=DEFAULT_GEN_LENGTHS, help=f"generation lengths of (a) (default {DEFAULT_GEN_LENGTHS})")
+    parser.add_argument("--model", default=None, help="a local transformers model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--repeats", type=int, default=8, help="timed decode steps per point; the median is reported (default 8)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps before them (default 2)")
+    parser.add_argument("--chunk", type=int, default=256, help="P, the prefill chunk: tokens per forward (default 256)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--max-full-length", type=int, default=None,
+                        help="skip unbounded methods (full, offload) at prompt lengths beyond this, noted in the table")  # fmt: skip
+    parser.add_argument("--max-length", type=int, default=131072, help="refuse prompt lengths beyond this (default 131072)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=None, help="folder for results.json, table.md and decode.png")
+    parser.add_argument("--json", action="store_true", help="print only the JSON line on stdout")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def bench_from_args(args) -> DecodeBench:
+    return DecodeBench(
+        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        lengths=int_list(args.lengths, "--lengths"),
+        gen_lengths=int_list(args.gen_lengths, "--gen-lengths"),
+        budget=args.budget,
+        chunk=args.chunk,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        max_full_length=args.max_full_length,
+        max_length=args.max_length,
+        seed=args.seed,
+    )
+
+
+def load_bench_model(model_dir: str | None, device: str, dtype: str):
+    """The model alone (random ids need no tokenizer): a local folder, or the default model."""
+    from armkv.hf.compat import transformers
+    from armkv.hf.model import default_model_dir
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ArmkvError("--device cuda: torch sees no CUDA device here; use --device cpu")
+    path = default_model_dir() if model_dir is None else Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ArmkvError(f"--model {path}: not a transformers model folder (no config.json)")
+    # transformers' loading bar would sit between the progress bar and a one-line error
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=getattr(torch, dtype), local_files_only=True
+        )
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+    return model.to(device).eval()
+
+
+def main(args) -> int:
+    bench = bench_from_args(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ArmkvError(f"--threads {args.threads} must be >= 1")
+        torch.set_num_threads(args.threads)
+    model = load_bench_model(args.model, args.device, args.dtype)
+    result = run_bench(model, bench, progress=not args.no_progress)
+    if args.model is not None:
+        result["settings"]["model"] = str(args.model)
+    if args.output:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "table.md").write_text(markdown(result))
+        plot(result, out / "decode.png")
+    if not args.json:
+        print(markdown(result))
+    print(json.dumps(result))
+    return 0 if not math.isnan(result["floor_ms_per_token"] or 0.0) else 1

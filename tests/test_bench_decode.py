@@ -1,0 +1,155 @@
+"""``armkv bench decode`` on a tiny Llama: the JSON line, bounded bytes, the floor, one-line errors.
+
+No timing is asserted: latencies only have to be there, finite and positive.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from armkv.bench.decode import DecodeBench, markdown, run_bench
+from armkv.cli import main as cli_main
+from armkv.errors import ArmkvError
+from conftest import tiny_model
+
+METHODS = ["full", "swa", "sink", "kivi", "arm"]
+LENGTHS = [128, 192, 256]
+GEN = [8, 16]
+
+
+def small_bench(**overrides) -> DecodeBench:
+    fields = dict(methods=METHODS, lengths=LENGTHS, gen_lengths=GEN, budget=64, chunk=32, repeats=2, warmup=1)
+    fields.update(overrides)
+    return DecodeBench(**fields)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # on a busy 2-core machine an oversubscribed tiny model runs several times slower
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def result(one_thread):
+    model = tiny_model("llama")
+    return run_bench(model, small_bench(), progress=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(path)
+    return path
+
+
+def test_result_schema(result):
+    for key in ("decode_ms_per_token", "cache_bytes", "prefill_tokens_per_s"):
+        assert set(result[key]) == set(METHODS)
+        for method in METHODS:
+            assert set(result[key][method]) == set(LENGTHS)
+            for value in result[key][method].values():
+                assert value > 0 and math.isfinite(value)
+    assert result["threads"] == torch.get_num_threads()
+    assert result["device"] == "cpu"
+    assert set(result["gen"]["cache_bytes"]["arm"]) == set(GEN)
+
+
+def test_floor_measured(result):
+    floor = result["floor_ms_per_token"]
+    assert isinstance(floor, float) and floor > 0 and math.isfinite(floor)
+
+
+def test_bounded_cache_bytes_identical_across_lengths(result):
+    # every length is well past the budget of 64, so the bounded methods are full
+    for method in ("swa", "sink", "kivi", "arm"):
+        sizes = set(result["cache_bytes"][method].values())
+        assert len(sizes) == 1, (method, result["cache_bytes"][method])
+    full = result["cache_bytes"]["full"]
+    assert full[256] == 2 * full[128]  # grows with the prompt
+    assert result["cache_bytes"]["arm"][256] < full[256]
+
+
+def test_positions_put_back():
+    model = tiny_model("llama")
+    limit = model.config.max_position_embeddings
+    run_bench(model, small_bench(methods=["swa"], lengths=[limit + 40], gen_lengths=[4]), progress=False)
+    assert model.config.max_position_embeddings == limit
+
+
+def test_max_full_length_skips_unbounded_only():
+    model = tiny_model("llama")
+    out = run_bench(model, small_bench(methods=["full", "swa"], max_full_length=150), progress=False)
+    assert out["skipped"] == {"full": [192, 256], "swa": []}
+    assert out["decode_ms_per_token"]["full"][256] is None
+    assert out["decode_ms_per_token"]["swa"][256] > 0
+    assert "skipped" in markdown(out)
+    json.dumps(out)
+
+
+def test_cli_last_line_is_the_json(model_dir, tmp_path, capsys):
+    argv = ["bench", "decode", "--model", str(model_dir), "--methods", "full,arm", "--budget", "64",
+            "--lengths", "96,128", "--gen-lengths", "8", "--chunk", "32", "--repeats", "2", "--warmup", "1",
+            "--threads", "1", "--no-progress", "--output", str(tmp_path / "out")]  # fmt: skip
+    assert cli_main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    doc = json.loads(lines[-1])
+    assert set(doc) >= {"decode_ms_per_token", "floor_ms_per_token", "cache_bytes", "prefill_tokens_per_s",
+                        "threads", "device"}  # fmt: skip
+    assert set(doc["decode_ms_per_token"]["arm"]) == {"96", "128"}
+    assert doc["threads"] == 1
+    assert any(line.startswith("| method |") for line in lines)
+    for name in ("results.json", "table.md", "decode.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+
+
+def test_cli_json_flag_prints_one_line(model_dir, capsys):
+    argv = ["bench", "decode", "--model", str(model_dir), "--methods", "swa", "--budget", "16",
+            "--lengths", "24", "--gen-lengths", "4", "--chunk", "8", "--repeats", "1", "--warmup", "0",
+            "--json", "--no-progress"]  # fmt: skip
+    assert cli_main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    assert json.loads(lines[0])["cache_bytes"]["swa"]["24"] > 0
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--methods", "full,nope"], "unknown method 'nope'"),
+        (["--lengths", "1024,200000"], "beyond the limit of 131072"),
+        (["--lengths", "1k,x"], "expected comma-separated integers"),
+        (["--methods", "swa", "--budget", "0"], "--budget 0 must be"),
+    ],
+)
+def test_bad_input_is_one_line(model_dir, capsys, extra, message):
+    argv = ["bench", "decode", "--model", str(model_dir), "--no-progress", *extra]
+    assert cli_main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert err[0].startswith("armkv bench: error:")
+    assert captured.out == ""
+
+
+def test_bad_config_in_python():
+    with pytest.raises(ArmkvError, match="names a method twice"):
+        small_bench(methods=["swa", "swa"])
+    with pytest.raises(ArmkvError, match="--gen-lengths 0"):
+        small_bench(gen_lengths=[0])
+
+
+def test_ops_missing_or_present(capsys):
+    from armkv.bench import cli
+
+    import importlib.util
+
+    if importlib.util.find_spec("armkv.bench.ops") is None:
+        assert cli_main(["bench", "ops"]) == 2
+        assert "not available" in capsys.readouterr().err
+    else:
+        assert "ops" in cli.BENCHES
