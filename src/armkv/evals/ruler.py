@@ -16,6 +16,12 @@ Where this differs from RULER, and why:
   every sample lands within one haystack unit of the target length.
 - Essays are split into sentences by punctuation instead of nltk's punkt (which would
   need a download); keys and common words come from :mod:`armkv.evals.words`.
+- Lengths count the special tokens the tokenizer adds (a BOS) and, with ``--chat``, the
+  chat template's tokens (RULER's ``model_template_token``), so a sample at the model's
+  limit still fits it.
+- A haystack of whole distractor needles (``niah_multikey_2/3``) or documents (QA) lands
+  within one needle or document of the target, as in RULER: more than 2% at 1K for
+  uuid needles and most documents.
 - ``depth`` (percent) places every needle of a sample at that depth; without it the
   needles go to random depths as in RULER.
 - Each sample draws from its own seeded generator (seed, task, length, index), so a
@@ -330,8 +336,9 @@ class RulerGenerator:
     def _fit(self, build, target: int, reserve: int, start: int | None, task: str, index: int):
         """The largest haystack size ``n`` whose prompt plus ``reserve`` tokens fits ``target``.
 
-        Searched from scratch (doubling, then bisection) for the first sample, and walked
-        from the previous sample's size for the others (neighbours differ by a unit or two).
+        ``start`` (the previous sample's size) is tried first, since samples of one task
+        mostly land on the same size; otherwise the size is searched by doubling, then
+        bisection. ``size`` is nearly monotone in ``n`` (a unit adds tokens).
         """
         cache: dict[int, tuple[Prompt, int]] = {}
 
@@ -428,7 +435,7 @@ class RulerGenerator:
         return [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
 
     @staticmethod
-    def _insert_at_depths(rng: random.Random, units: int, count: int, depth: float | None, choices) -> list[int]:
+    def _insert_at_depths(units: int, count: int, depth: float | None, choices) -> list[int]:
         """Insertion indexes into ``units`` haystack units: all at ``depth`` percent, or drawn as RULER draws them."""
         if depth is not None:
             return [int(units * depth / 100)] * count
@@ -451,7 +458,7 @@ class RulerGenerator:
         if type_haystack == "essay":
             sentences = self._essay_sentences(n)
             positions = self._insert_at_depths(
-                rng, len(sentences), len(needles), depth,
+                len(sentences), len(needles), depth,
                 lambda units, k: sorted(int(units * (d / 100)) for d in rng.sample(DEPTHS, k)),
             )
             positions = [0] + sorted(positions) + [len(sentences)]
@@ -474,7 +481,7 @@ class RulerGenerator:
                     for _ in range(n)
                 ]
             indexes = self._insert_at_depths(
-                rng, len(lines), len(needles), depth,
+                len(lines), len(needles), depth,
                 lambda units, k: sorted(rng.sample(range(units), k), reverse=True),
             )
             for index, needle in zip(indexes, needles):
