@@ -249,6 +249,8 @@ class DocumentSource:
             if self.shuffle:
                 random.Random(self.seed + epoch).shuffle(order)
             return (self.documents[i] for i in order[start:])
+        # Resuming a stream re-reads (without tokenising) the documents before the
+        # position: exact under the seeded shuffle buffer, at the cost of a re-read.
         return itertools.islice(self._stream(epoch), start, None)
 
     def _stream(self, epoch: int) -> Iterator[str]:
@@ -376,7 +378,8 @@ class PackedSequences:
         into micro-batches of ``micro_batch`` sequences; rank r keeps micro-batches
         r, r + world_size, ... . So every rank reads a disjoint shard, the union is the
         same global batch a single process with ``accum * world_size`` accumulation steps
-        reads, and the position after the step is the same on every rank.
+        reads, and the position after the step is the same on every rank. (Every rank
+        tokenises the whole step's text; cheap next to a forward pass of the model.)
 
         Returns
         -------
