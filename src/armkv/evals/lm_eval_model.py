@@ -52,16 +52,17 @@ class ArmkvLM(HFLM):
             device = "cpu"
         if isinstance(dtype, str):
             dtype = None if dtype == "auto" else getattr(torch, dtype)
+        # set before HFLM's init, which may call the model (batch_size="auto")
+        self.method = method
+        self.cache_budget = budget if get_method(method).bounded else None
+        self.chunk = int(chunk)
+        self.method_options = method_options
         model, tokenizer = load_model(pretrained, dtype=dtype or torch.float32, device=device)
         attach(model)
         super().__init__(
             pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_batch_size=max_batch_size, max_length=max_length
         )
-        self.method = method
-        self.cache_budget = budget if get_method(method).bounded else None
-        self.chunk = int(chunk)
-        self.method_options = method_options
-        self.new_cache()  # a bad method, budget or option fails here, not mid-evaluation
+        self.new_cache()  # a bad budget or option fails here, not mid-evaluation
 
     def new_cache(self):
         from armkv.hf.attach import make_cache
