@@ -190,3 +190,30 @@ def test_core_import_is_light():
             "print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"the library core imports {out}"
+
+
+def test_kivi_ring_keeps_the_newest_groups():
+    """Keys equal to their token index quantise exactly (4 evenly spaced values, 2 bits), so the
+    dequantised store shows which tokens it holds: the newest full groups, oldest overwritten."""
+    info_ = info()
+    # 11 token-equivalents: residual 4 + staging 4 exact tokens, and room for exactly 2 groups of 4.
+    layer = get_method("kivi").make_layer(0, info_, rotary(), 11, 64, group=4, residual=4, sinks=0)
+    assert layer.capacity == 2
+
+    def feed(start, n):
+        x = torch.arange(start, start + n, dtype=torch.float)[None, None, :, None].expand(1, 2, n, 16)
+        q = torch.zeros(1, 4, n, 16)
+        layer.attend(q, x.contiguous(), x.contiguous(), torch.ones(1, n, dtype=torch.bool),
+                     torch.arange(start, start + n)[None], 0.25)
+
+    def stored():
+        keys, _, valid = layer._dequantised()
+        return sorted(set(keys[0, 0, valid[0], 0].round().long().tolist()))
+
+    feed(0, 30)  # residual 26..29, staging 24..25, groups 0..23 of which the ring keeps the last two
+    assert stored() == list(range(16, 24))
+    assert int(layer.stage_count[0]) == 2
+    for t in range(30, 33):
+        feed(t, 1)  # 26, 27, 28 leave the residual: 24..27 becomes a group and overwrites 16..19
+    assert stored() == list(range(20, 28))
+    assert int(layer.stage_count[0]) == 1
