@@ -97,7 +97,6 @@ class Runner:
         return stages
 
     # ------------------------------------------------------------------ generation
-    @torch.inference_mode()
     def generate(
         self,
         requests: list[dict],
@@ -137,6 +136,7 @@ class Runner:
                 progress(results[-1])
         return results
 
+    @torch.inference_mode()
     def generate_ids(
         self,
         stages: list[list[int]],
