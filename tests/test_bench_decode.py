@@ -141,6 +141,14 @@ def test_bad_config_in_python():
         small_bench(methods=["swa", "swa"])
     with pytest.raises(ArmkvError, match="--gen-lengths 0"):
         small_bench(gen_lengths=[0])
+    with pytest.raises(ArmkvError, match="--clock 'cycles'"):
+        small_bench(clock="cycles")
+
+
+def test_process_clock(one_thread):
+    out = run_bench(tiny_model("llama"), small_bench(methods=["swa"], clock="process"), progress=False)
+    assert out["settings"]["clock"] == "process"
+    assert out["floor_ms_per_token"] > 0 and out["decode_ms_per_token"]["swa"][256] > 0
 
 
 def test_ops_missing_or_present(capsys):

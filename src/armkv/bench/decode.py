@@ -55,6 +55,7 @@ class DecodeBench:
     floor_context: int = 4  # prompt tokens of the floor (d) and of the generation curve (a)
     max_full_length: int | None = None  # skip unbounded methods (full, offload) past this prompt length
     max_length: int = 131072  # refuse prompt lengths past this (a typo guard, not a model limit)
+    clock: str = "wall"  # "wall", or "process": CPU time of the process (a CPU shared with other jobs)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -80,6 +81,8 @@ class DecodeBench:
             raise ArmkvError(f"--repeats {self.repeats} must be >= 1 and --warmup {self.warmup} >= 0")
         if self.chunk < 1:
             raise ArmkvError(f"--chunk {self.chunk} must be >= 1")
+        if self.clock not in ("wall", "process"):
+            raise ArmkvError(f"--clock {self.clock!r} is not one of wall, process")
         if self.floor_context < 1:
             raise ArmkvError(f"--floor-context {self.floor_context} must be >= 1")
         if self.max_full_length is not None and self.max_full_length < 1:
@@ -102,15 +105,25 @@ class DecodeBench:
 
 # ---------------------------------------------------------------------- measurement
 class Clock:
-    """Wall time of device work: on CUDA each reading waits for the queued kernels first."""
+    """Time of device work: on CUDA each reading waits for the queued kernels first.
 
-    def __init__(self, device: torch.device):
+    ``kind="process"`` reads the CPU time of this process (all its threads) instead of the
+    wall clock: on a CPU shared with other jobs it counts the work a step needs, not the
+    time it waited for a core.
+    """
+
+    def __init__(self, device: torch.device, kind: str = "wall"):
+        if kind not in ("wall", "process"):
+            raise ArmkvError(f"--clock {kind!r} is not one of wall, process")
+        if kind == "process" and device.type != "cpu":
+            raise ArmkvError("--clock process measures CPU work: use it with --device cpu")
         self.cuda = device.type == "cuda"
+        self.read = time.perf_counter if kind == "wall" else time.process_time
 
     def __call__(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
-        return time.perf_counter()
+        return self.read()
 
 
 def _reset_peak_rss() -> bool:
@@ -141,7 +154,7 @@ class Session:
     def __init__(self, model, bench: DecodeBench):
         self.model, self.bench = model, bench
         self.device = model.device
-        self.clock = Clock(self.device)
+        self.clock = Clock(self.device, bench.clock)
         vocab = model.config.get_text_config(decoder=True).vocab_size
         self.generator = torch.Generator().manual_seed(bench.seed)
         # ids from the upper part of the vocabulary keep clear of special tokens
@@ -252,6 +265,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True) -> dict:
             "warmup": bench.warmup,
             "floor_context": bench.floor_context,
             "max_full_length": bench.max_full_length,
+            "clock": bench.clock,
             "torch": torch.__version__,
             "cpu_count": os.cpu_count(),
         },
@@ -358,7 +372,8 @@ def markdown(result: dict) -> str:
     s = result["settings"]
     out.append(
         f"model {s['model']} ({s['dtype']}), budget {s['budget']}, chunk {s['chunk']}, device {result['device']}, "
-        f"{result['threads']} torch threads; medians of {s['repeats']} steps after {s['warmup']} warm-up steps"
+        f"{result['threads']} torch threads; medians of {s['repeats']} steps after {s['warmup']} warm-up steps, "
+        f"{s.get('clock', 'wall')} clock"
     )
     out.append("")
     out.append(f"Floor (full cache, {s['floor_context']}-token context): {result['floor_ms_per_token']:.2f} ms/token")
@@ -436,7 +451,7 @@ def plot(result: dict, path: Path) -> None:
     axes[0, 2].text(
         0.0, 0.9,
         f"{Path(str(s['model'])).name}\n{s['dtype']}, budget {s['budget']}, chunk {s['chunk']}\n"
-        f"{result['device']}, {result['threads']} threads\nmedian of {s['repeats']} steps",
+        f"{result['device']}, {result['threads']} threads\nmedian of {s['repeats']} steps, {s.get('clock', 'wall')} clock",
         va="top", fontsize=11,
     )  # fmt: skip
     fig.tight_layout()
@@ -476,6 +491,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-full-length", type=int, default=None,
                         help="skip unbounded methods (full, offload) at prompt lengths beyond this, noted in the table")  # fmt: skip
     parser.add_argument("--max-length", type=int, default=131072, help="refuse prompt lengths beyond this (default 131072)")
+    parser.add_argument("--clock", choices=("wall", "process"), default="wall",
+                        help="wall time, or the process's CPU time (on a CPU shared with other jobs)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="folder for results.json, table.md and decode.png")
     parser.add_argument("--json", action="store_true", help="print only the JSON line on stdout")
@@ -493,6 +510,7 @@ def bench_from_args(args) -> DecodeBench:
         warmup=args.warmup,
         max_full_length=args.max_full_length,
         max_length=args.max_length,
+        clock=args.clock,
         seed=args.seed,
     )
 
