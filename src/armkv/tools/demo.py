@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=int, default=512, help="token-equivalents per layer, for every bounded method")
     parser.add_argument("--methods", default=None, help="comma-separated methods (default: every registered one)")
     parser.add_argument("--lengths", default="1024,2048,4096", help="context lengths in tokens")
-    parser.add_argument("--samples", type=int, default=2, help="samples per length")
+    parser.add_argument("--samples", type=int, default=1, help="samples per length (more: a finer accuracy, a longer run)")
     parser.add_argument("--model", default=None, help="local transformers model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--adapter", default=None, help="ARM parameters for arm-family methods (folder, 'calibrated', 'random')")
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk P")
