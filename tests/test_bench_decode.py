@@ -105,6 +105,14 @@ def test_cli_last_line_is_the_json(model_dir, tmp_path, capsys):
     assert any(line.startswith("| method |") for line in lines)
     for name in ("results.json", "table.md", "decode.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
+    assert not (tmp_path / "out" / "results.partial.json").exists()
+
+
+def test_checkpoint_sees_every_point(one_thread):
+    seen = []
+    run_bench(tiny_model("llama"), small_bench(methods=["swa"]), progress=False, checkpoint=lambda r: seen.append(
+        sum(v is not None for v in r["decode_ms_per_token"]["swa"].values())))
+    assert seen == [0, 1, 2, 3]  # after the generation curve, then after each prompt length
 
 
 def test_cli_json_flag_prints_one_line(model_dir, capsys):

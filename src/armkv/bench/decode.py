@@ -221,7 +221,7 @@ def _extend_positions(model, needed: int) -> int:
     return old
 
 
-def run_bench(model, bench: DecodeBench, progress: bool = True) -> dict:
+def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None) -> dict:
     """Measure every method of ``bench`` on ``model`` (eval mode, on its device).
 
     Returns
@@ -229,7 +229,9 @@ def run_bench(model, bench: DecodeBench, progress: bool = True) -> dict:
     The JSON document: ``decode_ms_per_token``, ``cache_bytes``, ``prefill_tokens_per_s``
     ({method: {length: value}}, None where skipped), ``floor_ms_per_token``, ``threads``,
     ``device``, and the generation curve (a) under ``gen``, peak memory under ``peak``,
-    skipped points under ``skipped``, and the settings.
+    skipped points under ``skipped``, and the settings. ``checkpoint`` (optional) is called
+    with the partial result after every measured point, so a long run that is stopped keeps
+    what it measured.
     """
     from tqdm.auto import tqdm
 
@@ -294,6 +296,8 @@ def run_bench(model, bench: DecodeBench, progress: bool = True) -> dict:
                     result["gen"]["cache_bytes"][method][g] = cache.state_bytes()
                 del cache
                 gc.collect()
+                if checkpoint is not None:
+                    checkpoint(result)
 
             # (b), (c) against prompt length
             for method, length in runs:
@@ -316,6 +320,8 @@ def run_bench(model, bench: DecodeBench, progress: bool = True) -> dict:
                 if result["peak"]["cuda_allocated_bytes"] is not None:
                     result["peak"]["cuda_allocated_bytes"][method][length] = _device_peak(session.device)
                 del cache, token
+                if checkpoint is not None:
+                    checkpoint(result)
     finally:
         config.max_position_embeddings = old_limit
         bar.close()
@@ -545,12 +551,19 @@ def main(args) -> int:
             raise ArmkvError(f"--threads {args.threads} must be >= 1")
         torch.set_num_threads(args.threads)
     model = load_bench_model(args.model, args.device, args.dtype)
-    result = run_bench(model, bench, progress=not args.no_progress)
+    out = Path(args.output) if args.output else None
+    checkpoint = None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+
+        def checkpoint(partial: dict) -> None:
+            (out / "results.partial.json").write_text(json.dumps(partial, indent=1) + "\n")
+
+    result = run_bench(model, bench, progress=not args.no_progress, checkpoint=checkpoint)
     if args.model is not None:
         result["settings"]["model"] = str(args.model)
-    if args.output:
-        out = Path(args.output)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
+        (out / "results.partial.json").unlink(missing_ok=True)
         (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
         (out / "table.md").write_text(markdown(result))
         plot(result, out / "decode.png")
