@@ -87,8 +87,21 @@ def test_max_full_length_skips_unbounded_only():
     assert out["skipped"] == {"full": [192, 256], "swa": []}
     assert out["decode_ms_per_token"]["full"][256] is None
     assert out["decode_ms_per_token"]["swa"][256] > 0
-    assert "skipped" in markdown(out)
+    assert "skipped at 192, 256" in markdown(out)
     json.dumps(out)
+
+
+def test_beyond_full_fill_times_decode_without_prefill(one_thread):
+    out = run_bench(tiny_model("llama"), small_bench(methods=["full"], max_full_length=150, beyond_full="fill"),
+                    progress=False)  # fmt: skip
+    assert out["filled"]["full"] == [192, 256]
+    assert out["prefill_tokens_per_s"]["full"][256] is None
+    assert out["decode_ms_per_token"]["full"][256] > 0
+    # the filled cache holds what a prefilled one would: bytes linear in the length
+    assert out["cache_bytes"]["full"][256] == 2 * out["cache_bytes"]["full"][128]
+    assert "random keys and values" in markdown(out)
+    with pytest.raises(ArmkvError, match="fills the full cache only"):
+        small_bench(methods=["offload"], beyond_full="fill")
 
 
 def test_cli_last_line_is_the_json(model_dir, tmp_path, capsys):

@@ -53,7 +53,8 @@ class DecodeBench:
     repeats: int = 8  # timed decode steps per point (the median is reported)
     warmup: int = 2  # untimed decode steps before them
     floor_context: int = 4  # prompt tokens of the floor (d) and of the generation curve (a)
-    max_full_length: int | None = None  # skip unbounded methods (full, offload) past this prompt length
+    max_full_length: int | None = None  # no prefill of unbounded methods (full, offload) past this prompt length
+    beyond_full: str = "skip"  # there: "skip" the point, or "fill" the full cache with random KV and time decode only
     max_length: int = 131072  # refuse prompt lengths past this (a typo guard, not a model limit)
     clock: str = "wall"  # "wall", or "process": CPU time of the process (a CPU shared with other jobs)
     seed: int = 0
@@ -81,6 +82,10 @@ class DecodeBench:
             raise ArmkvError(f"--repeats {self.repeats} must be >= 1 and --warmup {self.warmup} >= 0")
         if self.chunk < 1:
             raise ArmkvError(f"--chunk {self.chunk} must be >= 1")
+        if self.beyond_full not in ("skip", "fill"):
+            raise ArmkvError(f"--beyond-full {self.beyond_full!r} is not one of skip, fill")
+        if self.beyond_full == "fill" and any(get_method(m).bounded is False and m != "full" for m in self.methods):
+            raise ArmkvError("--beyond-full fill fills the full cache only: leave offload out or use skip")
         if self.clock not in ("wall", "process"):
             raise ArmkvError(f"--clock {self.clock!r} is not one of wall, process")
         if self.floor_context < 1:
@@ -90,13 +95,21 @@ class DecodeBench:
         self.lengths = sorted(set(self.lengths))
         self.gen_lengths = sorted(set(self.gen_lengths))
 
-    def skips(self, method: str, length: int) -> bool:
-        """Whether an unbounded method is skipped at this prompt length (--max-full-length)."""
+    def beyond(self, method: str, length: int) -> bool:
+        """Whether an unbounded method is past --max-full-length at this prompt length."""
         from armkv.methods.base import get_method
 
         return (
             self.max_full_length is not None and length > self.max_full_length and not get_method(method).bounded
         )
+
+    def skips(self, method: str, length: int) -> bool:
+        """Whether this point is not measured at all (past --max-full-length, --beyond-full skip)."""
+        return self.beyond(method, length) and self.beyond_full == "skip"
+
+    def fills(self, method: str, length: int) -> bool:
+        """Whether the prompt is replaced by random keys and values (past --max-full-length, fill)."""
+        return self.beyond(method, length) and self.beyond_full == "fill"
 
     def positions_needed(self) -> int:
         decode = self.warmup + self.repeats
@@ -186,6 +199,26 @@ class Session:
                 progress(min(chunk, length - s))
         return token, self.clock() - start
 
+    def fill(self, cache, length: int, progress=None) -> torch.Tensor:
+        """Give every layer of a ``full`` cache ``length`` random keys and values, as if a prompt
+        had been read: the decode step then costs what it costs at that context, without the
+        quadratic prefill. Returns a token to decode from [1, 1]."""
+        from armkv.methods.full import FullLayer
+
+        info = cache.layers[0].info
+        shape = (1, info.num_kv_heads, length, info.head_dim)
+        for layer in cache.layers:
+            if not isinstance(layer, FullLayer):
+                raise ArmkvError(f"--beyond-full fill needs the full cache, not {type(layer).__name__}")
+            layer.keys = torch.randn(shape, generator=self.generator).to(self.device, self.model.dtype)
+            layer.values = torch.randn(shape, generator=self.generator).to(self.device, self.model.dtype)
+            layer.valid = torch.ones(1, length, dtype=torch.bool, device=self.device)
+            layer.seen = length
+            layer.note_peak()
+        if progress is not None:
+            progress(length)
+        return self.random_ids(1)
+
     def decode(self, cache, token: torch.Tensor, start: int, steps: int, progress=None) -> list[float]:
         """``steps`` decode steps from position ``start``; the seconds of each."""
         positions = torch.arange(start, start + steps, device=self.device)[None]
@@ -258,6 +291,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
         "gen": {"decode_ms_per_token": empty(), "cache_bytes": empty()},
         "peak": {"rss_bytes": empty(), "cuda_allocated_bytes": empty() if session.device.type == "cuda" else None},
         "skipped": {m: [] for m in bench.methods},
+        "filled": {m: [] for m in bench.methods},  # random KV instead of a prefill (--beyond-full fill)
         "settings": {
             "model": getattr(config, "_name_or_path", "") or type(model).__name__,
             "dtype": str(model.dtype).removeprefix("torch."),
@@ -267,6 +301,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
             "warmup": bench.warmup,
             "floor_context": bench.floor_context,
             "max_full_length": bench.max_full_length,
+            "beyond_full": bench.beyond_full,
             "clock": bench.clock,
             "torch": torch.__version__,
             "cpu_count": os.cpu_count(),
@@ -311,8 +346,13 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
                 _reset_peak_rss()
                 _device_peak_reset(session.device)
                 cache = session.cache(method)
-                token, seconds = session.prefill(cache, length, bar.update)
-                result["prefill_tokens_per_s"][method][length] = length / seconds
+                if bench.fills(method, length):
+                    result["filled"][method].append(length)
+                    token = session.fill(cache, length, bar.update)
+                    result["prefill_tokens_per_s"][method][length] = None
+                else:
+                    token, seconds = session.prefill(cache, length, bar.update)
+                    result["prefill_tokens_per_s"][method][length] = length / seconds
                 result["cache_bytes"][method][length] = cache.state_bytes()
                 times = session.decode(cache, token, length, decode_steps, bar.update)
                 result["decode_ms_per_token"][method][length] = _median_ms(times[bench.warmup :])
@@ -330,7 +370,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
 
 # ---------------------------------------------------------------------- reporting
 def _fmt(value, scale: float = 1.0, digits: int = 1) -> str:
-    return "skipped" if value is None else f"{value / scale:,.{digits}f}"
+    return "-" if value is None else f"{value / scale:,.{digits}f}"
 
 
 def _get(table: dict, method: str, length) -> float | None:
@@ -413,6 +453,15 @@ def markdown(result: dict) -> str:
         limit = s["max_full_length"]
         for method, lengths in skipped.items():
             out.append(f"- {method} skipped at {', '.join(map(str, lengths))} (--max-full-length {limit})")
+    filled = {m: n for m, n in result.get("filled", {}).items() if n}
+    if filled:
+        out.append("")
+        limit = s["max_full_length"]
+        for method, lengths in filled.items():
+            out.append(
+                f"- {method} at {', '.join(map(str, lengths))}: cache filled with random keys and values instead of a "
+                f"prefill (--max-full-length {limit} --beyond-full fill): decode and bytes measured, prefill not"
+            )
     lines = summary(result)
     if lines:
         out.append("")
@@ -496,6 +545,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--max-full-length", type=int, default=None,
                         help="skip unbounded methods (full, offload) at prompt lengths beyond this, noted in the table")  # fmt: skip
+    parser.add_argument("--beyond-full", choices=("skip", "fill"), default="skip",
+                        help="past --max-full-length: skip the point, or fill the full cache with random KV "
+                        "and time its decode only")  # fmt: skip
     parser.add_argument("--max-length", type=int, default=131072, help="refuse prompt lengths beyond this (default 131072)")
     parser.add_argument("--clock", choices=("wall", "process"), default="wall",
                         help="wall time, or the process's CPU time (on a CPU shared with other jobs)")  # fmt: skip
@@ -515,6 +567,7 @@ def bench_from_args(args) -> DecodeBench:
         repeats=args.repeats,
         warmup=args.warmup,
         max_full_length=args.max_full_length,
+        beyond_full=args.beyond_full,
         max_length=args.max_length,
         clock=args.clock,
         seed=args.seed,
