@@ -104,9 +104,9 @@ def test_one_line_errors(model_dir, corpus, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"body": "x"}) + "\n")
     one_line_error(train_args(model_dir, bad, tmp_path), capsys, "no 'text' column")
-    args = train_args(model_dir, corpus, tmp_path)
+    args = train_args(model_dir, corpus, tmp_path, "--adapter", str(tmp_path / "no-such-adapter"))
     args[args.index("lm")] = "arm"
-    one_line_error(args, capsys, "--method arm")
+    one_line_error(args, capsys, "not an armkv adapter")
     args = train_args(model_dir, corpus, tmp_path)
     args[args.index("all")] = "none"
     one_line_error(args, capsys, "nothing to train")
@@ -119,12 +119,17 @@ def test_one_line_errors(model_dir, corpus, tmp_path, capsys):
     one_line_error(train_args(model_dir, corpus, tmp_path / "r", "--steps", "2", "--resume"), capsys, "corrupt or truncated")
 
 
-def test_calibrate_collects_keys(model_dir, corpus, tmp_path, capsys):
+def test_calibrate_builds_an_adapter(model_dir, corpus, tmp_path):
+    from armkv.memory.module import ARMModel
+
     args = ["calibrate", "--model", str(model_dir), "--data", str(corpus), "--seq-len", "16", "--tokens", "64",
-            "--max-keys-per-head", "24", "--out", str(tmp_path)]
-    one_line_error(args, capsys, "building the trees is not available")
-    keys = load_file(tmp_path / "keys.safetensors")
-    assert sorted(keys) == ["layer.0", "layer.1"] and keys["layer.0"].shape == (2, 24, 16)
+            "--max-keys-per-head", "24", "--budget", "64", "--out", str(tmp_path / "adapter")]
+    assert main(args) == 0
+    arm = ARMModel.load(tmp_path / "adapter")
+    assert len(arm.layers) == 2 and arm.config.meta["init"] == "kmeans"
+    # every router row is a centroid of real keys, not the random start
+    w = arm.layers[0].router.weight
+    assert torch.isfinite(w).all() and float(arm.layers[0].router.bias.abs().sum()) > 0
 
 
 def test_lora_trains_only_the_adapters(model_dir, corpus, tmp_path):

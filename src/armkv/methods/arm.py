@@ -180,7 +180,7 @@ class ARMLayer(CacheLayer):
         self.m = m.clamp_max(self.memory.router.num_buckets)
         if self.memory.training:
             self.mix = g
-            self.aux["read_cost"] = expected.mean() / self.memory.router.num_buckets
+            self.aux["budget"] = expected.mean() / self.memory.router.num_buckets
 
     def aux_losses(self) -> dict[str, torch.Tensor]:
         """Training losses gathered since the cache was made: the balance loss of every

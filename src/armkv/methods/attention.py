@@ -80,6 +80,12 @@ def joint_attention(
         out = torch.matmul(weights, chunk_value)
     else:
         n = state_key.shape[2]
+        if state_valid is not None:
+            # unwritten entries may hold anything: a masked score's zero gradient times a NaN
+            # key would still give the queries a NaN gradient
+            valid_kv = state_valid if state_valid.dim() == 3 else state_valid[:, None]
+            state_key = _zero_invalid(state_key, valid_kv)
+            state_value = _zero_invalid(state_value, valid_kv)
         state_scores = torch.matmul(q, state_key.transpose(-1, -2)) * scaling  # [B, Hkv, G*T, L]
         if state_bias is not None:
             state_scores = state_scores + state_bias[:, :, None, :].to(state_scores.dtype)
@@ -92,7 +98,5 @@ def joint_attention(
         if state_ok is not None:
             state_scores = state_scores.masked_fill(~state_ok, float("-inf"))
         weights = _safe_softmax(torch.cat([state_scores, chunk_scores], dim=-1))
-        if state_valid is not None:
-            state_value = _zero_invalid(state_value, state_valid if state_valid.dim() == 3 else state_valid[:, None])
         out = torch.matmul(weights[..., :n], state_value) + torch.matmul(weights[..., n:], chunk_value)
     return out.reshape(b, hq, t, d).transpose(1, 2)

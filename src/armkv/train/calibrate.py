@@ -121,19 +121,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=65_536, help="calibration tokens to run through the model")
     parser.add_argument("--max-keys-per-head", type=int, default=8192, help="keys kept per layer and KV head for the tree")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget", type=int, default=512, help="memory budget the tree is sized for (token-equivalents)")
     parser.add_argument("--out", required=True, help="adapter directory to write")
 
 
-def build_adapter(keys: list[torch.Tensor], args: argparse.Namespace) -> Path:
+def build_adapter(model: torch.nn.Module, keys: list[torch.Tensor], args: argparse.Namespace) -> Path:
     """Build each layer's tree from its keys (hierarchical k-means) and save the adapter.
 
-    The hook for the ARM integration: ``keys[layer]`` is [Hkv, N, d] pre-RoPE keys.
+    ``keys[layer]`` is [Hkv, N, d] pre-RoPE keys.
     """
-    raise ArmkvError(f"building the trees is not available in this build yet; the keys are in {args.out}/keys.safetensors")
+    from armkv.train.arm import calibrate_arm
+
+    arm = calibrate_arm(model, keys, args.budget, seed=args.seed)
+    extra = {"calibration_tokens": args.tokens, "seq_len": args.seq_len, "max_keys_per_head": args.max_keys_per_head}
+    return arm.save(args.out, extra=extra)
 
 
 def main(args: argparse.Namespace) -> int:
-    from safetensors.torch import save_file
 
     from armkv.train.cli import load_model
     from armkv.train.data import PackedSequences, hf_tokenize, source_from_args
@@ -150,6 +154,6 @@ def main(args: argparse.Namespace) -> int:
                         args.max_keys_per_head, seed=args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({f"layer.{i}": k.contiguous() for i, k in enumerate(keys)}, out / "keys.safetensors")
-    build_adapter(keys, args)
+    path = build_adapter(model, keys, args)
+    print(f"ARM adapter: {path}")
     return 0

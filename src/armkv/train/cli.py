@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf-file", help="GGUF file inside --model to load")
     parser.add_argument("--unfreeze", choices=("none", "all"), default="none", help="base model parameters to train beside the method's own")
     parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on the attention projections (peft)")
+    parser.add_argument("--budget", type=int, default=512, help="ARM memory budget in token-equivalents (sinks + window + slots)")
+    parser.add_argument("--chunk", type=int, default=256, help="P: prefill chunk of the ARM forward")
+    parser.add_argument("--adapter", help="start from this ARM adapter (e.g. a calibrated one) instead of a fresh initialisation")
     add_data_arguments(parser)
 
     d = TrainConfig()
@@ -92,7 +95,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def load_model(args: argparse.Namespace):
     """The model (fp32, all parameters frozen) and its tokenizer."""
     if not args.model:
-        raise ArmkvError("pass --model DIR (a local Hugging Face model directory)")
+        from armkv.hf.model import load_model as load_default
+
+        model, tokenizer = load_default()
+        model.requires_grad_(False)
+        return model, tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -121,16 +128,15 @@ def add_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
 
 
 def prepare_arm(model: torch.nn.Module, args: argparse.Namespace):
-    """Attach trainable ARM layers to ``model`` for training; returns ``(model, teacher)``.
+    """Wrap ``model`` for ARM training; returns ``(model, teacher)``.
 
-    The hook for the ARM integration: it must make the ARM parameters the only ones
-    with ``requires_grad`` (besides what --unfreeze / --lora-rank add), make the forward
-    run the same chunked ARM attention used at inference, have the ARM modules expose
-    ``set_schedule`` and ``aux_losses`` (``"balance"``, ``"budget"``; see
-    armkv.train.losses), and return a teacher ``input_ids -> logits`` that runs the
-    same model with the full cache (for --kl-weight).
+    Only the ARM parameters (and what --unfreeze / --lora-rank add) train; the forward is
+    the chunked ARM attention used at inference; the teacher is the same model with the
+    full cache (see armkv.train.arm).
     """
-    raise ArmkvError("--method arm: training the ARM layers is not available in this build yet; --method lm trains the model itself")
+    from armkv.train.arm import prepare_arm_training
+
+    return prepare_arm_training(model, args.budget, args.chunk, args.adapter, args.seed)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -162,6 +168,12 @@ def main(args: argparse.Namespace) -> int:
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+    if args.method == "arm" and int(os.environ.get("RANK", "0")) == 0:
+        adapter = model.arm.save(
+            Path(args.out) / "adapter", dtype=torch.bfloat16,
+            extra={"steps": result.step, "budget": args.budget, "chunk": args.chunk, "init": args.adapter or "random"},
+        )  # fmt: skip
+        print(f"ARM adapter: {adapter}")
     if result.history:
         last = result.history[-1]
         print(json.dumps({"step": result.step, "loss": last["loss"], "out_dir": str(result.out_dir),
