@@ -656,10 +656,12 @@ def plot_by_length(cells: dict, rows: list[str], lengths: list[str], path: Path,
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for row in rows:
+    markers = "os^Dvx*P"
+    for i, row in enumerate(rows):
         points = [(int(length), cells[row][length]) for length in lengths if length in cells.get(row, {})]
         if points:
-            ax.plot(*zip(*points), marker="o", label=row)
+            # shrinking markers keep rows with equal scores visible on top of each other
+            ax.plot(*zip(*points), marker=markers[i % len(markers)], markersize=max(3, 10 - i), label=row)
     ax.set_xscale("log", base=2)
     ax.set_xticks([int(length) for length in lengths], [common.length_label(length) for length in lengths])
     ax.set_xlabel("context length (tokens)")
@@ -733,7 +735,7 @@ def evaluate(
     per_length = common.by_length(summary, labels, length_keys, tasks)
     per_task = common.by_task(summary, labels, tasks, length_keys)
     tables = [
-        f"## Score by context length (mean over {len(tasks)} tasks: {', '.join(tasks)})\n",
+        f"## Score by context length (mean over tasks: {', '.join(tasks)})\n",
         common.markdown_table(
             {r: {common.length_label(k): v for k, v in c.items()} for r, c in per_length.items()},
             labels,
