@@ -230,6 +230,18 @@ def test_bucket_slot_mask():
     m = torch.tensor([2])
     got = bucket_slot_mask(buckets, m, slot_bucket, 3)
     assert got[0, 0, 0].tolist() == [True, False, True, False, True]
+    # the one-hot path (many picks) and the comparison path (few picks) agree
+    torch.manual_seed(0)
+    b = torch.stack([torch.randperm(50)[:12] for _ in range(2 * 3 * 5)]).view(2, 3, 5, 12)
+    sb = torch.randint(-1, 50, (2, 3, 7))
+    m = torch.tensor([4, 12])
+    few = bucket_slot_mask(b, m, sb, 50)  # 12 * 7 <= 57: comparison
+    expect = torch.tensor([[[[bool(((b[i, h, t, : m[i]]) == sb[i, h, s]).any()) for s in range(7)] for t in range(5)] for h in range(3)] for i in range(2)])
+    assert torch.equal(few, expect)
+    small = b % 5
+    sb5 = torch.where(sb < 0, sb, sb % 5)
+    expect5 = torch.tensor([[[[bool(((small[i, h, t, : m[i]]) == sb5[i, h, s]).any()) for s in range(7)] for t in range(5)] for h in range(3)] for i in range(2)])
+    assert torch.equal(bucket_slot_mask(small, m, sb5, 5), expect5)
 
 
 def test_arm_read_equals_naive_read():
