@@ -138,6 +138,25 @@ def test_cli_json_flag_prints_one_line(model_dir, capsys):
     assert json.loads(lines[0])["cache_bytes"]["swa"]["24"] > 0
 
 
+def test_merge_runs(one_thread, tmp_path, capsys):
+    model = tiny_model("llama")
+    a = run_bench(model, small_bench(methods=["full"], lengths=[128]), progress=False)
+    b = run_bench(model, small_bench(methods=["swa"], lengths=[128, 256]), progress=False)
+    paths = []
+    for name, doc in (("a", a), ("b", b)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(doc))
+    assert cli_main(["bench", "decode", "--merge", *map(str, paths), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(doc["decode_ms_per_token"]) == {"full", "swa"}
+    assert set(doc["decode_ms_per_token"]["swa"]) == {"128", "256"}
+    assert len(doc["floor_runs"]) == 2
+    b["threads"] = a["threads"] + 1
+    paths[1].write_text(json.dumps(b))
+    assert cli_main(["bench", "decode", "--merge", *map(str, paths)]) == 2
+    assert "differ in threads" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

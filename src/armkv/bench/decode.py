@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import resource
 import statistics
@@ -219,8 +218,8 @@ class Session:
             progress(length)
         return self.random_ids(1)
 
-    def decode(self, cache, token: torch.Tensor, start: int, steps: int, progress=None) -> list[float]:
-        """``steps`` decode steps from position ``start``; the seconds of each."""
+    def decode(self, cache, token: torch.Tensor, start: int, steps: int, progress=None):
+        """``steps`` decode steps from position ``start``. Returns (the seconds of each, the next token)."""
         positions = torch.arange(start, start + steps, device=self.device)[None]
         times = []
         for i in range(steps):
@@ -229,7 +228,7 @@ class Session:
             times.append(self.clock() - t0)
             if progress is not None:
                 progress(1)
-        return times
+        return times, token
 
 
 def _median_ms(seconds: list[float]) -> float:
@@ -313,19 +312,20 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
             bar.set_postfix_str("floor")
             cache = session.cache("full")
             token, _ = session.prefill(cache, bench.floor_context, bar.update)
-            times = session.decode(cache, token, bench.floor_context, decode_steps, bar.update)
+            times, _ = session.decode(cache, token, bench.floor_context, decode_steps, bar.update)
             result["floor_ms_per_token"] = _median_ms(times[bench.warmup :])
             del cache
 
             # (a) against generation length: one decode from a few-token prompt per method
-            steps = max(bench.gen_lengths)
             for method in bench.methods:
                 bar.set_postfix_str(f"{method} generation")
                 cache = session.cache(method)
                 token, _ = session.prefill(cache, bench.floor_context, bar.update)
                 done: list[float] = []
                 for g in bench.gen_lengths:
-                    done += session.decode(cache, token, bench.floor_context + len(done), g - len(done), bar.update)
+                    start = bench.floor_context + len(done)
+                    times, token = session.decode(cache, token, start, g - len(done), bar.update)
+                    done += times
                     window = done[max(bench.warmup, len(done) - bench.repeats) :] or done[-1:]
                     result["gen"]["decode_ms_per_token"][method][g] = _median_ms(window)
                     result["gen"]["cache_bytes"][method][g] = cache.state_bytes()
@@ -354,7 +354,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
                     token, seconds = session.prefill(cache, length, bar.update)
                     result["prefill_tokens_per_s"][method][length] = length / seconds
                 result["cache_bytes"][method][length] = cache.state_bytes()
-                times = session.decode(cache, token, length, decode_steps, bar.update)
+                times, token = session.decode(cache, token, length, decode_steps, bar.update)
                 result["decode_ms_per_token"][method][length] = _median_ms(times[bench.warmup :])
                 result["peak"]["rss_bytes"][method][length] = _peak_rss()
                 if result["peak"]["cuda_allocated_bytes"] is not None:
@@ -500,7 +500,8 @@ def plot(result: dict, path: Path) -> None:
         for ax in (axes[0, 1], axes[1, 1]):
             ax.axhline(floor, color="black", linestyle="--", linewidth=1, label="floor")
     for ax, _, _, _, _ in panels:
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     s = result["settings"]
     axes[0, 2].axis("off")
     axes[0, 2].text(
@@ -513,6 +514,49 @@ def plot(result: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def merge_results(docs: list[dict]) -> dict:
+    """One document from runs split by method or length (same model, device, threads, clock).
+
+    Points are united (a later document wins a point both measured); the floor is the median
+    of the runs' floors, each kept under ``floor_runs``.
+    """
+    if not docs:
+        raise ArmkvError("--merge needs at least one results.json")
+    same = ("model", "dtype", "budget", "chunk", "clock")
+    first = docs[0]
+    for doc in docs[1:]:
+        for key in ("threads", "device"):
+            if doc[key] != first[key]:
+                raise ArmkvError(f"--merge: runs differ in {key} ({first[key]} vs {doc[key]}); merge like with like")
+        for key in same:
+            if doc["settings"].get(key) != first["settings"].get(key):
+                raise ArmkvError(f"--merge: runs differ in {key}; merge like with like")
+    merged = json.loads(json.dumps(first))
+
+    def unite(target: dict, source: dict) -> None:
+        for method, row in source.items():
+            target.setdefault(method, {}).update(row)
+
+    for doc in docs[1:]:
+        for key in ("decode_ms_per_token", "cache_bytes", "prefill_tokens_per_s"):
+            unite(merged[key], doc[key])
+        for key in ("decode_ms_per_token", "cache_bytes"):
+            unite(merged["gen"][key], doc["gen"][key])
+        unite(merged["peak"]["rss_bytes"], doc["peak"]["rss_bytes"])
+        if merged["peak"].get("cuda_allocated_bytes") is not None:
+            unite(merged["peak"]["cuda_allocated_bytes"], doc["peak"]["cuda_allocated_bytes"] or {})
+        for key in ("skipped", "filled"):
+            for method, lengths in doc.get(key, {}).items():
+                merged.setdefault(key, {}).setdefault(method, [])
+                merged[key][method] = sorted(set(merged[key][method]) | set(lengths))
+        if doc["settings"].get("max_full_length") is not None:
+            merged["settings"]["max_full_length"] = doc["settings"]["max_full_length"]
+    floors = [d["floor_ms_per_token"] for d in docs if d["floor_ms_per_token"] is not None]
+    merged["floor_ms_per_token"] = statistics.median(floors) if floors else None
+    merged["floor_runs"] = floors
+    return merged
 
 
 # ---------------------------------------------------------------------- command line
@@ -554,6 +598,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="folder for results.json, table.md and decode.png")
     parser.add_argument("--json", action="store_true", help="print only the JSON line on stdout")
+    parser.add_argument("--merge", nargs="+", metavar="RESULTS_JSON", default=None,
+                        help="measure nothing: merge these runs' results.json into one table, plot and JSON")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -597,25 +643,12 @@ def load_bench_model(model_dir: str | None, device: str, dtype: str):
     return model.to(device).eval()
 
 
-def main(args) -> int:
-    bench = bench_from_args(args)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ArmkvError(f"--threads {args.threads} must be >= 1")
-        torch.set_num_threads(args.threads)
-    model = load_bench_model(args.model, args.device, args.dtype)
-    out = Path(args.output) if args.output else None
-    checkpoint = None
-    if out is not None:
+def report(result: dict, args) -> None:
+    """Write results.json, table.md and decode.png under --output (if given); print the table
+    (unless --json) and then the JSON line."""
+    if args.output:
+        out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
-
-        def checkpoint(partial: dict) -> None:
-            (out / "results.partial.json").write_text(json.dumps(partial, indent=1) + "\n")
-
-    result = run_bench(model, bench, progress=not args.no_progress, checkpoint=checkpoint)
-    if args.model is not None:
-        result["settings"]["model"] = str(args.model)
-    if out is not None:
         (out / "results.partial.json").unlink(missing_ok=True)
         (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
         (out / "table.md").write_text(markdown(result))
@@ -623,4 +656,34 @@ def main(args) -> int:
     if not args.json:
         print(markdown(result))
     print(json.dumps(result))
-    return 0 if not math.isnan(result["floor_ms_per_token"] or 0.0) else 1
+
+
+def main(args) -> int:
+    if args.merge:
+        docs = []
+        for name in args.merge:
+            try:
+                docs.append(json.loads(Path(name).read_text()))
+            except (OSError, ValueError) as e:
+                raise ArmkvError(f"--merge {name}: cannot read a results document ({e})") from None
+        report(merge_results(docs), args)
+        return 0
+    bench = bench_from_args(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ArmkvError(f"--threads {args.threads} must be >= 1")
+        torch.set_num_threads(args.threads)
+    model = load_bench_model(args.model, args.device, args.dtype)
+    out = Path(args.output) if args.output else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+
+    def checkpoint(partial: dict) -> None:
+        if out is not None:
+            (out / "results.partial.json").write_text(json.dumps(partial, indent=1) + "\n")
+
+    result = run_bench(model, bench, progress=not args.no_progress, checkpoint=checkpoint)
+    if args.model is not None:
+        result["settings"]["model"] = str(args.model)
+    report(result, args)
+    return 0
