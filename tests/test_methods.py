@@ -120,7 +120,8 @@ def test_bounded_methods_stay_within_budget_at_every_step(method, nan_empty):
         sizes.append(layer.state_bytes())
     # attend() records the peak after every chunk of the prefill, so this covers each sync point.
     assert layer.peak_bytes <= bound
-    assert sizes[-1] == sizes[-50], "a bounded method must not grow while decoding"
+    # Sizes may cycle (ARM keeps tokens waiting for their write exact) but must not trend up.
+    assert max(sizes[-50:]) <= max(sizes[-100:-50]), "a bounded method must not grow while decoding"
 
 
 @pytest.mark.parametrize("method", BOUNDED)
