@@ -182,6 +182,33 @@ class ARMLayer(CacheLayer):
             self.mix = g
             self.aux["budget"] = expected.mean() / self.memory.router.num_buckets
 
+    def diagnostics(self, positions: torch.Tensor | None = None) -> dict:
+        """What the memory holds now: slots used, tokens per used slot, and, for the given
+        token positions [n] (e.g. a needle's), the share still held exactly (in the sinks,
+        the window, waiting, or alone in a slot), averaged over batch rows and KV heads."""
+        if self.state is None:
+            return {}
+        st = self.state
+        used = st.count > 0
+        out = {
+            "slots_used": float(used.float().sum(-1).mean()),
+            "slots": st.slots,
+            "tokens_per_slot": float(st.count.sum() / used.sum().clamp_min(1)),
+        }
+        if positions is not None:
+            positions = positions.to(st.pos.device).float()
+            exact = (st.count == 1).unsqueeze(-1) & (st.pos.unsqueeze(-1) == positions)  # [G, S, n]
+            held = exact.any(1)  # [G, n]
+            _, _, valid, pos = self.buffer.kv()
+            in_buffer = (valid.unsqueeze(-1) & (pos.unsqueeze(-1).float() == positions)).any(1)  # [B, n]
+            if self.pending is not None:
+                waiting = (self.pending[2].unsqueeze(-1) & (self.pending[3].unsqueeze(-1).float() == positions)).any(1)
+                in_buffer = in_buffer | waiting
+            B = in_buffer.shape[0]
+            held = held.view(B, -1, positions.numel()) | in_buffer.unsqueeze(1)
+            out["exact_share"] = float(held.float().mean())
+        return out
+
     def aux_losses(self) -> dict[str, torch.Tensor]:
         """Training losses gathered since the cache was made: the balance loss of every
         chunk written, and the policy's expected read cost E[M] / N_b (unweighted)."""

@@ -1,0 +1,54 @@
+"""ARM-specific behaviour of the cache method (the generic matrix in test_hf / test_methods
+covers every registered method, arm and fifo included)."""
+
+import pytest
+import torch
+
+from armkv.errors import ArmkvError
+from armkv.hf.attach import make_cache
+from conftest import tiny_model
+
+
+def _run(model, ids, **kw):
+    cache = make_cache(model, "arm", chunk=16, **kw)
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache, use_cache=True).logits
+    return logits, cache
+
+
+def test_large_memory_reads_equal_exact_attention():
+    model = tiny_model("llama").eval()
+    ids = torch.stack([torch.randperm(100)[:90] for _ in range(2)])  # distinct tokens: no merges
+    with torch.no_grad():
+        ref = model(ids).logits
+    logits, cache = _run(model, ids, budget=512, arm_overrides={"sync": 1})
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    assert cache.layers[0].diagnostics()["tokens_per_slot"] == 1.0
+
+
+@pytest.mark.parametrize("overrides", [{"position_mode": "fixed"}, {"sync": 1}, {"write": "mean"},
+                                       {"top_m": "fixed", "m_fixed": 1}, {"empty_slot_rule": False},
+                                       {"log_count_bias": False}, {"pool": "paper"}])
+def test_ablation_switches_run_within_budget(overrides):
+    model = tiny_model("llama").eval()
+    ids = torch.randint(0, 100, (1, 200))
+    logits, cache = _run(model, ids, budget=48, arm_overrides=overrides)
+    assert torch.isfinite(logits).all()
+    info_budget = 48 * 2 * model.config.num_key_value_heads * (model.config.hidden_size // model.config.num_attention_heads) * 4
+    assert all(layer.peak_bytes <= info_budget for layer in cache.layers)
+
+
+def test_diagnostics_report_exact_tokens():
+    model = tiny_model("llama").eval()
+    ids = torch.randint(0, 100, (1, 200))
+    _, cache = _run(model, ids, budget=48)
+    d = cache.layers[0].diagnostics(torch.tensor([0, 199]))  # a sink and the newest token
+    assert d["exact_share"] == 1.0 and 0 < d["slots_used"] <= d["slots"]
+
+
+def test_adapter_options_are_checked(tmp_path):
+    model = tiny_model("llama").eval()
+    with pytest.raises(ArmkvError, match="not a folder"):
+        make_cache(model, "arm", budget=64, adapter=str(tmp_path / "nope"))
+    with pytest.raises(ArmkvError, match="change the adapter"):
+        make_cache(model, "arm", budget=64, arm_overrides={"depth": 5})
