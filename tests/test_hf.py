@@ -142,11 +142,14 @@ def test_attach_detach_gives_identical_logits():
     model = tiny_model("qwen2")
     ids, mask = left_padded()
     original = model.config._attn_implementation
+    generate = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         before = model(ids, attention_mask=mask).logits
+        plain = model.generate(ids, **generate)
         with attached(model):
             assert model.config._attn_implementation == "armkv"
             during = model(ids, attention_mask=mask, use_cache=False).logits  # sdpa fallback, no ArmkvCache
+            assert torch.equal(model.generate(ids, **generate), plain)  # transformers' DynamicCache still works
             cache = make_cache(model, "full")
             with_cache = model(ids, attention_mask=mask, past_key_values=cache).logits
         assert not is_attached(model)
