@@ -34,7 +34,7 @@ class Overflow:
         return self.valid.shape[1]
 
 
-def _gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x [B, H, L, d], index [B, n] -> [B, H, n, d] (the same tokens for every head)."""
     b, h, _, d = x.shape
     return x.gather(2, index[:, None, :, None].expand(b, h, index.shape[1], d))
@@ -111,8 +111,8 @@ class ExactBuffer:
         order = torch.sort(cand_valid.to(torch.int8), dim=1, stable=True).indices  # [B, W + T]
         total = cand_valid.shape[1]
         keep = order[:, total - self.window :]
-        self.win_k.copy_(_gather_tokens(cand_k, keep))
-        self.win_v.copy_(_gather_tokens(cand_v, keep))
+        self.win_k.copy_(gather_tokens(cand_k, keep))
+        self.win_v.copy_(gather_tokens(cand_v, keep))
         self.win_valid.copy_(cand_valid.gather(1, keep))
         self.win_pos.copy_(cand_pos.gather(1, keep))
 
@@ -122,8 +122,8 @@ class ExactBuffer:
         # row's lost tokens sit just before it and anything earlier in the slice is invalid.
         out = order[:, total - self.window - n : total - self.window]  # [B, n]
         return Overflow(
-            key=_gather_tokens(cand_k, out),
-            value=_gather_tokens(cand_v, out),
+            key=gather_tokens(cand_k, out),
+            value=gather_tokens(cand_v, out),
             valid=cand_valid.gather(1, out),
             positions=cand_pos.gather(1, out),
         )
@@ -145,8 +145,8 @@ class ExactBuffer:
         src_rank = slot - filled  # [B, S]
         takes = (src_rank >= 0) & (src_rank < to_sink.sum(1, keepdim=True))  # [B, S]
         src = valid_first.gather(1, src_rank.clamp(0, t - 1))  # [B, S]
-        self.sink_k.copy_(torch.where(takes[:, None, :, None], _gather_tokens(key, src), self.sink_k))
-        self.sink_v.copy_(torch.where(takes[:, None, :, None], _gather_tokens(value, src), self.sink_v))
+        self.sink_k.copy_(torch.where(takes[:, None, :, None], gather_tokens(key, src), self.sink_k))
+        self.sink_v.copy_(torch.where(takes[:, None, :, None], gather_tokens(value, src), self.sink_v))
         self.sink_pos.copy_(torch.where(takes, positions.to(torch.long).gather(1, src), self.sink_pos))
         self.sink_valid |= takes
         return valid & ~to_sink

@@ -25,7 +25,7 @@ from armkv.errors import ArmkvError
 from armkv.memory.rope import Rotary
 from armkv.methods.attention import joint_attention
 from armkv.methods.base import CacheLayer, ModelInfo, register_method, reject_options
-from armkv.methods.buffers import ExactBuffer
+from armkv.methods.buffers import ExactBuffer, gather_tokens
 
 
 def quantise(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,15 +163,15 @@ class KiviLayer(CacheLayer):
         total = cand_valid.shape[1]
         if n_new:
             idx = order[:, : n_new * gsize]
-            gk = _gather(cand_k, idx).reshape(*key.shape[:2], n_new, gsize, key.shape[3])
-            gv = _gather(cand_v, idx).reshape(*key.shape[:2], n_new, gsize, key.shape[3])
+            gk = gather_tokens(cand_k, idx).reshape(*key.shape[:2], n_new, gsize, key.shape[3])
+            gv = gather_tokens(cand_v, idx).reshape(*key.shape[:2], n_new, gsize, key.shape[3])
             is_new = torch.arange(n_new, device=key.device)[None, :] < full[:, None]  # [B, n_new]
             self._write_groups(gk, gv, is_new)
         # What is left of each row (fewer than G tokens) is the new staging group.
         rest = full[:, None] * gsize + torch.arange(gsize, device=key.device)[None, :]  # [B, G]
         src = order.gather(1, rest.clamp(max=total - 1))
-        self.stage_k.copy_(_gather(cand_k, src))
-        self.stage_v.copy_(_gather(cand_v, src))
+        self.stage_k.copy_(gather_tokens(cand_k, src))
+        self.stage_v.copy_(gather_tokens(cand_v, src))
         self.stage_count.copy_(count - full * gsize)
 
     def _write_groups(self, gk: torch.Tensor, gv: torch.Tensor, is_new: torch.Tensor) -> None:
@@ -211,7 +211,7 @@ class KiviLayer(CacheLayer):
         """Unbudgeted: extend the group store to ``need`` groups (doubling, to amortise the copies)."""
         old = self.group_valid.shape[1]
         size = max(need, 2 * old)
-        b, h, _, _, packed = self.groups["key_codes"].shape
+        b, h = self.groups["key_codes"].shape[:2]
         d = self.groups["key_scale"].shape[-1]
         extra = self._empty_groups(b, h, d, size - old, self.groups["key_scale"].dtype, self.group_valid.device)
         self.groups = {k: torch.cat([v, extra[k]], dim=2) for k, v in self.groups.items()}
@@ -227,12 +227,6 @@ class KiviLayer(CacheLayer):
         per_group = sum(t[:, :, :1].numel() * t.element_size() for t in self.groups.values())
         stage = 2 * self.stage_k.numel() * self.stage_k.element_size()
         return self.exact.state_bytes() + stage + allocated * per_group
-
-
-def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x [B, H, L, d], index [B, n] -> [B, H, n, d]."""
-    b, h, _, d = x.shape
-    return x.gather(2, index[:, None, :, None].expand(b, h, index.shape[1], d))
 
 
 def group_bytes(info: ModelInfo, bits: int, group: int, value_group: int) -> int:
