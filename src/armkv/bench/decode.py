@@ -553,6 +553,11 @@ def merge_results(docs: list[dict]) -> dict:
                 merged[key][method] = sorted(set(merged[key][method]) | set(lengths))
         if doc["settings"].get("max_full_length") is not None:
             merged["settings"]["max_full_length"] = doc["settings"]["max_full_length"]
+    # a point another run measured is no longer skipped, and one it prefilled no longer filled
+    for method, lengths in merged.get("skipped", {}).items():
+        merged["skipped"][method] = [n for n in lengths if _get(merged["decode_ms_per_token"], method, n) is None]
+    for method, lengths in merged.get("filled", {}).items():
+        merged["filled"][method] = [n for n in lengths if _get(merged["prefill_tokens_per_s"], method, n) is None]
     floors = [d["floor_ms_per_token"] for d in docs if d["floor_ms_per_token"] is not None]
     merged["floor_ms_per_token"] = statistics.median(floors) if floors else None
     merged["floor_runs"] = floors
