@@ -96,3 +96,23 @@ def test_generate_real_default_model(tmp_path):
     (result,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert set(result) == FIELDS
     assert "4321" in result["output"]
+
+
+@pytest.mark.real_model
+def test_real_model_cache_bytes_against_prompt_length():
+    """On the default model: full grows with the prompt; bounded methods hold the same bytes
+    for a short and a three times longer prompt (both beyond the budget)."""
+    from armkv.hf.model import load_model
+    from armkv.hf.runner import Runner
+
+    model, tokenizer = load_model()
+    noise = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+    requests = [{"id": n, "prompt": noise * n} for n in (8, 24)]  # ~200 and ~600 tokens
+    sizes = {}
+    for method, budget in (("full", None), ("sink", 64), ("kivi", 64)):
+        results = Runner(model, tokenizer, method, budget=budget, chunk=64).generate(requests, max_new_tokens=2)
+        sizes[method] = [r["cache_bytes"] for r in results]
+    token_bytes = 2 * 3 * 64 * 4 * 30  # K and V, 3 KV heads of 64, fp32, 30 layers
+    assert sizes["full"][1] > 2.5 * sizes["full"][0]
+    assert sizes["sink"][0] == sizes["sink"][1] == 64 * token_bytes
+    assert sizes["kivi"][0] == sizes["kivi"][1] <= 64 * token_bytes
