@@ -59,6 +59,7 @@ class ARMLayer(CacheLayer):
         self.mix: torch.Tensor | None = None  # [B] soft-cascade weight of Top(M + 1) (training)
         self.aux: dict[str, torch.Tensor] = {}
         self.generator: torch.Generator | None = None
+        self._view: tuple[torch.Tensor, ...] | None = None  # the slots as read, until the next write
 
     # ------------------------------------------------------------------ state
     def _lazy_init(self, key: torch.Tensor) -> None:
@@ -91,47 +92,38 @@ class ARMLayer(CacheLayer):
             exact_k = torch.cat([exact_k, self.pending[0]], 2)
             exact_v = torch.cat([exact_v, self.pending[1]], 2)
             exact_valid = torch.cat([exact_valid, self.pending[2]], 1)
-        slot_key = self.state.key.view(B, H, S, d)
-        slot_val = self.state.value.view(B, H, S, d)
-        count = self.state.count.view(B, H, S)
-        occupied = count > 0
+        slot_k, slot_v, occupied, bias = self._slots()
         rep = Hq // H
 
         # which slots each query reads: those of its top-M buckets (M per row); reading every
-        # bucket needs no routing
+        # bucket needs no routing and no per-query mask (state_valid already drops free slots)
         if self.mix is None and int(self.m.min()) >= mem.router.num_buckets:
-            slot_masks = [occupied.repeat_interleave(rep, 1).unsqueeze(2).expand(B, Hq, T, S)]
+            slot_masks = [None]
         else:
             slot_masks = self._masks_for(q_pre, occupied, rep)
 
-        bias = count.clamp_min(1).log() if c.log_count_bias else torch.zeros_like(count)
         exact_valid_h = exact_valid.unsqueeze(1).expand(B, H, -1)
         state_valid = torch.cat([exact_valid_h, occupied], -1)
         state_bias = torch.cat([torch.zeros_like(exact_valid_h, dtype=bias.dtype), bias], -1)
         L = exact_k.shape[2]
         if c.position_mode == "stored":
-            slot_k = self.rotary.rotate(slot_key, self.state.pos.view(B, H, S))
-            q_in, keys, vals = query, (exact_k, slot_k, key), (exact_v, slot_val, value)
+            q_in, chunk_k, chunk_v = query, key, value
         else:
-            # every slot stands at distance window + 1 before the query: q.R(p - delta)k_pre =
-            # q_pre.R(-delta)k_pre. The slots' scores use pre-RoPE queries, the rest post-RoPE,
-            # so both ride in one dot product over [post | pre] halves.
-            delta = torch.full((1,), -float(c.window + 1), device=key.device)
-            slot_k = self.rotary.rotate(slot_key, delta)
-            z = lambda x: torch.zeros_like(x)  # noqa: E731
+            # slots score with pre-RoPE queries (see _slots), the rest with post-RoPE ones: both
+            # ride in one dot product over [post | pre] halves, the values padded alike
+            z = torch.zeros_like
             q_in = torch.cat([query, q_pre], -1)
-            keys = (torch.cat([exact_k, z(exact_k)], -1), torch.cat([z(slot_k), slot_k], -1), torch.cat([key, z(key)], -1))
-            vals = (torch.cat([exact_v, z(exact_v)], -1), torch.cat([slot_val, z(slot_val)], -1), torch.cat([value, z(value)], -1))
+            exact_k, exact_v = torch.cat([exact_k, z(exact_k)], -1), torch.cat([exact_v, z(exact_v)], -1)
+            chunk_k, chunk_v = torch.cat([key, z(key)], -1), torch.cat([value, z(value)], -1)
+        state_k = torch.cat([exact_k, slot_k], 2)
+        state_v = torch.cat([exact_v, slot_v], 2)
         outs = []
         for mask in slot_masks:
-            state_mask = torch.cat([torch.ones(B, Hq, T, L, dtype=torch.bool, device=key.device), mask], -1)
-            outs.append(
-                joint_attention(
-                    q_in, keys[2], vals[2], valid, scaling,
-                    torch.cat([keys[0], keys[1]], 2), torch.cat([vals[0], vals[1]], 2),
-                    state_valid, state_bias, state_mask,
-                )[..., :d]
-            )  # fmt: skip
+            state_mask = None
+            if mask is not None:
+                state_mask = torch.cat([torch.ones(B, Hq, T, L, dtype=torch.bool, device=key.device), mask], -1)
+            out = joint_attention(q_in, chunk_k, chunk_v, valid, scaling, state_k, state_v, state_valid, state_bias, state_mask)
+            outs.append(out[..., :d])
         out = outs[0] if len(outs) == 1 else self.mix.view(B, 1, 1, 1) * outs[1] + (1 - self.mix.view(B, 1, 1, 1)) * outs[0]
 
         # commit: tokens leaving the window wait, then go into the slots together: at the end
@@ -146,11 +138,34 @@ class ARMLayer(CacheLayer):
             self._flush()
         return out
 
+    def _slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The slots as attention reads them: keys rotated for reading [B, H, S, d or 2d],
+        values, occupied [B, H, S], logit bias [B, H, S]. They change only when tokens are
+        written, so decoding computes them once per `sync` steps."""
+        if self._view is None:
+            c, st = self.config, self.state
+            B, H = self.buffer.sink_k.shape[:2]
+            S, d = st.slots, st.key.shape[-1]
+            key = st.key.view(B, H, S, d)
+            value = st.value.view(B, H, S, d)
+            count = st.count.view(B, H, S)
+            if c.position_mode == "stored":
+                key = self.rotary.rotate(key, st.pos.view(B, H, S))
+            else:
+                # every slot stands just before the window: q.R(p - delta)k_pre = q_pre.R(-delta)k_pre
+                delta = torch.full((1,), -float(c.window + 1), device=key.device)
+                key = torch.cat([torch.zeros_like(key), self.rotary.rotate(key, delta)], -1)
+                value = torch.cat([value, torch.zeros_like(value)], -1)
+            bias = count.clamp_min(1).log() if c.log_count_bias else torch.zeros_like(count)
+            self._view = (key, value, count > 0, bias)
+        return self._view
+
     def _flush(self) -> None:
         """Write the waiting tokens into the slots (one chunked scan)."""
         c, mem = self.config, self.memory
         keys, values, valid, positions = self.pending
         self.pending = None
+        self._view = None
         k_pre = self.rotary.unrotate(keys, positions.unsqueeze(1))
         if mem.training and c.write != "fifo":
             self.aux["balance"] = self.aux.get("balance", 0) + mem.router.balance_loss(k_pre, valid)
