@@ -236,16 +236,20 @@ def _load_adapter(path: str) -> ARMModel:
     return ARMModel.load(path).eval()
 
 
+def _fits(folder: Path, info: ModelInfo) -> bool:
+    try:
+        _load_adapter(str(folder)).check_fits(info.num_layers, info.num_kv_heads, info.head_dim)
+        return True
+    except ArmkvError:
+        return False
+
+
 def shipped_adapter(info: ModelInfo) -> Path | None:
     """The adapter shipped for a model of this shape, trained first, else calibrated."""
     for kind in ("trained", "calibrated"):
         for folder in sorted(SHIPPED_ADAPTERS.glob(f"*-{kind}")):
-            try:
-                arm = _load_adapter(str(folder))
-                arm.check_fits(info.num_layers, info.num_kv_heads, info.head_dim)
+            if _fits(folder, info):
                 return folder
-            except ArmkvError:
-                continue
     return None
 
 
@@ -261,7 +265,8 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
     """The ARM parameters and the run-time config for this model and budget.
 
     adapter : None (the shipped adapter for this model if there is one, else "random"),
-        "random" (a seeded fresh initialisation), or an adapter folder
+        "trained" / "calibrated" (the shipped adapter of that kind), "random" (a seeded
+        fresh initialisation), or an adapter folder
     arm : an ARMModel in memory (training passes its own); wins over adapter
     overrides : run-time ARMConfig fields (ablations), see RUNTIME_FIELDS
     """
@@ -277,6 +282,11 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
         if adapter is None:
             found = shipped_adapter(info)
             adapter = str(found) if found else "random"
+        if adapter in ("calibrated", "trained"):
+            found = [f for f in sorted(SHIPPED_ADAPTERS.glob(f"*-{adapter}")) if _fits(f, info)]
+            if not found:
+                raise ArmkvError(f"no {adapter} adapter ships for this model; make one with armkv calibrate / armkv train")
+            adapter = str(found[0])
         if adapter == "random":
             import json
 

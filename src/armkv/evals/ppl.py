@@ -1,0 +1,83 @@
+"""``armkv eval ppl``: perplexity of a text file under the budgeted chunked protocol.
+
+The text is fed in chunks of P tokens through one cache; every chunk's tokens are scored
+while the cache holds only what the method kept of everything before (the same protocol as
+generation), so a bounded method pays for what it forgot.
+
+    armkv eval ppl --method arm --budget 512 --input held_out.txt --max-tokens 4096 --json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from armkv.errors import ArmkvError
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--method", required=True, help="cache method (full, swa, sink, kivi, offload, arm, fifo)")
+    parser.add_argument("--budget", type=int, default=512, help="token-equivalents per layer for bounded methods")
+    parser.add_argument("--chunk", type=int, default=256, help="P: tokens per forward (the sync point)")
+    parser.add_argument("--adapter", default=None, help="arm: adapter folder, 'calibrated' (the shipped one), or 'random'")
+    parser.add_argument("--input", required=True, help="a UTF-8 text file")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="score the first N tokens of the file")
+    parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+
+
+def perplexity(model, ids: torch.Tensor, method: str, budget: int | None, chunk: int, **options) -> dict:
+    """Mean next-token NLL of ``ids`` [1, T] fed chunk by chunk through one cache of ``method``."""
+    from armkv.hf.attach import make_cache
+
+    cache = make_cache(model, method, budget=budget, chunk=chunk, **options)
+    total, count = 0.0, 0
+    previous = None  # the logits of the last token of the previous chunk predict this chunk's first
+    with torch.inference_mode():
+        for start in range(0, ids.shape[1], chunk):
+            part = ids[:, start : start + chunk]
+            positions = torch.arange(start, start + part.shape[1])[None]
+            logits = model(input_ids=part, position_ids=positions, past_key_values=cache, use_cache=True).logits.float()
+            if previous is not None:
+                logits = torch.cat([previous, logits], 1)
+                targets = part
+            else:
+                targets = part[:, 1:]
+            pred = logits[:, : targets.shape[1]]
+            total += float(torch.nn.functional.cross_entropy(pred.reshape(-1, pred.shape[-1]), targets.reshape(-1), reduction="sum"))
+            count += targets.numel()
+            previous = logits[:, -1:]
+    return {"ppl": math.exp(total / max(count, 1)), "nll": total / max(count, 1), "tokens": count + 1, "cache_bytes": cache.peak_bytes()}
+
+
+def main(args) -> int:
+    from armkv.hf.model import load_model
+    from armkv.methods.base import get_method
+
+    path = Path(args.input)
+    if not path.is_file():
+        raise ArmkvError(f"--input {path}: no such file")
+    spec = get_method(args.method)
+    model, tokenizer = load_model(args.model)
+    ids = tokenizer(path.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, : args.max_tokens]
+    if ids.shape[1] < 2:
+        raise ArmkvError(f"--input {path}: fewer than 2 tokens to score")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and ids.shape[1] > limit:
+        raise ArmkvError(f"--max-tokens {ids.shape[1]} is beyond the model's {limit} positions")
+    options = {}
+    if args.adapter is not None:
+        if args.method not in ("arm", "fifo"):
+            raise ArmkvError("--adapter applies to the arm and fifo methods")
+        options["adapter"] = args.adapter
+    budget = args.budget if spec.bounded else None
+    result = perplexity(model, ids, args.method, budget, args.chunk, **options)
+    result.update(method=args.method, budget=budget, adapter=args.adapter, input=str(path))
+    if not args.json:
+        print(f"{args.method} (budget {budget}): ppl {result['ppl']:.3f} over {result['tokens']} tokens, "
+              f"cache {result['cache_bytes'] / 2**20:.1f} MiB")
+    print(json.dumps(result))
+    return 0
