@@ -393,10 +393,9 @@ def score_pending(
                 bar.update(1)
 
 
-def finish(folder: Path, title: str, tables: list[str], print_fn=print) -> dict:
+def finish(folder: Path, summary: dict, title: str, tables: list[str], print_fn=print) -> dict:
     """Write ``summary.json`` and ``table.md`` (the title and tables), print the tables, return the summary."""
     folder = Path(folder)
-    summary = collect_summary(folder)
     write_summary(folder, summary)
     text = f"# {title}\n\n" + "\n".join(tables)
     (folder / "table.md").write_text(text)

@@ -356,7 +356,7 @@ def evaluate(
     cells = {r: {PAPER_DATASETS.get(d, d): c[d]["all"] for d in datasets if d in c} for r, c in summary.items()}
     caption = common.budget_caption(budget, info, common.measured_bytes(output, labels), common.unbounded(rows))
     table = common.markdown_table(cells, labels, [PAPER_DATASETS.get(d, d) for d in datasets], caption)
-    return common.finish(output, "LongBench", [table])
+    return common.finish(output, summary, "LongBench", [table])
 
 
 # --------------------------------------------------------------------------- command line

@@ -750,7 +750,7 @@ def evaluate(
     if plot:
         plot_title = title if budget is None else f"{title}, budget {budget} token-equivalents"
         plot_by_length(per_length, labels, length_keys, output / "ruler.png", plot_title)
-    return common.finish(output, title, tables)
+    return common.finish(output, summary, title, tables)
 
 
 # --------------------------------------------------------------------------- command line
