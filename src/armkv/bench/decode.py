@@ -326,7 +326,9 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
                     start = bench.floor_context + len(done)
                     times, token = session.decode(cache, token, start, g - len(done), bar.update)
                     done += times
-                    window = done[max(bench.warmup, len(done) - bench.repeats) :] or done[-1:]
+                    # every step since the previous point (at least `repeats`), warm-up excluded
+                    window = done[max(bench.warmup, min(start - bench.floor_context, len(done) - bench.repeats)) :]
+                    window = window or done[-1:]
                     result["gen"]["decode_ms_per_token"][method][g] = _median_ms(window)
                     result["gen"]["cache_bytes"][method][g] = cache.state_bytes()
                 del cache
@@ -507,7 +509,7 @@ def plot(result: dict, path: Path) -> None:
     axes[0, 2].text(
         0.0, 0.9,
         f"{Path(str(s['model'])).name}\n{s['dtype']}, budget {s['budget']}, chunk {s['chunk']}\n"
-        f"{result['device']}, {result['threads']} threads\nmedian of {s['repeats']} steps, {s.get('clock', 'wall')} clock",
+        f"{result['device']}, {result['threads']} torch thread(s)\nmedian of {s['repeats']} steps, {s.get('clock', 'wall')} clock",
         va="top", fontsize=11,
     )  # fmt: skip
     fig.tight_layout()
