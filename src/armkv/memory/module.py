@@ -191,6 +191,7 @@ def _atomic_write(path: Path, write) -> None:
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; an adapter is meant to be shared
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
