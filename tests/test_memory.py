@@ -15,7 +15,7 @@ from armkv.memory.policy import TopMPolicy
 from armkv.memory.read import bucket_slot_mask
 from armkv.memory.route import Router
 from armkv.memory.state import MemoryState
-from armkv.memory.write import WriteParams, gate_weights, plan_writes, scan_writes, segmented_affine_scan
+from armkv.memory.write import WriteParams, gate_weights, plan_writes, scan_writes, segmented_suffix_product
 
 
 def _filled_state(G, S, d, occupied, seed=0, dtype=torch.float64, nb=5):
@@ -77,21 +77,19 @@ def test_scan_equals_naive_loop(gate, write, G, N, S, occupied):
         torch.testing.assert_close(zero if a is None else a, zero if b is None else b, rtol=1e-9, atol=1e-9)
 
 
-def test_segmented_scan_matches_sequential():
+def test_segmented_suffix_product_matches_loops():
     torch.manual_seed(0)
     M, D = 37, 3
     seg = torch.sort(torch.randint(0, 6, (M,))).values
-    decay, value = torch.rand(M, D, dtype=torch.float64), torch.randn(M, D, dtype=torch.float64)
-    A, U = segmented_affine_scan(decay, value, seg)
+    decay = torch.rand(M, D, dtype=torch.float64)
+    decay[5] = 0.0  # a reset
+    got = segmented_suffix_product(decay, seg)
     for i in range(M):
-        a, u = torch.ones(D, dtype=torch.float64), torch.zeros(D, dtype=torch.float64)
-        j = i
-        while j > 0 and seg[j - 1] == seg[i]:
-            j -= 1
-        for k in range(j, i + 1):
-            a, u = decay[k] * a, decay[k] * u + value[k]
-        torch.testing.assert_close(A[i], a)
-        torch.testing.assert_close(U[i], u)
+        want = torch.ones(D, dtype=torch.float64)
+        for j in range(i + 1, M):
+            if seg[j] == seg[i]:
+                want = want * decay[j]
+        torch.testing.assert_close(got[i], want)
 
 
 def test_writes_keep_novel_tokens_exact_and_merge_duplicates():

@@ -361,27 +361,27 @@ def gate_weights(
     return beta
 
 
-def segmented_affine_scan(
-    decay: torch.Tensor, value: torch.Tensor, segment: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inclusive scan of x -> decay_i * x + value_i within segments (Hillis-Steele).
+def segmented_suffix_product(decay: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+    """Exclusive suffix products within segments: out_i = prod of decay_j for the later j of
+    i's segment (1 for a segment's last element). Hillis-Steele, log2(M) steps.
 
-    decay, value : [M, D] in segment order; segment : [M] non-decreasing ids.
-    Returns (A, U) [M, D]: the composition of elements segment-start..i, so the state
-    after element i is A_i * x0 + U_i.
+    decay : [M, D] in segment order; segment : [M] non-decreasing ids -> [M, D]
     """
-    a, u = decay, value
-    M = a.shape[0]
+    M = decay.shape[0]
+    # shift by one inside each segment: element i starts from its successor's decay
+    same_next = torch.zeros(M, 1, dtype=torch.bool, device=decay.device)
+    same_next[:-1, 0] = segment[1:] == segment[:-1]
+    prod = torch.where(same_next, torch.cat([decay[1:], decay[-1:]], 0), torch.ones_like(decay))
+    # reach: how far right element i's product already extends within its segment
     step = 1
     while step < M:
-        same = (segment[step:] == segment[:-step]).unsqueeze(-1)
-        a_prev, u_prev = a[:-step], u[:-step]
-        a_new = torch.where(same, a[step:] * a_prev, a[step:])
-        u_new = torch.where(same, a[step:] * u_prev + u[step:], u[step:])
-        a = torch.cat([a[:step], a_new], 0)
-        u = torch.cat([u[:step], u_new], 0)
+        ahead = torch.zeros(M, 1, dtype=torch.bool, device=decay.device)
+        ahead[: M - step, 0] = segment[step:] == segment[: M - step]
+        # prod_i covers (i, i + step]; the next block starts at i + step
+        later = torch.cat([prod[step:], torch.ones_like(prod[:step])], 0)
+        prod = torch.where(ahead, prod * later, prod)
         step *= 2
-    return a, u
+    return prod
 
 
 def scan_writes(
@@ -392,7 +392,13 @@ def scan_writes(
     values: torch.Tensor,
     positions: torch.Tensor,
 ) -> MemoryState:
-    """Apply a chunk's writes with one vectorised segmented affine scan.
+    """Apply a chunk's writes, all slots at once.
+
+    Unrolled, slot y's recurrence over its writes i (in time order) is
+    A_final = (prod_i d_i) A_0 + sum_i beta_i (prod_{j>i} d_j) a_i with d = 1 - beta:
+    the suffix products come from one segmented scan over the writes sorted by
+    (slot, time) (log2 M steps on the gates only, [M, 1] for scalar gates), and the sums
+    from one index_add. Counts ride along with decay 0 at a slot's first fill.
 
     keys, values : [G, N, d] (pre-RoPE keys); positions : [G, N]; beta : [G, N, 1 or d]
     """
@@ -402,39 +408,43 @@ def scan_writes(
     g_idx, t_idx = writes.nonzero(as_tuple=True)
     if g_idx.numel() == 0:
         return MemoryState(state.key, state.value, state.pos, state.count, plan.bucket)
-    slot = plan.target[g_idx, t_idx]
-    seg = g_idx * S + slot
+    seg = g_idx * S + plan.target[g_idx, t_idx]
     order = torch.argsort(seg * N + t_idx)
     seg, g_s, t_s = seg[order], g_idx[order], t_idx[order]
-    b = beta[g_s, t_s]  # [M, 1 or d]
-    bk = b.expand(-1, d)
-    bp = b.mean(-1, keepdim=True).to(positions.dtype)
+    b = beta[g_s, t_s]  # [M, Dg], Dg = 1 or d
+    bp = b.mean(-1, keepdim=True)  # positions blend with the mean gate
     fresh = (plan.count[g_s, t_s] == 0).unsqueeze(-1)
-    one = torch.ones_like(bp)
-    decay = torch.cat([1 - bk, 1 - bk, (1 - bp).to(bk.dtype), torch.where(fresh, 0.0, 1.0).to(bk.dtype)], -1)
-    value = torch.cat(
-        [bk * keys[g_s, t_s], bk * values[g_s, t_s], (bp * positions[g_s, t_s].unsqueeze(-1)).to(bk.dtype), one.to(bk.dtype)], -1
-    )
-    A, U = segmented_affine_scan(decay, value, seg)
-    last = torch.ones_like(seg, dtype=torch.bool)
-    last[:-1] = seg[1:] != seg[:-1]
-    A, U, seg_last = A[last], U[last], seg[last]
-    x0 = torch.cat(
-        [
-            state.key.reshape(G * S, d)[seg_last],
-            state.value.reshape(G * S, d)[seg_last],
-            state.pos.reshape(G * S, 1)[seg_last].to(keys.dtype),
-            state.count.reshape(G * S, 1)[seg_last].to(keys.dtype),
-        ],
-        -1,
-    )
-    # a slot's first fill (decay 0) ignores what the slot held: free slots may hold anything
-    x1 = torch.where(A == 0, U, A * x0 + U)
-    key = state.key.reshape(G * S, d).index_copy(0, seg_last, x1[:, :d]).view(G, S, d)
-    value_ = state.value.reshape(G * S, d).index_copy(0, seg_last, x1[:, d : 2 * d]).view(G, S, d)
-    pos = state.pos.reshape(G * S).index_copy(0, seg_last, x1[:, 2 * d].to(state.pos.dtype)).view(G, S)
-    count = state.count.reshape(G * S).index_copy(0, seg_last, x1[:, 2 * d + 1].detach().to(state.count.dtype)).view(G, S)
-    return MemoryState(key=key, value=value_, pos=pos, count=count, bucket=plan.bucket)
+    dc = torch.where(fresh, 0.0, 1.0).to(b.dtype)  # counts restart at a slot's first fill
+    Dg = b.shape[-1]
+    after = segmented_suffix_product(torch.cat([1 - b, 1 - bp, dc], -1), seg)  # [M, Dg + 2]
+    w_kv, w_p, w_c = b * after[:, :Dg], bp * after[:, Dg : Dg + 1], after[:, Dg + 1 :]
+    first = torch.ones_like(seg, dtype=torch.bool)
+    first[1:] = seg[1:] != seg[:-1]
+    total = (1 - torch.cat([b, bp, 1 - dc], -1)[first]) * after[first]  # prod of every d in the segment
+    seg_ids = seg[first]
+    slot_of = torch.cumsum(first.long(), 0) - 1  # each write's segment, 0..K-1
+    K = seg_ids.numel()
+
+    def gather_sum(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(K, x.shape[-1], dtype=x.dtype, device=x.device).index_add(0, slot_of, weights * x)
+
+    u_key = gather_sum(w_kv, keys[g_s, t_s])
+    u_value = gather_sum(w_kv, values[g_s, t_s])
+    u_pos = gather_sum(w_p.to(positions.dtype), positions[g_s, t_s].unsqueeze(-1)).squeeze(-1)
+    u_count = gather_sum(w_c, torch.ones_like(w_c)).squeeze(-1)
+    a_kv, a_p, a_c = total[:, :Dg], total[:, Dg], total[:, Dg + 1]
+
+    def update(x0: torch.Tensor, a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        # a slot's first fill (a = 0) ignores what it held: free slots may hold anything
+        return torch.where(a == 0, u, a * x0 + u)
+
+    flat_k, flat_v = state.key.reshape(G * S, d), state.value.reshape(G * S, d)
+    key = flat_k.index_copy(0, seg_ids, update(flat_k[seg_ids], a_kv, u_key)).view(G, S, d)
+    value = flat_v.index_copy(0, seg_ids, update(flat_v[seg_ids], a_kv, u_value)).view(G, S, d)
+    flat_p, flat_c = state.pos.reshape(G * S), state.count.reshape(G * S)
+    pos = flat_p.index_copy(0, seg_ids, update(flat_p[seg_ids], a_p.to(flat_p.dtype), u_pos.to(flat_p.dtype))).view(G, S)
+    count = flat_c.index_copy(0, seg_ids, update(flat_c[seg_ids], a_c.to(flat_c.dtype), u_count.to(flat_c.dtype)).detach()).view(G, S)
+    return MemoryState(key=key, value=value, pos=pos, count=count, bucket=plan.bucket)
 
 
 def write_chunk(
