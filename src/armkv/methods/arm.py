@@ -277,7 +277,7 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
             f"arm option(s) {bad} change the adapter's parameters; make an adapter with them instead "
             f"(run-time options: {', '.join(sorted(RUNTIME_FIELDS))})"
         )
-    split = ARMConfig.for_budget(budget, info.head_dim, info.dtype_bytes, pool=overrides.get("pool", "shared"))
+    split = ARMConfig.for_budget(budget, info.head_dim, info.dtype_bytes)  # sinks, window, sync and slots that fit
     if arm is None:
         if adapter is None:
             found = shipped_adapter(info)
@@ -299,11 +299,8 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
     arm.check_fits(info.num_layers, info.num_kv_heads, info.head_dim)
     tree = arm.config
     runtime = dataclasses.replace(tree, sinks=split.sinks, window=split.window, sync=split.sync)
-    # the slots that fit the budget, for this adapter's tree (the paper's pool: a multiple of N_b)
-    token = 2 * info.head_dim * info.dtype_bytes
-    from armkv.config import SLOT_META_BYTES
-
-    slots = (budget - split.sinks - split.window - split.sync) * token // (token + SLOT_META_BYTES)
+    # the paper's pool partitions the slots over this adapter's buckets: a multiple of N_b
+    slots = split.slots
     pool = overrides.get("pool", tree.pool)
     if pool == "paper":
         slots = (slots // tree.num_buckets) * tree.num_buckets
