@@ -5,7 +5,7 @@ import torch
 
 from armkv.errors import ArmkvError
 from armkv.memory.rope import Rotary
-from armkv.methods.attention import joint_attention
+from armkv.methods.attention import joint_attention, joint_attention_reference
 from armkv.methods.base import METHODS, ModelInfo, _load_builtin_methods, get_method
 from armkv.methods.kivi import pack, quantise, unpack
 
@@ -67,6 +67,42 @@ def test_joint_attention_matches_naive(with_state):
     assert got.shape == (b, t, hq, d)
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["chunk_only", "state_rows", "state_heads", "per_query", "decode"])
+def test_joint_attention_fused_equals_reference_outputs_and_gradients(case):
+    """The fused kernel (SDPA over [state | chunk]) against the written-out softmax, fp64."""
+    g = torch.Generator().manual_seed(1)
+    b, hq, hkv, d = 3, 6, 2, 7
+    t, n = (1, 13) if case == "decode" else (11, 0 if case == "chunk_only" else 9)
+    f64 = dict(dtype=torch.float64)
+    q = torch.randn(b, hq, t, d, generator=g, **f64).requires_grad_()
+    k = torch.randn(b, hkv, t, d, generator=g, **f64).requires_grad_()
+    v = torch.randn(b, hkv, t, d, generator=g, **f64).requires_grad_()
+    valid = torch.rand(b, t, generator=g) > 0.3
+    valid[0, 0] = False  # a padding query (no key at all when there is no state)
+    kwargs = {}
+    if n:
+        sk = torch.randn(b, hkv, n, d, generator=g, **f64)
+        sv = torch.randn(b, hkv, n, d, generator=g, **f64)
+        svalid = torch.rand(b, hkv, n, generator=g) > 0.4 if case != "state_rows" else torch.rand(b, n, generator=g) > 0.4
+        mask_kv = svalid if svalid.dim() == 3 else svalid[:, None].expand(b, hkv, n)
+        sk[~mask_kv], sv[~mask_kv] = float("nan"), float("nan")  # unwritten state is never read
+        kwargs = dict(state_key=sk.requires_grad_(), state_value=sv.requires_grad_(), state_valid=svalid)
+        if case != "state_rows":
+            kwargs["state_bias"] = torch.rand(b, hkv, n, generator=g, **f64).requires_grad_()
+        if case in ("per_query", "decode"):
+            kwargs["state_mask"] = torch.rand(b, hq, t, n, generator=g) > 0.5
+    leaves = [x for x in (q, k, v, *kwargs.values()) if x.dtype == torch.float64]
+    grads = {}
+    for name, fn in (("fused", joint_attention), ("reference", joint_attention_reference)):
+        out = fn(q, k, v, valid, 0.37, **kwargs)
+        assert not out.isnan().any()
+        grads[name] = (out.detach(), *[x.nan_to_num() for x in torch.autograd.grad((out * out).sum(), leaves)])
+    for got, want in zip(grads["fused"], grads["reference"]):
+        torch.testing.assert_close(got, want)
+    if case == "chunk_only":
+        assert (grads["fused"][0][0, 0] == 0).all()  # a padding query that sees no key: zeros
 
 
 @pytest.mark.parametrize("bits", [2, 4])

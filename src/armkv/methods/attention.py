@@ -8,6 +8,7 @@ heads as Hkv groups of G = Hq / Hkv, so the keys are never repeated in memory.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def _safe_softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -35,7 +36,7 @@ def _per_head(mask: torch.Tensor) -> torch.Tensor:
     return mask[:, None, None, :] if mask.dim() == 2 else mask[:, :, None, :]
 
 
-def joint_attention(
+def joint_attention_reference(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -47,7 +48,8 @@ def joint_attention(
     state_bias: torch.Tensor | None = None,
     state_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attend a chunk's queries over the state (all of it) and the chunk (causally), jointly.
+    """:func:`joint_attention` written out (matmul, masked softmax, matmul): the oracle the
+    fused kernel is tested against.
 
     Parameters
     ----------
@@ -99,4 +101,78 @@ def joint_attention(
             state_scores = state_scores.masked_fill(~state_ok, float("-inf"))
         weights = _safe_softmax(torch.cat([state_scores, chunk_scores], dim=-1))
         out = torch.matmul(weights[..., :n], state_value) + torch.matmul(weights[..., n:], chunk_value)
+    return out.reshape(b, hq, t, d).transpose(1, 2)
+
+
+def _additive(ok: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (and a bias where it holds) as the float mask SDPA adds to the logits."""
+    blocked = torch.full((), float("-inf"), dtype=dtype, device=ok.device)
+    kept = torch.zeros((), dtype=dtype, device=ok.device) if bias is None else bias.to(dtype)
+    return torch.where(ok, kept, blocked)
+
+
+def joint_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    state_key: torch.Tensor | None = None,
+    state_value: torch.Tensor | None = None,
+    state_valid: torch.Tensor | None = None,
+    state_bias: torch.Tensor | None = None,
+    state_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attend a chunk's queries over the state (all of it) and the chunk (causally), jointly.
+
+    One call of torch's fused ``scaled_dot_product_attention`` over [state | chunk] with an
+    additive mask (the state's bias where a key may be read, -inf elsewhere); a query with
+    no key at all (padding) gets zeros, as in :func:`joint_attention_reference`, which it
+    must equal (tests/test_methods.py).
+
+    Parameters
+    ----------
+    query : [B, Hq, T, d] post-RoPE queries
+    key, value : [B, Hkv, T, d] the chunk's keys and values
+    valid : [B, T] bool, False for padding (never attended)
+    scaling : softmax scale
+    state_key, state_value : [B, Hkv, L, d] or None (no state)
+    state_valid : [B, L] or [B, Hkv, L] bool; None = all valid
+    state_bias : [B, Hkv, L] additive logit bias of the state keys (e.g. log of a slot's count)
+    state_mask : [B, Hq, T, L] bool, per query: False excludes that state key for that query
+
+    Returns
+    -------
+    [B, T, Hq, d]
+    """
+    b, hq, t, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    dtype = query.dtype
+    # [B, Hkv, G*T, d]: the G query heads of a KV head share its keys (rows ordered (g, t)).
+    q = query.reshape(b, hkv, g * t, d)
+    causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril().repeat(g, 1)  # [G*T, T]
+    chunk_mask = _additive(causal[None, None] & valid[:, None, None, :], None, dtype)  # [B, 1, G*T, T]
+    chunk_value = _zero_invalid(value, valid[:, None, :])
+    if state_key is None or state_key.shape[2] == 0:
+        keys, values, mask = key, chunk_value, chunk_mask
+    else:
+        n = state_key.shape[2]
+        ok = torch.ones(1, 1, 1, n, dtype=torch.bool, device=query.device)
+        if state_valid is not None:
+            # unwritten entries may hold anything (NaN included): -inf + NaN is NaN
+            valid_kv = state_valid if state_valid.dim() == 3 else state_valid[:, None]
+            state_key = _zero_invalid(state_key, valid_kv)
+            state_value = _zero_invalid(state_value, valid_kv)
+            ok = _per_head(state_valid)
+        if state_mask is not None:
+            ok = ok & state_mask.reshape(b, hkv, g * t, n)
+        bias = None if state_bias is None else state_bias[:, :, None, :]
+        state_part = _additive(ok, bias, dtype)
+        heads = max(state_part.shape[1], 1)
+        mask = torch.cat(
+            [state_part.expand(b, heads, g * t, n), chunk_mask.expand(b, heads, g * t, t)], dim=-1
+        )
+        keys, values = torch.cat([state_key, key], dim=2), torch.cat([state_value, chunk_value], dim=2)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
     return out.reshape(b, hq, t, d).transpose(1, 2)
