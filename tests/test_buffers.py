@@ -64,7 +64,8 @@ def test_push_matches_naive(sinks, window, chunk, nan_empty):
         start = positions[:, -1] + 1
         lost = buf.push(key, value, valid, positions)
         want = ref.push(key, value, valid, positions)
-        assert lost.size == max(len(w) for w in want)
+        # a one-token push always returns one entry (valid or not): decoding needs no host sync
+        assert lost.size == (1 if chunk == 1 else max(len(w) for w in want))
         for b, w in enumerate(want):
             idx = [i for i in range(lost.size) if lost.valid[b, i]]
             assert idx == list(range(lost.size - len(w), lost.size)), "overflow is left-padded"

@@ -241,3 +241,25 @@ def test_chat_template_tokens_are_the_wrappers_tokens():
     )
     wrapper = "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n"
     assert ruler.chat_template_tokens(tok) == len(tok.encode(wrapper, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("haystack", ["noise", "essay"])
+def test_haystack_override_swaps_the_filler_and_keeps_the_needles(haystack):
+    gen = ruler.RulerGenerator(tiny_tokenizer(), haystack_words=ruler.load_essay(DATA / "essay.txt"), haystack=haystack)
+    noise_marker = ruler.NOISE_SENTENCES[0]
+    for task in ("niah_single_1", "niah_single_2", "niah_multivalue", "niah_multikey_2"):
+        (s,) = gen.samples(task, 1024, 1)
+        for answer in s["answers"]:
+            assert answer in s["context"]
+        if task == "niah_multikey_2":  # a haystack of distractor needles stays as it is
+            assert noise_marker not in s["context"]
+        else:
+            assert (noise_marker in s["context"]) == (haystack == "noise"), task
+        assert 0.98 * 1024 <= s["tokens"] <= 1024
+
+
+def test_haystack_override_names_what_is_missing():
+    with pytest.raises(ArmkvError, match="--haystack-file"):
+        ruler.RulerGenerator(tiny_tokenizer(), haystack="essay").samples("niah_single_1", 1024, 1)
+    with pytest.raises(ArmkvError, match="choose task, noise or essay"):
+        ruler.RulerGenerator(tiny_tokenizer(), haystack="prose")

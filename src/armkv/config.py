@@ -23,6 +23,7 @@ CHOICES = {
     "gate": ("scalar", "channel"),
     "write": ("gated", "mean", "fifo"),
     "top_m": ("adaptive", "fixed"),
+    "merge_metric": ("key", "kv", "ward"),
 }
 
 
@@ -50,6 +51,8 @@ class ARMConfig:
     write: str = "gated"  # "gated": learned blend; "mean": beta = 1/n; "fifo": overwrite the oldest slot
     empty_slot_rule: bool = True  # novel tokens take a free slot exactly (beta = 1); ours, not the paper's
     merge_threshold: float = 0.98  # initial cosine (pre-RoPE keys) above which a token merges into a slot
+    merge_metric: str = "key"  # which pairs merge first when the pool is full: "key" (cosine of keys),
+    # "kv" (the lower of the key and value cosines), "ward" (count-weighted squared distance of keys and values)
     log_count_bias: bool = True  # add log(n) to a merged slot's attention logit (it stands for n keys)
     tau: float = 1.0  # Gumbel-Softmax temperature (training only)
     top_m: str = "adaptive"  # "adaptive": the learned policy picks M per input; "fixed": M = m_fixed

@@ -270,6 +270,9 @@ class RulerGenerator:
     qa_data : :func:`load_qa_files`'s result, or None
     extra_tokens : tokens the runner adds around every prompt (a chat template's), counted
         in each sample's length as RULER counts its model template
+    haystack : None (each task's own), or "noise" / "essay": the haystack of every needle
+        task whose own is one of those two (the multikey_2/3 distractor haystacks stay), so
+        that the same needle tasks can be run on repetitive and on real prose filler
     """
 
     def __init__(
@@ -279,7 +282,11 @@ class RulerGenerator:
         haystack_words: list[str] | None = None,
         qa_data: dict | None = None,
         extra_tokens: int = 0,
+        haystack: str | None = None,
     ):
+        if haystack not in (None, "noise", "essay"):
+            raise ArmkvError(f"--haystack {haystack!r}: choose task, noise or essay")
+        self.haystack = haystack
         self.tokenizer = tokenizer
         self.seed = seed
         self.extra_tokens = extra_tokens
@@ -296,7 +303,7 @@ class RulerGenerator:
         """Raise a one-line error if the task is unknown or its data file is missing."""
         if task not in TASKS:
             raise ArmkvError(f"unknown RULER task {task!r}; choose from: {', '.join(TASKS)}")
-        gen, args = TASKS[task]
+        gen, args = self.task_args(task)
         if args.get("type_haystack") == "essay" and self.essay is None:
             raise ArmkvError(f"{task} needs {MISSING['essay']}")
         if gen == "qa" and args["dataset"] not in self.qa:
@@ -369,6 +376,13 @@ class RulerGenerator:
             n = lo
         return n, cache[n][0], cache[n][1]
 
+    def task_args(self, task: str) -> tuple[str, dict]:
+        """The task's generator and arguments, with the haystack override applied."""
+        gen, args = TASKS[task]
+        if self.haystack is not None and gen == "niah" and args["type_haystack"] in ("noise", "essay"):
+            args = {**args, "type_haystack": self.haystack}
+        return gen, args
+
     def _rng(self, task: str, length: int, index: int) -> random.Random:
         return random.Random(f"{self.seed}/{task}/{length}/{index}")
 
@@ -378,7 +392,7 @@ class RulerGenerator:
         Each call restarts the sample's generator, so ``build(n)`` and ``build(n + 1)``
         draw the same keys and values and differ only in the haystack.
         """
-        gen, args = TASKS[task]
+        gen, args = self.task_args(task)
         make = {
             "niah": self._niah,
             "variable_tracking": self._variable_tracking,
@@ -765,6 +779,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lengths", default="1k,2k,4k,8k", help="context lengths in tokens, e.g. 1k,2k,4k or 4096 (default: %(default)s)")
     parser.add_argument("--depths", default=None, help="needle depths in percent, cycled over samples (default: RULER's random depths)")
     parser.add_argument("--haystack-file", default=None, help="essay haystack for niah_single_2/3, multikey_1, multivalue, multiquery: a .txt of prose or RULER's PaulGrahamEssays.json")
+    parser.add_argument(
+        "--haystack",
+        choices=("task", "noise", "essay"),
+        default="task",
+        help="haystack of the needle tasks: each task's own (RULER's), or noise / essay for all of "
+        "niah_single_*, multikey_1, multivalue, multiquery (essay needs --haystack-file)",
+    )
     parser.add_argument("--qa-file", action="append", default=None, help="SQuAD JSON (qa_1) or HotpotQA JSON (qa_2); repeat for both")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated tokens (default: RULER's per task, 30 to 128)")
     common.add_common_arguments(parser, methods="full,swa,sink,kivi,arm", samples=25)
@@ -784,13 +805,15 @@ def prepare(args, tasks: list[str]):
     depths = common.parse_list(args.depths, "depths", float) or None
     haystack = load_essay(args.haystack_file) if args.haystack_file else None
     qa = load_qa_files(args.qa_file)
-    unchecked = RulerGenerator(None, args.seed, haystack, qa)
+    override = None if getattr(args, "haystack", "task") == "task" else args.haystack
+    unchecked = RulerGenerator(None, args.seed, haystack, qa, haystack=override)
     for task in tasks:
         unchecked.check(task)
     check_lengths(lengths, None)
     model, tokenizer, info = common.load(args)
     extra = chat_template_tokens(tokenizer) if args.chat else 0
-    return RulerGenerator(tokenizer, args.seed, haystack, qa, extra), lengths, depths, info, model, tokenizer
+    generator = RulerGenerator(tokenizer, args.seed, haystack, qa, extra, haystack=override)
+    return generator, lengths, depths, info, model, tokenizer
 
 
 def chat_template_tokens(tokenizer) -> int:
@@ -811,7 +834,9 @@ def main(args) -> int:
         args.samples,
         args.output,
         common.runner_factory(model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat),
-        settings=common.settings_of(args, "ruler", depths=depths, max_new_tokens=args.max_new_tokens),
+        settings=common.settings_of(
+            args, "ruler", depths=depths, max_new_tokens=args.max_new_tokens, haystack=generator.haystack or "task"
+        ),
         depths=depths,
         max_new_tokens=args.max_new_tokens,
         budget=args.budget,

@@ -89,6 +89,7 @@ class ARMMemory(nn.Module):
             self.writes,
             write=c.write,
             empty_slot_rule=c.empty_slot_rule,
+            merge_metric=c.merge_metric,
             slots_per_bucket=c.slots_per_bucket,
             training=self.training,
             tau=c.tau,

@@ -174,6 +174,8 @@ def plan_writes(
     training: bool = False,
     tau: float = 1.0,
     generator: torch.Generator | None = None,
+    values: torch.Tensor | None = None,
+    merge_metric: str = "key",
 ) -> tuple[WritePlan, MemoryState]:
     """Decide every write of a chunk against the state at the sync point.
 
@@ -184,6 +186,8 @@ def plan_writes(
     bucket : [G, N] bucket of each token (``Router.route_writes``)
     valid : [G, N] bool; padding writes nothing
     slots_per_bucket : Y of the paper's fixed partition, 0 for the shared pool
+    values : [G, N, d] the chunk's values (needed by the "kv" and "ward" merge metrics)
+    merge_metric : how a full pool picks what to merge (:func:`room_similarity`)
 
     Returns
     -------
@@ -237,7 +241,8 @@ def plan_writes(
         free = (~occ).sum(-1)
         deficit = (leader.sum(-1) - free).clamp_min(0)
         if bool((deficit > 0).any()):
-            src_of, demote_to = _make_room(state, keys, leader, cos, deficit)
+            sims = room_similarity(merge_metric, state, keys, values, cos)
+            src_of, demote_to = _make_room(state, leader, sims, deficit)
             leader = leader & (demote_to < 0)
         state = _merge_pairs(state, src_of)
         free_mask = state.count == 0
@@ -297,22 +302,61 @@ def plan_writes(
     return plan, state
 
 
+def room_similarity(
+    metric: str, state: MemoryState, keys: torch.Tensor, values: torch.Tensor | None, cos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How readily each pair merges when the pool is full (higher first).
+
+    metric : "key": cosine of the keys; "kv": the lower of the key and value cosines (tokens
+        that look alike but carry different values, e.g. digits, stay apart); "ward": minus
+        the count-weighted squared distance n_a n_b / (n_a + n_b) (|dk|^2 / E|k|^2 +
+        |dv|^2 / E|v|^2), the information a merge loses (Ward's criterion)
+    cos : [G, N, S] key cosines of the chunk's tokens and the slots (``pair_scores``)
+
+    Returns (slot-slot [G, S, S], token-slot [G, N, S]); entries for free slots are arbitrary.
+    """
+    if metric == "key":
+        kn = F.normalize(state.key, dim=-1)
+        return kn @ kn.transpose(1, 2), cos
+    if values is None:
+        raise ValueError(f"merge_metric={metric!r} needs the chunk's values")
+    if metric == "kv":
+        kn, vn = F.normalize(state.key, dim=-1), F.normalize(state.value, dim=-1)
+        ss = torch.minimum(kn @ kn.transpose(1, 2), vn @ vn.transpose(1, 2))
+        ts = torch.minimum(cos, F.normalize(values, dim=-1) @ vn.transpose(1, 2))
+        return ss, ts
+    occ = (state.count > 0).unsqueeze(-1)
+    used = occ.sum(1).clamp_min(1)
+
+    def scale(x: torch.Tensor) -> torch.Tensor:  # E|x|^2 over occupied slots, per group
+        return ((x * x).sum(-1, keepdim=True) * occ).sum(1, keepdim=True) / used.unsqueeze(-1)
+
+    sk, sv = scale(state.key).clamp_min(1e-12), scale(state.value).clamp_min(1e-12)
+    fk, fv = state.key / sk.sqrt(), state.value / sv.sqrt()
+    tk, tv = keys / sk.sqrt(), values / sv.sqrt()
+    slot_feat, tok_feat = torch.cat([fk, fv], -1), torch.cat([tk, tv], -1)
+    n = state.count.clamp_min(1)
+    ss = torch.cdist(slot_feat, slot_feat).square() * (n.unsqueeze(2) * n.unsqueeze(1) / (n.unsqueeze(2) + n.unsqueeze(1)))
+    ts = torch.cdist(tok_feat, slot_feat).square() * (n / (n + 1)).unsqueeze(1)
+    return -ss, -ts
+
+
 def _make_room(
-    state: MemoryState, keys: torch.Tensor, leader: torch.Tensor, cos: torch.Tensor, deficit: torch.Tensor
+    state: MemoryState, leader: torch.Tensor, sims: tuple[torch.Tensor, torch.Tensor], deficit: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick ``deficit`` merges per group among the most similar candidates.
 
     Candidates: mutual-nearest pairs of occupied slots (disjoint by construction), and
-    each novel leader merged into its nearest occupied slot (any bucket).
+    each novel leader merged into its nearest occupied slot (any bucket); ``sims`` =
+    (slot-slot [G, S, S], token-slot [G, N, S]) from :func:`room_similarity`.
 
     Returns (src_of [G, S]: slot merged into slot s, or -1; demote_to [G, N]: slot a
     demoted leader merges into, or -1).
     """
     G, S = state.count.shape
-    N = keys.shape[1]
+    N = leader.shape[1]
     occ = state.count > 0
-    kn = F.normalize(state.key, dim=-1)
-    ss = kn @ kn.transpose(1, 2)
+    ss, cos = sims
     eye = torch.eye(S, dtype=torch.bool, device=ss.device)
     ss = ss.masked_fill(eye | ~occ.unsqueeze(1) | ~occ.unsqueeze(2), -math.inf)
     nn_sim, nn_idx = ss.max(-1)
@@ -321,10 +365,10 @@ def _make_room(
     tok_cos = cos.masked_fill(~occ.unsqueeze(1), -math.inf)
     a_sim, a_idx = tok_cos.max(-1)
     a_ok = leader & torch.isfinite(a_sim)
-    sims = torch.cat([torch.where(mutual, nn_sim, -math.inf), torch.where(a_ok, a_sim, -math.inf)], 1)
-    order = sims.argsort(dim=1, descending=True, stable=True)
+    cand = torch.cat([torch.where(mutual, nn_sim, -math.inf), torch.where(a_ok, a_sim, -math.inf)], 1)
+    order = cand.argsort(dim=1, descending=True, stable=True)
     pick_sorted = torch.arange(S + N, device=ss.device).expand(G, S + N) < deficit.unsqueeze(1)
-    picked = torch.zeros_like(pick_sorted).scatter(1, order, pick_sorted) & torch.isfinite(sims)
+    picked = torch.zeros_like(pick_sorted).scatter(1, order, pick_sorted) & torch.isfinite(cand)
     src_of = torch.where(picked[:, :S], nn_idx, torch.full_like(nn_idx, -1))
     demote_to = torch.where(picked[:, S:], a_idx, torch.full_like(a_idx, -1))
     return src_of, demote_to
@@ -461,8 +505,11 @@ def write_chunk(
     training: bool = False,
     tau: float = 1.0,
     generator: torch.Generator | None = None,
+    merge_metric: str = "key",
 ) -> MemoryState:
     """Plan, gate and scan one chunk (see the module docstring). Shapes as in plan_writes."""
-    plan, state = plan_writes(state, keys, bucket, valid, params, write, slots_per_bucket, training, tau, generator)
+    plan, state = plan_writes(
+        state, keys, bucket, valid, params, write, slots_per_bucket, training, tau, generator, values, merge_metric
+    )
     beta = gate_weights(plan, keys, params, write, empty_slot_rule)
     return scan_writes(state, plan, beta, keys, values, positions)

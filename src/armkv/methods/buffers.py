@@ -95,9 +95,12 @@ class ExactBuffer:
 
         Returns
         -------
-        Overflow with n = the largest number of tokens any row lost (sinks never leave).
+        Overflow with n = the largest number of tokens any row lost (sinks never leave); for a
+        one-token push (decoding) n is always 1 and its ``valid`` says whether a token left.
         """
         valid = valid.to(torch.bool)
+        if key.shape[2] == 1:
+            return self._push_one(key, value, valid, positions)
         to_window = valid
         if self.sinks:
             to_window = self._fill_sinks(key, value, valid, positions)
@@ -127,6 +130,38 @@ class ExactBuffer:
             valid=cand_valid.gather(1, out),
             positions=cand_pos.gather(1, out),
         )
+
+    def _push_one(
+        self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor
+    ) -> Overflow:
+        """:meth:`push` of one token per row (the decode step): a fixed number of small ops
+        and no host sync. The token fills the row's next free sink, or else shifts the
+        window by one (its oldest entry leaves, invalid if the window was not full); a
+        padding token changes nothing."""
+        v = valid[:, 0]  # [B]
+        pos = positions.to(torch.long)  # [B, 1]
+        if self.sinks:
+            filled = self.sink_valid.sum(1, keepdim=True)  # [B, 1]
+            hot = (torch.arange(self.sinks, device=v.device)[None, :] == filled) & v[:, None]  # [B, S]
+            self.sink_k.copy_(torch.where(hot[:, None, :, None], key, self.sink_k))
+            self.sink_v.copy_(torch.where(hot[:, None, :, None], value, self.sink_v))
+            self.sink_pos.copy_(torch.where(hot, pos, self.sink_pos))
+            self.sink_valid |= hot
+            v = v & ~hot.any(1)
+        if self.window == 0:
+            return Overflow(key=key, value=value, valid=v[:, None], positions=pos)
+        lost = Overflow(
+            key=self.win_k[:, :, :1].clone(),
+            value=self.win_v[:, :, :1].clone(),
+            valid=self.win_valid[:, :1] & v[:, None],
+            positions=self.win_pos[:, :1].clone(),
+        )
+        row = v[:, None, None, None]
+        self.win_k.copy_(torch.where(row, torch.cat([self.win_k[:, :, 1:], key], 2), self.win_k))
+        self.win_v.copy_(torch.where(row, torch.cat([self.win_v[:, :, 1:], value], 2), self.win_v))
+        self.win_valid.copy_(torch.where(v[:, None], torch.cat([self.win_valid[:, 1:], v[:, None]], 1), self.win_valid))
+        self.win_pos.copy_(torch.where(v[:, None], torch.cat([self.win_pos[:, 1:], pos], 1), self.win_pos))
+        return lost
 
     def _fill_sinks(
         self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor
