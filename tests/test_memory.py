@@ -338,3 +338,56 @@ def test_nan_poisoned_free_slots_never_leak():
     st = mem.write(st, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool))
     occ = st.count > 0
     assert torch.isfinite(st.key[occ]).all() and torch.isfinite(st.value[occ]).all()
+
+
+# ------------------------------------------------------------------ merge metrics
+@pytest.mark.parametrize("metric", ["key", "kv", "ward"])
+def test_room_similarity_matches_a_pairwise_loop(metric):
+    from armkv.memory.write import room_similarity
+
+    g = torch.Generator().manual_seed(3)
+    G, S, N, d = 2, 5, 3, 4
+    state = MemoryState.empty(G, S, d)
+    state.key, state.value = torch.randn(G, S, d, generator=g, dtype=torch.float64), torch.randn(G, S, d, generator=g, dtype=torch.float64)
+    state.count = torch.tensor([[1.0, 3, 0, 2, 1], [2, 1, 1, 0, 5]], dtype=torch.float64)
+    keys, values = torch.randn(G, N, d, generator=g, dtype=torch.float64), torch.randn(G, N, d, generator=g, dtype=torch.float64)
+    cos = torch.nn.functional.cosine_similarity(keys.unsqueeze(2), state.key.unsqueeze(1), dim=-1)
+    ss, ts = room_similarity(metric, state, keys, values, cos)
+    c = lambda a, b: float(torch.nn.functional.cosine_similarity(a, b, dim=0))  # noqa: E731
+    for gi in range(G):
+        occ = state.count[gi] > 0
+        ek = float((state.key[gi][occ] ** 2).sum(-1).mean())
+        ev = float((state.value[gi][occ] ** 2).sum(-1).mean())
+
+        def want(ka, va, na, kb, vb, nb):
+            if metric == "key":
+                return c(ka, kb)
+            if metric == "kv":
+                return min(c(ka, kb), c(va, vb))
+            dist = float(((ka - kb) ** 2).sum()) / ek + float(((va - vb) ** 2).sum()) / ev
+            return -na * nb / (na + nb) * dist
+
+        for a in range(S):
+            for b in range(S):
+                if occ[a] and occ[b]:
+                    na, nb = float(state.count[gi, a]), float(state.count[gi, b])
+                    expect = want(state.key[gi, a], state.value[gi, a], na, state.key[gi, b], state.value[gi, b], nb)
+                    assert math.isclose(float(ss[gi, a, b]), expect, rel_tol=1e-6, abs_tol=1e-9)
+            for t in range(N):
+                if occ[a]:
+                    expect = want(keys[gi, t], values[gi, t], 1.0, state.key[gi, a], state.value[gi, a], float(state.count[gi, a]))
+                    assert math.isclose(float(ts[gi, t, a]), expect, rel_tol=1e-6, abs_tol=1e-9)
+
+
+@pytest.mark.parametrize("metric", ["kv", "ward"])
+def test_every_merge_metric_keeps_the_pool_within_its_slots(metric):
+    cfg = ARMConfig(depth=1, branching=2, slots=6, window=4, sinks=0, sync=1, merge_metric=metric)
+    mem = ARMMemory(cfg, num_kv_heads=1, head_dim=8).eval()
+    state = mem.init_state(1, torch.float32, "cpu", cfg)
+    g = torch.Generator().manual_seed(0)
+    for step in range(5):
+        keys, values = torch.randn(1, 1, 7, 8, generator=g), torch.randn(1, 1, 7, 8, generator=g)
+        positions = torch.arange(step * 7, step * 7 + 7)[None]
+        state = mem.write(state, keys, values, positions, torch.ones(1, 7, dtype=torch.bool), config=cfg)
+        assert float(state.count.sum()) == 7 * (step + 1)  # every token is somewhere, none lost
+        assert state.key.shape == (1, 6, 8)
