@@ -37,7 +37,13 @@ def test_ruler_runs_every_method_and_writes_the_folder(model_dir, tmp_path, caps
     # a bounded method holds less than the full cache at this length
     full = json.loads((out / "full__niah_single_1__512.jsonl").read_text())
     assert record["cache_bytes"] < full["cache_bytes"]
+    # the memory method reports on the needle's value tokens; the others do not
+    memory = record["memory"]
+    assert memory["watched_tokens"] >= 1 and 0 <= memory["exact_share"] <= 1
+    assert len(memory["exact_share_by_layer"]) == 2 and 0 < memory["slots_used"] <= memory["slots"]
+    assert "memory" not in full
     printed = capsys.readouterr().out
+    assert "needle-value tokens still held exactly" in printed
     assert "| Method | 512 | Avg. |" in printed and "Budget: 64 token-equivalents per layer" in printed
     assert (out / "ruler.png").is_file() and (out / "table.md").is_file()
     # resume: nothing left to do, same summary

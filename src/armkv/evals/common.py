@@ -288,6 +288,25 @@ def by_task(summary: dict, rows: list[str], tasks: list[str], lengths: list[str]
     return cells
 
 
+def memory_cells(folder: Path, rows: list[str]) -> tuple[dict, dict]:
+    """From the samples of memory methods (records with ``memory``, see
+    ``Runner.memory_report``): ``({row: {length: share of the watched (needle) tokens
+    still held exactly, in %}}, {row: {length: slots used, in %}})``, means over tasks and samples."""
+    shares: dict = {}
+    used: dict = {}
+    for path in sorted(Path(folder).glob("*__*__*.jsonl")):
+        for r in SampleLog(path).records:
+            memory = r.get("memory")
+            if not memory or r["label"] not in rows:
+                continue
+            key = str(r["length"])
+            if "exact_share" in memory:
+                shares.setdefault(r["label"], {}).setdefault(key, []).append(100 * memory["exact_share"])
+            used.setdefault(r["label"], {}).setdefault(key, []).append(100 * memory["slots_used"] / memory["slots"])
+    mean = lambda table: {row: {k: _mean(v) for k, v in cells.items()} for row, cells in table.items()}  # noqa: E731
+    return mean(shares), mean(used)
+
+
 def length_label(length: str) -> str:
     """``"4096"`` -> ``"4K"`` as the paper's columns read; other values unchanged."""
     if length.isdigit() and int(length) % 1024 == 0:
@@ -358,7 +377,7 @@ def score_pending(
     """
     from tqdm.auto import tqdm
 
-    request_keys = ("id", "context", "question", "answer_prefix", "prompt")
+    request_keys = ("id", "context", "question", "answer_prefix", "prompt", "watch")
     todo = []
     for row in rows:
         for task, length, samples in jobs:
@@ -389,6 +408,8 @@ def score_pending(
                     score=score(result["output"], sample),
                     **{k: result.get(k) for k in ("prompt_tokens", "cache_bytes", "prefill_seconds", "decode_seconds_per_token")},
                 )
+                if "memory" in result:
+                    record["memory"] = result["memory"]
                 log.append(record)
                 bar.update(1)
 

@@ -730,6 +730,9 @@ def evaluate(
                 for row in rows
             )
             made = generator.samples(task, length, samples, depths) if pending else []
+            if TASKS[task][0] == "niah":
+                for sample in made:  # memory methods report how much of the needles' values they hold exactly
+                    sample["watch"] = list(sample["answers"])
             jobs.append((task, str(length), made))
 
     common.score_pending(
@@ -759,6 +762,17 @@ def evaluate(
         f"## Score by task (mean over lengths {', '.join(common.length_label(k) for k in length_keys)})\n",
         common.markdown_table(per_task, labels, tasks, caption),
     ]
+    shares, used = common.memory_cells(output, labels)
+    memory_rows = [label for label in labels if label in shares or label in used]
+    if memory_rows:
+        columns = [common.length_label(k) for k in length_keys]
+        relabel = lambda cells: {r: {common.length_label(k): v for k, v in c.items()} for r, c in cells.items()}  # noqa: E731
+        tables += [
+            "## Memory after the prefill: needle-value tokens still held exactly (%, mean over layers, KV heads, tasks, samples)\n",
+            common.markdown_table(relabel(shares), memory_rows, columns, "Per-layer shares are in the sample logs (memory.exact_share_by_layer)."),
+            "## Memory after the prefill: slots used (%)\n",
+            common.markdown_table(relabel(used), memory_rows, columns, ""),
+        ]
     if notes:
         tables.append(notes)
     if plot:

@@ -120,7 +120,7 @@ class Runner:
             stages = self.encode(request)
             tokens, timing, cache = self.generate_ids(
                 stages, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                request_id=request["id"],
+                request_id=request["id"], watch=request.get("watch"),
             )
             results.append(
                 {
@@ -146,12 +146,17 @@ class Runner:
         top_k: int | None = None,
         top_p: float | None = None,
         request_id=None,
+        watch: list[str] | None = None,
     ):
         """Prefill each stage in turn, then decode one sequence.
 
+        watch : strings of the prompt (e.g. a needle's value) whose tokens a memory method
+            should report on after the prefill (:meth:`memory_report`)
+
         Returns
         -------
-        (new token ids up to and including the first end-of-sequence token, timing dict, the cache)
+        (new token ids up to and including the first end-of-sequence token, timing dict (with
+        ``memory`` when the cache reports on itself), the cache)
         """
         prompt_tokens = sum(len(s) for s in stages)
         if prompt_tokens == 0:
@@ -174,6 +179,7 @@ class Runner:
             logits = self._forward(ids, cache, position)
             position += len(stage)
         prefill = time.perf_counter() - start
+        memory = self.memory_report(cache, sum(stages, []), watch or [])
         tokens: list[int] = []
         start = time.perf_counter()
         steps = 0
@@ -187,7 +193,38 @@ class Runner:
             steps += 1
         decode = time.perf_counter() - start
         timing = {"prefill_seconds": prefill, "decode_seconds_per_token": decode / max(steps, 1)}
+        if memory is not None:
+            timing["memory"] = memory
         return tokens, timing, cache
+
+    def memory_report(self, cache, ids: list[int], watch: list[str]) -> dict | None:
+        """What a memory method (one whose layers have ``diagnostics``, e.g. arm) holds: slots
+        used, tokens per slot, and, for the tokens of each watched string found in ``ids``,
+        the share still held exactly, over all layers and per layer. None for other methods."""
+        layers = [layer for layer in cache.layers if hasattr(layer, "diagnostics")]
+        if not layers:
+            return None
+        positions = []
+        for text in watch:
+            for variant in (" " + text, text):
+                sub = self.tokenizer(variant, add_special_tokens=False)["input_ids"]
+                hits = [i for i in range(len(ids) - len(sub) + 1) if sub and ids[i : i + len(sub)] == sub]
+                if hits:
+                    positions += [p for i in hits for p in range(i, i + len(sub))]
+                    break
+        at = torch.tensor(sorted(set(positions))) if positions else None
+        per_layer = [layer.diagnostics(at) for layer in layers]
+        report = {
+            "slots_used": sum(d["slots_used"] for d in per_layer) / len(per_layer),
+            "slots": per_layer[0]["slots"],
+            "tokens_per_slot": sum(d["tokens_per_slot"] for d in per_layer) / len(per_layer),
+        }
+        if at is not None:
+            shares = [d["exact_share"] for d in per_layer]
+            report["watched_tokens"] = len(at)
+            report["exact_share"] = sum(shares) / len(shares)
+            report["exact_share_by_layer"] = [round(x, 3) for x in shares]
+        return report
 
     def _forward(self, ids: torch.Tensor, cache, position: int) -> torch.Tensor:
         """Feed ids [1, T] at positions position.. ; returns the last position's logits [1, V] (fp32)."""
