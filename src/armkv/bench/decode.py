@@ -282,6 +282,8 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
     empty = lambda: {m: {} for m in bench.methods}  # noqa: E731
     result = {
         "decode_ms_per_token": empty(),
+        # the mean of the same steps: with --repeats >= ARM's sync it counts the steps that write
+        "decode_mean_ms_per_token": empty(),
         "floor_ms_per_token": None,
         "cache_bytes": empty(),
         "prefill_tokens_per_s": empty(),
@@ -340,7 +342,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
             for method, length in runs:
                 if bench.skips(method, length):
                     result["skipped"][method].append(length)
-                    for key in ("decode_ms_per_token", "cache_bytes", "prefill_tokens_per_s"):
+                    for key in ("decode_ms_per_token", "decode_mean_ms_per_token", "cache_bytes", "prefill_tokens_per_s"):
                         result[key][method][length] = None
                     continue
                 bar.set_postfix_str(f"{method} {length}")
@@ -358,6 +360,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
                 result["cache_bytes"][method][length] = cache.state_bytes()
                 times, token = session.decode(cache, token, length, decode_steps, bar.update)
                 result["decode_ms_per_token"][method][length] = _median_ms(times[bench.warmup :])
+                result["decode_mean_ms_per_token"][method][length] = statistics.mean(times[bench.warmup :]) * 1e3
                 result["peak"]["rss_bytes"][method][length] = _peak_rss()
                 if result["peak"]["cuda_allocated_bytes"] is not None:
                     result["peak"]["cuda_allocated_bytes"][method][length] = _device_peak(session.device)
@@ -440,6 +443,8 @@ def markdown(result: dict) -> str:
             out.append(f"| {method} | " + " | ".join(cells) + " |")
 
     table("Decode latency against prompt length", result["decode_ms_per_token"], 1.0, 1, "ms/token")
+    if result.get("decode_mean_ms_per_token"):
+        table("Decode latency against prompt length, mean of the same steps", result["decode_mean_ms_per_token"], 1.0, 1, "ms/token")
     table("Cache bytes after the prompt", result["cache_bytes"], 2**20, 2, "MiB")
     table("Prefill throughput, budgeted chunked prefill", result["prefill_tokens_per_s"], 1.0, 0, "tokens/s")
     gen = result["gen"]
@@ -542,8 +547,9 @@ def merge_results(docs: list[dict]) -> dict:
             target.setdefault(method, {}).update(row)
 
     for doc in docs[1:]:
-        for key in ("decode_ms_per_token", "cache_bytes", "prefill_tokens_per_s"):
-            unite(merged[key], doc[key])
+        for key in ("decode_ms_per_token", "decode_mean_ms_per_token", "cache_bytes", "prefill_tokens_per_s"):
+            if key in doc:  # runs from before the mean was recorded have none
+                unite(merged.setdefault(key, {}), doc[key])
         for key in ("decode_ms_per_token", "cache_bytes"):
             unite(merged["gen"][key], doc["gen"][key])
         unite(merged["peak"]["rss_bytes"], doc["peak"]["rss_bytes"])
