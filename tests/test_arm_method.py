@@ -28,7 +28,9 @@ def test_large_memory_reads_equal_exact_attention():
 
 @pytest.mark.parametrize("overrides", [{"position_mode": "fixed"}, {"sync": 1}, {"write": "mean"},
                                        {"top_m": "fixed", "m_fixed": 1}, {"empty_slot_rule": False},
-                                       {"log_count_bias": False}, {"pool": "paper"}])
+                                       {"log_count_bias": False}, {"pool": "paper"}, {"merge_metric": "kv"},
+                                       {"merge_metric": "ward"}, {"slot_format": "bfloat16"},
+                                       {"slot_format": "int8"}])
 def test_ablation_switches_run_within_budget(overrides):
     model = tiny_model("llama").eval()
     ids = torch.randint(0, 100, (1, 200))
@@ -36,6 +38,22 @@ def test_ablation_switches_run_within_budget(overrides):
     assert torch.isfinite(logits).all()
     info_budget = 48 * 2 * model.config.num_key_value_heads * (model.config.hidden_size // model.config.num_attention_heads) * 4
     assert all(layer.peak_bytes <= info_budget for layer in cache.layers)
+
+
+@pytest.mark.parametrize("slot_format,tol", [("bfloat16", 3e-2), ("int8", 3e-2)])
+def test_packed_slots_buy_more_slots_and_read_close_to_exact(slot_format, tol):
+    model = tiny_model("llama").eval()
+    ids = torch.stack([torch.randperm(100)[:90] for _ in range(2)])  # distinct tokens: no merges
+    with torch.no_grad():
+        ref = model(ids).logits
+    logits, cache = _run(model, ids, budget=512, arm_overrides={"sync": 1, "slot_format": slot_format})
+    torch.testing.assert_close(logits, ref, rtol=tol, atol=tol)  # only the storage rounding differs
+    _, plain = _run(model, ids, budget=512, arm_overrides={"sync": 1})
+    layer, base = cache.layers[0], plain.layers[0]
+    assert layer.state.slots > 1.8 * base.state.slots  # the same bytes hold more slots
+    assert layer.state.key.element_size() < 4
+    kv, d = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    assert layer.peak_bytes <= 2 * 512 * 2 * kv * d * 4  # two sequences within the budget in bytes
 
 
 def test_diagnostics_report_exact_tokens():

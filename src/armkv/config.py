@@ -24,7 +24,19 @@ CHOICES = {
     "write": ("gated", "mean", "fifo"),
     "top_m": ("adaptive", "fixed"),
     "merge_metric": ("key", "kv", "ward"),
+    "slot_format": ("model", "bfloat16", "int8"),
 }
+
+
+def slot_bytes(slot_format: str, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of one slot for one KV head: key and value as stored, plus the metadata."""
+    if slot_format == "int8":
+        kv = 2 * (head_dim + 4)  # int8 codes and one fp32 scale per vector
+    elif slot_format == "bfloat16":
+        kv = 2 * head_dim * 2
+    else:
+        kv = 2 * head_dim * dtype_bytes
+    return kv + SLOT_META_BYTES
 
 
 @dataclass
@@ -53,6 +65,8 @@ class ARMConfig:
     merge_threshold: float = 0.98  # initial cosine (pre-RoPE keys) above which a token merges into a slot
     merge_metric: str = "key"  # which pairs merge first when the pool is full: "key" (cosine of keys),
     # "kv" (the lower of the key and value cosines), "ward" (count-weighted squared distance of keys and values)
+    slot_format: str = "model"  # how slots are stored between writes: the model's dtype, bfloat16, or
+    # int8 codes with a scale per vector; the budget buys correspondingly more slots
     log_count_bias: bool = True  # add log(n) to a merged slot's attention logit (it stands for n keys)
     tau: float = 1.0  # Gumbel-Softmax temperature (training only)
     top_m: str = "adaptive"  # "adaptive": the learned policy picks M per input; "fixed": M = m_fixed
@@ -143,7 +157,7 @@ class ARMConfig:
     def state_bytes(self, head_dim: int, dtype_bytes: int = 4) -> int:
         """Bytes of one layer's state for one KV head and one sequence, metadata included."""
         token = 2 * head_dim * dtype_bytes
-        return (self.sinks + self.window + self.sync) * token + self.pool_slots * (token + SLOT_META_BYTES)
+        return (self.sinks + self.window + self.sync) * token + self.pool_slots * slot_bytes(self.slot_format, head_dim, dtype_bytes)
 
     # ------------------------------------------------------------------ budget
     @classmethod
@@ -161,7 +175,7 @@ class ARMConfig:
         sync = overrides.pop("sync", max(1, min(16, exact // 4)))
         window = overrides.pop("window", max(1, exact - sync))
         free = budget * token - (sinks + window + sync) * token
-        slots = free // (token + SLOT_META_BYTES)
+        slots = free // slot_bytes(overrides.get("slot_format", "model"), head_dim, dtype_bytes)
         if slots < 1:
             raise ArmkvError(
                 f"budget {budget} token-equivalents is too small for ARM with {sinks} sinks, a window of "

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
+
+SLOT_FORMATS = ("model", "bfloat16", "int8")
 
 
 @dataclass
@@ -17,6 +19,11 @@ class MemoryState:
     count : [G, S] tokens absorbed (0 = free)
     bucket : [G, S] bucket the slot is filed under (-1 = free in the shared pool;
         the fixed partition s // Y in the paper's pool)
+    key_scale, value_scale : [G, S] per-vector scales when key and value are stored as int8
+        codes (:meth:`pack`), else None
+
+    Writes and reads work on the unpacked (float) state; between writes a layer may keep
+    it packed (``slot_format`` "bfloat16" or "int8"), which is what its bytes count.
     """
 
     key: torch.Tensor
@@ -24,6 +31,8 @@ class MemoryState:
     pos: torch.Tensor
     count: torch.Tensor
     bucket: torch.Tensor
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
 
     @classmethod
     def empty(
@@ -60,11 +69,48 @@ class MemoryState:
         total = 0
         for f in fields(self):
             t = getattr(self, f.name)
-            total += t.numel() * (4 if f.name == "bucket" else t.element_size())
+            if t is not None:
+                total += t.numel() * (4 if f.name == "bucket" else t.element_size())
         return total
 
+    def _map(self, fn) -> "MemoryState":
+        return MemoryState(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name)) for f in fields(self)})
+
     def clone(self) -> "MemoryState":
-        return MemoryState(**{f.name: getattr(self, f.name).clone() for f in fields(self)})
+        return self._map(torch.Tensor.clone)
 
     def detach(self) -> "MemoryState":
-        return MemoryState(**{f.name: getattr(self, f.name).detach() for f in fields(self)})
+        return self._map(torch.Tensor.detach)
+
+    # ------------------------------------------------------------------ storage format
+    def pack(self, slot_format: str) -> "MemoryState":
+        """The state as stored between writes: keys and values in the model's dtype
+        ("model": unchanged), in bfloat16, or as int8 codes with one fp32 scale per vector
+        (absmax / 127, symmetric). Unpacking and packing again gives the same codes."""
+        if slot_format == "model":
+            return self
+        if slot_format == "bfloat16":
+            return replace(self, key=self.key.to(torch.bfloat16), value=self.value.to(torch.bfloat16))
+        if slot_format != "int8":
+            raise ValueError(f"slot_format {slot_format!r} is not one of {', '.join(SLOT_FORMATS)}")
+        key, key_scale = _quantise_int8(self.key)
+        value, value_scale = _quantise_int8(self.value)
+        return replace(self, key=key, value=value, key_scale=key_scale, value_scale=value_scale)
+
+    def unpack(self, dtype: torch.dtype) -> "MemoryState":
+        """The state with float keys and values of ``dtype`` (what writes and reads use)."""
+        if self.key_scale is not None:
+            key = self.key.to(torch.float32) * self.key_scale.unsqueeze(-1)
+            value = self.value.to(torch.float32) * self.value_scale.unsqueeze(-1)
+            return replace(self, key=key.to(dtype), value=value.to(dtype), key_scale=None, value_scale=None)
+        if self.key.dtype == dtype:
+            return self
+        return replace(self, key=self.key.to(dtype), value=self.value.to(dtype))
+
+
+def _quantise_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] -> (codes int8 [..., d], scale fp32 [...]): x ~ codes * scale."""
+    x = x.to(torch.float32)
+    scale = x.abs().amax(-1) / 127.0
+    codes = torch.round(x / scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)).clamp(-127, 127)
+    return codes.to(torch.int8), scale

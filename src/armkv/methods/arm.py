@@ -29,7 +29,7 @@ from armkv.methods.buffers import ExactBuffer
 # a parameter's shape (the tree, scorer, gate and policy come with the adapter).
 RUNTIME_FIELDS = {
     "sinks", "window", "sync", "slots", "pool", "chunk", "position_mode", "write", "empty_slot_rule",
-    "log_count_bias", "merge_metric", "tau", "top_m", "m_fixed", "epsilon",
+    "log_count_bias", "merge_metric", "slot_format", "tau", "top_m", "m_fixed", "epsilon",
 }  # fmt: skip
 
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
@@ -66,7 +66,7 @@ class ARMLayer(CacheLayer):
         B, H, _, d = key.shape
         c = self.config
         self.buffer = ExactBuffer(c.sinks, c.window, B, H, d, key.dtype, key.device)
-        self.state = self.memory.init_state(B, key.dtype, key.device, c)
+        self.state = self._stored(self.memory.init_state(B, key.dtype, key.device, c))
 
     def state_bytes(self) -> int:
         if self.buffer is None:
@@ -143,7 +143,7 @@ class ARMLayer(CacheLayer):
         values, occupied [B, H, S], logit bias [B, H, S]. They change only when tokens are
         written, so decoding computes them once per `sync` steps."""
         if self._view is None:
-            c, st = self.config, self.state
+            c, st = self.config, self.state.unpack(self.buffer.sink_k.dtype)
             B, H = self.buffer.sink_k.shape[:2]
             S, d = st.slots, st.key.shape[-1]
             key = st.key.view(B, H, S, d)
@@ -169,7 +169,13 @@ class ARMLayer(CacheLayer):
         k_pre = self.rotary.unrotate(keys, positions.unsqueeze(1))
         if mem.training and c.write != "fifo":
             self.aux["balance"] = self.aux.get("balance", 0) + mem.router.balance_loss(k_pre, valid)
-        self.state = mem.write(self.state, k_pre, values, positions, valid, self.generator, c)
+        state = self.state.unpack(keys.dtype)
+        self.state = self._stored(mem.write(state, k_pre, values, positions, valid, self.generator, c))
+
+    def _stored(self, state: MemoryState) -> MemoryState:
+        """The state as kept between writes: packed to ``slot_format`` at inference; in
+        training the model's dtype (int8 codes would cut the gradient)."""
+        return state if self.memory.training else state.pack(self.config.slot_format)
 
     def _masks_for(self, q_pre: torch.Tensor, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
         mem = self.memory
@@ -277,7 +283,11 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
             f"arm option(s) {bad} change the adapter's parameters; make an adapter with them instead "
             f"(run-time options: {', '.join(sorted(RUNTIME_FIELDS))})"
         )
-    split = ARMConfig.for_budget(budget, info.head_dim, info.dtype_bytes)  # sinks, window, sync and slots that fit
+
+    def fit(slot_format: str) -> ARMConfig:  # sinks, window, sync and slots that fit the budget
+        return ARMConfig.for_budget(budget, info.head_dim, info.dtype_bytes, slot_format=slot_format)
+
+    split = fit(overrides.get("slot_format", ARMConfig.slot_format))
     if arm is None:
         if adapter is None:
             found = shipped_adapter(info)
@@ -298,6 +308,7 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
             arm = _load_adapter(str(Path(adapter).resolve()))
     arm.check_fits(info.num_layers, info.num_kv_heads, info.head_dim)
     tree = arm.config
+    split = fit(overrides.get("slot_format", tree.slot_format))
     runtime = dataclasses.replace(tree, sinks=split.sinks, window=split.window, sync=split.sync)
     # the paper's pool partitions the slots over this adapter's buckets: a multiple of N_b
     slots = split.slots
@@ -308,7 +319,7 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
         raise ArmkvError(
             f"budget {budget} is too small for arm: raise --budget to at least {split.sinks + split.window + split.sync + 2}"
         )
-    fields = {"slots": int(slots), "pool": pool, **overrides}
+    fields = {"slots": int(slots), "pool": pool, "slot_format": split.slot_format, **overrides}
     fields.setdefault("chunk", min(tree.chunk, int(slots)))
     runtime = dataclasses.replace(runtime, **fields)
     return arm, runtime
