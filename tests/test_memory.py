@@ -391,3 +391,30 @@ def test_every_merge_metric_keeps_the_pool_within_its_slots(metric):
         state = mem.write(state, keys, values, positions, torch.ones(1, 7, dtype=torch.bool), config=cfg)
         assert float(state.count.sum()) == 7 * (step + 1)  # every token is somewhere, none lost
         assert state.key.shape == (1, 6, 8)
+
+
+@pytest.mark.parametrize("metric", ["key", "kv", "ward"])
+def test_banded_neighbours_equal_the_exact_ones_within_buckets(metric):
+    from armkv.memory.write import _masked_neighbours, banded_neighbours, room_similarity
+
+    g = torch.Generator().manual_seed(7)
+    G, S, d = 3, 37, 5
+    state = MemoryState.empty(G, S, d, dtype=torch.float64)
+    state.key, state.value = torch.randn(G, S, d, generator=g, dtype=torch.float64), torch.randn(G, S, d, generator=g, dtype=torch.float64)
+    state.count = (torch.rand(G, S, generator=g) * 4).floor().double()  # about a quarter free
+    state.bucket = torch.where(state.count > 0, torch.randint(0, 6, (G, S), generator=g), -1)
+    keys = torch.randn(G, 2, d, generator=g, dtype=torch.float64)
+    cos = torch.nn.functional.normalize(keys, dim=-1) @ torch.nn.functional.normalize(state.key, dim=-1).transpose(1, 2)
+    ss, _ = room_similarity(metric, state, keys, keys.clone(), cos)
+    same = state.bucket.unsqueeze(2) == state.bucket.unsqueeze(1)
+    want_sim, want_idx = _masked_neighbours(ss.masked_fill(~same, -math.inf), state)
+    # every bucket holds at most 12 slots here: a band of 12 sees the whole bucket
+    got_sim, got_idx = banded_neighbours(metric, state, width=12)
+    occ = state.count > 0
+    has = occ & torch.isfinite(want_sim)
+    torch.testing.assert_close(got_sim[has], want_sim[has])
+    assert torch.equal(got_idx[has], want_idx[has])
+    assert torch.isinf(got_sim[~has]).all()
+    # a narrower band only ever finds a pair no better than the exact nearest
+    narrow_sim, _ = banded_neighbours(metric, state, width=2)
+    assert (narrow_sim[has] <= want_sim[has] + 1e-12).all()

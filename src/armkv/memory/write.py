@@ -241,8 +241,9 @@ def plan_writes(
         free = (~occ).sum(-1)
         deficit = (leader.sum(-1) - free).clamp_min(0)
         if bool((deficit > 0).any()):
-            sims = room_similarity(merge_metric, state, keys, values, cos)
-            src_of, demote_to = _make_room(state, leader, sims, deficit)
+            ss, ts = room_similarity(merge_metric, state, keys, values, cos, slot_pairs=state.slots <= EXACT_NEIGHBOURS)
+            neighbours = _masked_neighbours(ss, state) if ss is not None else banded_neighbours(merge_metric, state)
+            src_of, demote_to = _make_room(state, leader, neighbours, ts, deficit)
             leader = leader & (demote_to < 0)
         state = _merge_pairs(state, src_of)
         free_mask = state.count == 0
@@ -302,9 +303,25 @@ def plan_writes(
     return plan, state
 
 
+def _ward_scales(state: MemoryState) -> tuple[torch.Tensor, torch.Tensor]:
+    """E|k|^2 and E|v|^2 over each group's occupied slots: [G, 1, 1] each (Ward's units)."""
+    occ = (state.count > 0).unsqueeze(-1)
+    used = occ.sum(1).clamp_min(1).unsqueeze(-1)
+
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return (((x * x).sum(-1, keepdim=True) * occ).sum(1, keepdim=True) / used).clamp_min(1e-12)
+
+    return scale(state.key), scale(state.value)
+
+
 def room_similarity(
-    metric: str, state: MemoryState, keys: torch.Tensor, values: torch.Tensor | None, cos: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    metric: str,
+    state: MemoryState,
+    keys: torch.Tensor,
+    values: torch.Tensor | None,
+    cos: torch.Tensor,
+    slot_pairs: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """How readily each pair merges when the pool is full (higher first).
 
     metric : "key": cosine of the keys; "kv": the lower of the key and value cosines (tokens
@@ -312,43 +329,110 @@ def room_similarity(
         the count-weighted squared distance n_a n_b / (n_a + n_b) (|dk|^2 / E|k|^2 +
         |dv|^2 / E|v|^2), the information a merge loses (Ward's criterion)
     cos : [G, N, S] key cosines of the chunk's tokens and the slots (``pair_scores``)
+    slot_pairs : compute the slot-slot matrix (S x S); False leaves it to
+        :func:`banded_neighbours` (large pools)
 
-    Returns (slot-slot [G, S, S], token-slot [G, N, S]); entries for free slots are arbitrary.
+    Returns (slot-slot [G, S, S] or None, token-slot [G, N, S]); entries for free slots are arbitrary.
     """
+    if metric != "key" and values is None:
+        raise ValueError(f"merge_metric={metric!r} needs the chunk's values")
     if metric == "key":
         kn = F.normalize(state.key, dim=-1)
-        return kn @ kn.transpose(1, 2), cos
-    if values is None:
-        raise ValueError(f"merge_metric={metric!r} needs the chunk's values")
+        return (kn @ kn.transpose(1, 2) if slot_pairs else None), cos
     if metric == "kv":
         kn, vn = F.normalize(state.key, dim=-1), F.normalize(state.value, dim=-1)
-        ss = torch.minimum(kn @ kn.transpose(1, 2), vn @ vn.transpose(1, 2))
-        ts = torch.minimum(cos, F.normalize(values, dim=-1) @ vn.transpose(1, 2))
-        return ss, ts
-    occ = (state.count > 0).unsqueeze(-1)
-    used = occ.sum(1).clamp_min(1)
-
-    def scale(x: torch.Tensor) -> torch.Tensor:  # E|x|^2 over occupied slots, per group
-        return ((x * x).sum(-1, keepdim=True) * occ).sum(1, keepdim=True) / used.unsqueeze(-1)
-
-    sk, sv = scale(state.key).clamp_min(1e-12), scale(state.value).clamp_min(1e-12)
-    fk, fv = state.key / sk.sqrt(), state.value / sv.sqrt()
-    tk, tv = keys / sk.sqrt(), values / sv.sqrt()
-    slot_feat, tok_feat = torch.cat([fk, fv], -1), torch.cat([tk, tv], -1)
+        ss = torch.minimum(kn @ kn.transpose(1, 2), vn @ vn.transpose(1, 2)) if slot_pairs else None
+        return ss, torch.minimum(cos, F.normalize(values, dim=-1) @ vn.transpose(1, 2))
+    sk, sv = _ward_scales(state)
+    slot_feat = torch.cat([state.key / sk.sqrt(), state.value / sv.sqrt()], -1)
+    tok_feat = torch.cat([keys / sk.sqrt(), values / sv.sqrt()], -1)
     n = state.count.clamp_min(1)
-    ss = torch.cdist(slot_feat, slot_feat).square() * (n.unsqueeze(2) * n.unsqueeze(1) / (n.unsqueeze(2) + n.unsqueeze(1)))
-    ts = torch.cdist(tok_feat, slot_feat).square() * (n / (n + 1)).unsqueeze(1)
-    return -ss, -ts
+    ss = None
+    if slot_pairs:
+        weight = n.unsqueeze(2) * n.unsqueeze(1) / (n.unsqueeze(2) + n.unsqueeze(1))
+        ss = -torch.cdist(slot_feat, slot_feat).square() * weight
+    ts = -torch.cdist(tok_feat, slot_feat).square() * (n / (n + 1)).unsqueeze(1)
+    return ss, ts
+
+
+# Pools up to this many slots find each slot's nearest neighbour exactly (S x S); larger
+# ones among the BAND_WIDTH slots on either side in bucket order (:func:`banded_neighbours`).
+EXACT_NEIGHBOURS = 640
+BAND_WIDTH = 32
+
+
+def _masked_neighbours(ss: torch.Tensor, state: MemoryState) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest other occupied slot from the full matrix: (sim [G, S], -inf where none; index [G, S])."""
+    occ = state.count > 0
+    eye = torch.eye(ss.shape[-1], dtype=torch.bool, device=ss.device)
+    return ss.masked_fill(eye | ~occ.unsqueeze(1) | ~occ.unsqueeze(2), -math.inf).max(-1)
+
+
+def banded_neighbours(metric: str, state: MemoryState, width: int = BAND_WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each slot's nearest occupied slot among the ``width`` slots on either side of it in
+    bucket order: the same bucket's slots, which the tree filed together because their keys
+    are close. Exact within any bucket of at most ``width + 1`` slots; costs S * width, not S^2.
+
+    Returns (sim [G, S], -inf where none; index [G, S]) under ``metric`` (see :func:`room_similarity`).
+    """
+    G, S, d = state.key.shape
+    occ = state.count > 0
+    bucket = torch.where(occ, state.bucket, -1)
+    order = torch.sort(bucket, dim=1, stable=True).indices  # [G, S]: free slots first, then by bucket
+    w = min(width, S - 1)
+    if w < 1:
+        return torch.full((G, S), -math.inf, device=state.key.device), torch.zeros(G, S, dtype=torch.long, device=state.key.device)
+    pos = torch.arange(S, device=order.device)
+    ahead = (pos.unsqueeze(1) + torch.arange(1, w + 1, device=order.device)).clamp_max(S - 1)  # [S, w]
+    a_idx = order  # [G, S] slot at each sorted place
+    b_idx = order.gather(1, ahead.reshape(1, -1).expand(G, -1)).view(G, S, w)  # the w slots after it
+
+    def rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return x.gather(1, idx.reshape(G, -1, *([1] * (x.ndim - 2))).expand(G, idx[0].numel(), *x.shape[2:])).view(*idx.shape, *x.shape[2:])
+
+    ka, kb = rows(state.key, a_idx).unsqueeze(2), rows(state.key, b_idx)
+    if metric == "key":
+        sim = F.cosine_similarity(ka, kb, dim=-1, eps=1e-12)
+    elif metric == "kv":
+        va, vb = rows(state.value, a_idx).unsqueeze(2), rows(state.value, b_idx)
+        sim = torch.minimum(F.cosine_similarity(ka, kb, dim=-1, eps=1e-12), F.cosine_similarity(va, vb, dim=-1, eps=1e-12))
+    else:
+        sk, sv = _ward_scales(state)
+        va, vb = rows(state.value, a_idx).unsqueeze(2), rows(state.value, b_idx)
+        na, nb = rows(state.count.clamp_min(1), a_idx).unsqueeze(2), rows(state.count.clamp_min(1), b_idx)
+        dist = ((ka - kb) ** 2).sum(-1) / sk.view(G, 1, 1) + ((va - vb) ** 2).sum(-1) / sv.view(G, 1, 1)
+        sim = -dist * na * nb / (na + nb)
+    ok = rows(occ, a_idx).unsqueeze(2) & rows(occ, b_idx) & (ahead.unsqueeze(0) > pos.view(1, S, 1))
+    ok = ok & (rows(bucket, a_idx).unsqueeze(2) == rows(bucket, b_idx))
+    sim = sim.masked_fill(~ok, -math.inf)  # [G, S, w]: sorted place i against place i + o
+    # best partner after each place, and (the same pairs seen from the other end) before it
+    fwd_sim, fwd_o = sim.max(-1)
+    back = torch.full((G, S, w), -math.inf, dtype=sim.dtype, device=sim.device)
+    for o in range(1, w + 1):
+        back[:, o:, o - 1] = sim[:, : S - o, o - 1]
+    back_sim, back_o = back.max(-1)
+    use_back = back_sim > fwd_sim
+    place = torch.where(use_back, pos - (back_o + 1), pos + (fwd_o + 1)).clamp(0, S - 1)
+    best = torch.where(use_back, back_sim, fwd_sim)
+    # back to slot indexing
+    nn_sim = torch.empty_like(best).scatter_(1, order, best)
+    nn_idx = torch.empty_like(order).scatter_(1, order, order.gather(1, place))
+    return nn_sim, nn_idx
 
 
 def _make_room(
-    state: MemoryState, leader: torch.Tensor, sims: tuple[torch.Tensor, torch.Tensor], deficit: torch.Tensor
+    state: MemoryState,
+    leader: torch.Tensor,
+    neighbours: tuple[torch.Tensor, torch.Tensor],
+    token_sims: torch.Tensor,
+    deficit: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick ``deficit`` merges per group among the most similar candidates.
 
     Candidates: mutual-nearest pairs of occupied slots (disjoint by construction), and
-    each novel leader merged into its nearest occupied slot (any bucket); ``sims`` =
-    (slot-slot [G, S, S], token-slot [G, N, S]) from :func:`room_similarity`.
+    each novel leader merged into its nearest occupied slot (any bucket).
+    neighbours : (sim, index) [G, S] of each slot's nearest occupied slot
+    token_sims : [G, N, S] token-slot similarities (:func:`room_similarity`)
 
     Returns (src_of [G, S]: slot merged into slot s, or -1; demote_to [G, N]: slot a
     demoted leader merges into, or -1).
@@ -356,18 +440,14 @@ def _make_room(
     G, S = state.count.shape
     N = leader.shape[1]
     occ = state.count > 0
-    ss, cos = sims
-    eye = torch.eye(S, dtype=torch.bool, device=ss.device)
-    ss = ss.masked_fill(eye | ~occ.unsqueeze(1) | ~occ.unsqueeze(2), -math.inf)
-    nn_sim, nn_idx = ss.max(-1)
-    s_idx = torch.arange(S, device=ss.device).expand(G, S)
+    nn_sim, nn_idx = neighbours
+    s_idx = torch.arange(S, device=nn_sim.device).expand(G, S)
     mutual = occ & torch.isfinite(nn_sim) & (nn_idx.gather(1, nn_idx) == s_idx) & (s_idx < nn_idx)
-    tok_cos = cos.masked_fill(~occ.unsqueeze(1), -math.inf)
-    a_sim, a_idx = tok_cos.max(-1)
+    a_sim, a_idx = token_sims.masked_fill(~occ.unsqueeze(1), -math.inf).max(-1)
     a_ok = leader & torch.isfinite(a_sim)
     cand = torch.cat([torch.where(mutual, nn_sim, -math.inf), torch.where(a_ok, a_sim, -math.inf)], 1)
     order = cand.argsort(dim=1, descending=True, stable=True)
-    pick_sorted = torch.arange(S + N, device=ss.device).expand(G, S + N) < deficit.unsqueeze(1)
+    pick_sorted = torch.arange(S + N, device=nn_sim.device).expand(G, S + N) < deficit.unsqueeze(1)
     picked = torch.zeros_like(pick_sorted).scatter(1, order, pick_sorted) & torch.isfinite(cand)
     src_of = torch.where(picked[:, :S], nn_idx, torch.full_like(nn_idx, -1))
     demote_to = torch.where(picked[:, S:], a_idx, torch.full_like(a_idx, -1))
