@@ -27,3 +27,11 @@ def test_missing_input_is_a_one_line_error(tmp_path, capsys):
     assert main(["eval", "ppl", "--method", "full", "--input", str(tmp_path / "nope.txt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no such file" in err[0]
+
+
+def test_bad_option_is_a_one_line_error(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 20)
+    assert main(["eval", "ppl", "--method", "full", "--input", str(text), "--option", "oops"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "expected KEY=VALUE" in err[0]

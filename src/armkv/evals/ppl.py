@@ -27,6 +27,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-tokens", type=int, default=4096, help="score the first N tokens of the file")
     parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser.add_argument(
+        "--option", action="append", default=None, metavar="KEY=VALUE",
+        help="a method option (repeatable), e.g. slot_format=int8 or merge_metric=kv for arm, bits=2 for kivi",
+    )
 
 
 def perplexity(model, ids: torch.Tensor, method: str, budget: int | None, chunk: int, **options) -> dict:
@@ -61,6 +65,19 @@ def main(args) -> int:
     if not path.is_file():
         raise ArmkvError(f"--input {path}: no such file")
     spec = get_method(args.method)
+    options = {}
+    if args.adapter is not None:
+        if args.method not in ("arm", "fifo"):
+            raise ArmkvError("--adapter applies to the arm and fifo methods")
+        options["adapter"] = args.adapter
+    for pair in args.option or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ArmkvError(f"--option {pair!r}: expected KEY=VALUE, e.g. slot_format=int8")
+        try:
+            options[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key.strip()] = value
     model, tokenizer = load_model(args.model)
     ids = tokenizer(path.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, : args.max_tokens]
     if ids.shape[1] < 2:
@@ -68,14 +85,9 @@ def main(args) -> int:
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and ids.shape[1] > limit:
         raise ArmkvError(f"--max-tokens {ids.shape[1]} is beyond the model's {limit} positions")
-    options = {}
-    if args.adapter is not None:
-        if args.method not in ("arm", "fifo"):
-            raise ArmkvError("--adapter applies to the arm and fifo methods")
-        options["adapter"] = args.adapter
     budget = args.budget if spec.bounded else None
     result = perplexity(model, ids, args.method, budget, args.chunk, **options)
-    result.update(method=args.method, budget=budget, adapter=args.adapter, input=str(path))
+    result.update(method=args.method, budget=budget, adapter=args.adapter, options=options, input=str(path))
     if not args.json:
         print(f"{args.method} (budget {budget}): ppl {result['ppl']:.3f} over {result['tokens']} tokens, "
               f"cache {result['cache_bytes'] / 2**20:.1f} MiB")
