@@ -21,7 +21,7 @@ def test_large_memory_reads_equal_exact_attention():
     ids = torch.stack([torch.randperm(100)[:90] for _ in range(2)])  # distinct tokens: no merges
     with torch.no_grad():
         ref = model(ids).logits
-    logits, cache = _run(model, ids, budget=512, arm_overrides={"sync": 1})
+    logits, cache = _run(model, ids, budget=512, arm_overrides={"sync": 1, "slot_format": "model"})
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
     assert cache.layers[0].diagnostics()["tokens_per_slot"] == 1.0
 
@@ -48,7 +48,7 @@ def test_packed_slots_buy_more_slots_and_read_close_to_exact(slot_format, tol):
         ref = model(ids).logits
     logits, cache = _run(model, ids, budget=512, arm_overrides={"sync": 1, "slot_format": slot_format})
     torch.testing.assert_close(logits, ref, rtol=tol, atol=tol)  # only the storage rounding differs
-    _, plain = _run(model, ids, budget=512, arm_overrides={"sync": 1})
+    _, plain = _run(model, ids, budget=512, arm_overrides={"sync": 1, "slot_format": "model"})
     layer, base = cache.layers[0], plain.layers[0]
     assert layer.state.slots > 1.8 * base.state.slots  # the same bytes hold more slots
     assert layer.state.key.element_size() < 4

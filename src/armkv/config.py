@@ -65,8 +65,9 @@ class ARMConfig:
     merge_threshold: float = 0.98  # initial cosine (pre-RoPE keys) above which a token merges into a slot
     merge_metric: str = "key"  # which pairs merge first when the pool is full: "key" (cosine of keys),
     # "kv" (the lower of the key and value cosines), "ward" (count-weighted squared distance of keys and values)
-    slot_format: str = "model"  # how slots are stored between writes: the model's dtype, bfloat16, or
-    # int8 codes with a scale per vector; the budget buys correspondingly more slots
+    slot_format: str = "int8"  # how slots are stored between writes: int8 codes with a scale per vector
+    # (default: 3.5x the slots of fp32 at equal bytes; docs/memory.md has the numbers), bfloat16, or
+    # the model's dtype ("model"); the budget buys correspondingly more slots
     log_count_bias: bool = True  # add log(n) to a merged slot's attention logit (it stands for n keys)
     tau: float = 1.0  # Gumbel-Softmax temperature (training only)
     top_m: str = "adaptive"  # "adaptive": the learned policy picks M per input; "fixed": M = m_fixed
@@ -175,7 +176,7 @@ class ARMConfig:
         sync = overrides.pop("sync", max(1, min(16, exact // 4)))
         window = overrides.pop("window", max(1, exact - sync))
         free = budget * token - (sinks + window + sync) * token
-        slots = free // slot_bytes(overrides.get("slot_format", "model"), head_dim, dtype_bytes)
+        slots = free // slot_bytes(overrides.get("slot_format", cls.slot_format), head_dim, dtype_bytes)
         if slots < 1:
             raise ArmkvError(
                 f"budget {budget} token-equivalents is too small for ARM with {sinks} sinks, a window of "

@@ -380,31 +380,34 @@ def banded_neighbours(metric: str, state: MemoryState, width: int = BAND_WIDTH) 
     bucket = torch.where(occ, state.bucket, -1)
     order = torch.sort(bucket, dim=1, stable=True).indices  # [G, S]: free slots first, then by bucket
     w = min(width, S - 1)
+    pos = torch.arange(S, device=order.device)
     if w < 1:
         return torch.full((G, S), -math.inf, device=state.key.device), torch.zeros(G, S, dtype=torch.long, device=state.key.device)
-    pos = torch.arange(S, device=order.device)
-    ahead = (pos.unsqueeze(1) + torch.arange(1, w + 1, device=order.device)).clamp_max(S - 1)  # [S, w]
-    a_idx = order  # [G, S] slot at each sorted place
-    b_idx = order.gather(1, ahead.reshape(1, -1).expand(G, -1)).view(G, S, w)  # the w slots after it
 
-    def rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return x.gather(1, idx.reshape(G, -1, *([1] * (x.ndim - 2))).expand(G, idx[0].numel(), *x.shape[2:])).view(*idx.shape, *x.shape[2:])
+    def sort(x: torch.Tensor) -> torch.Tensor:  # rows of x [G, S, ...] in bucket order
+        return x.gather(1, order.view(G, S, *([1] * (x.ndim - 2))).expand_as(x))
 
-    ka, kb = rows(state.key, a_idx).unsqueeze(2), rows(state.key, b_idx)
     if metric == "key":
-        sim = F.cosine_similarity(ka, kb, dim=-1, eps=1e-12)
+        feats = [sort(F.normalize(state.key, dim=-1))]
     elif metric == "kv":
-        va, vb = rows(state.value, a_idx).unsqueeze(2), rows(state.value, b_idx)
-        sim = torch.minimum(F.cosine_similarity(ka, kb, dim=-1, eps=1e-12), F.cosine_similarity(va, vb, dim=-1, eps=1e-12))
+        feats = [sort(F.normalize(state.key, dim=-1)), sort(F.normalize(state.value, dim=-1))]
     else:
         sk, sv = _ward_scales(state)
-        va, vb = rows(state.value, a_idx).unsqueeze(2), rows(state.value, b_idx)
-        na, nb = rows(state.count.clamp_min(1), a_idx).unsqueeze(2), rows(state.count.clamp_min(1), b_idx)
-        dist = ((ka - kb) ** 2).sum(-1) / sk.view(G, 1, 1) + ((va - vb) ** 2).sum(-1) / sv.view(G, 1, 1)
-        sim = -dist * na * nb / (na + nb)
-    ok = rows(occ, a_idx).unsqueeze(2) & rows(occ, b_idx) & (ahead.unsqueeze(0) > pos.view(1, S, 1))
-    ok = ok & (rows(bucket, a_idx).unsqueeze(2) == rows(bucket, b_idx))
-    sim = sim.masked_fill(~ok, -math.inf)  # [G, S, w]: sorted place i against place i + o
+        feats = [sort(torch.cat([state.key / sk.sqrt(), state.value / sv.sqrt()], -1))]
+        n = sort(state.count.clamp_min(1))
+    occ_s, bucket_s = sort(occ), sort(bucket)
+    # sim[:, i, o - 1]: sorted place i against place i + o (same bucket, both occupied)
+    sim = torch.full((G, S, w), -math.inf, dtype=state.key.dtype, device=state.key.device)
+    for o in range(1, w + 1):
+        if metric == "key":
+            pair = (feats[0][:, : S - o] * feats[0][:, o:]).sum(-1)
+        elif metric == "kv":
+            pair = torch.minimum((feats[0][:, : S - o] * feats[0][:, o:]).sum(-1), (feats[1][:, : S - o] * feats[1][:, o:]).sum(-1))
+        else:
+            na, nb = n[:, : S - o], n[:, o:]
+            pair = -((feats[0][:, : S - o] - feats[0][:, o:]) ** 2).sum(-1) * na * nb / (na + nb)
+        ok = occ_s[:, : S - o] & occ_s[:, o:] & (bucket_s[:, : S - o] == bucket_s[:, o:])
+        sim[:, : S - o, o - 1] = pair.masked_fill(~ok, -math.inf)
     # best partner after each place, and (the same pairs seen from the other end) before it
     fwd_sim, fwd_o = sim.max(-1)
     back = torch.full((G, S, w), -math.inf, dtype=sim.dtype, device=sim.device)

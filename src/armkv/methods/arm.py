@@ -92,6 +92,10 @@ class ARMLayer(CacheLayer):
             exact_k = torch.cat([exact_k, self.pending[0]], 2)
             exact_v = torch.cat([exact_v, self.pending[1]], 2)
             exact_valid = torch.cat([exact_valid, self.pending[2]], 1)
+        # the exact part is small: zero its unwritten entries here, so that the attention need
+        # not pass over the whole state (the slots' view is zeroed where free once per write)
+        keep = exact_valid[:, None, :, None]
+        exact_k, exact_v = torch.where(keep, exact_k, 0.0), torch.where(keep, exact_v, 0.0)
         slot_k, slot_v, occupied, bias = self._slots()
         rep = Hq // H
 
@@ -122,7 +126,9 @@ class ARMLayer(CacheLayer):
             state_mask = None
             if mask is not None:
                 state_mask = torch.cat([torch.ones(B, Hq, T, L, dtype=torch.bool, device=key.device), mask], -1)
-            out = joint_attention(q_in, chunk_k, chunk_v, valid, scaling, state_k, state_v, state_valid, state_bias, state_mask)
+            out = joint_attention(
+                q_in, chunk_k, chunk_v, valid, scaling, state_k, state_v, state_valid, state_bias, state_mask, state_clean=True
+            )
             outs.append(out[..., :d])
         out = outs[0] if len(outs) == 1 else self.mix.view(B, 1, 1, 1) * outs[1] + (1 - self.mix.view(B, 1, 1, 1)) * outs[0]
 
@@ -157,7 +163,9 @@ class ARMLayer(CacheLayer):
                 key = torch.cat([torch.zeros_like(key), self.rotary.rotate(key, delta)], -1)
                 value = torch.cat([value, torch.zeros_like(value)], -1)
             bias = count.clamp_min(1).log() if c.log_count_bias else torch.zeros_like(count)
-            self._view = (key, value, count > 0, bias)
+            occupied = count > 0
+            free = ~occupied.unsqueeze(-1)
+            self._view = (key.masked_fill(free, 0.0), value.masked_fill(free, 0.0), occupied, bias)
         return self._view
 
     def _flush(self) -> None:

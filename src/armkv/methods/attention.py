@@ -122,6 +122,7 @@ def joint_attention(
     state_valid: torch.Tensor | None = None,
     state_bias: torch.Tensor | None = None,
     state_mask: torch.Tensor | None = None,
+    state_clean: bool = False,
 ) -> torch.Tensor:
     """Attend a chunk's queries over the state (all of it) and the chunk (causally), jointly.
 
@@ -140,6 +141,8 @@ def joint_attention(
     state_valid : [B, L] or [B, Hkv, L] bool; None = all valid
     state_bias : [B, Hkv, L] additive logit bias of the state keys (e.g. log of a slot's count)
     state_mask : [B, Hq, T, L] bool, per query: False excludes that state key for that query
+    state_clean : the caller guarantees the invalid state entries hold zeros (a method that
+        keeps them so saves two passes over the state per call)
 
     Returns
     -------
@@ -160,10 +163,11 @@ def joint_attention(
         n = state_key.shape[2]
         ok = torch.ones(1, 1, 1, n, dtype=torch.bool, device=query.device)
         if state_valid is not None:
-            # unwritten entries may hold anything (NaN included): -inf + NaN is NaN
-            valid_kv = state_valid if state_valid.dim() == 3 else state_valid[:, None]
-            state_key = _zero_invalid(state_key, valid_kv)
-            state_value = _zero_invalid(state_value, valid_kv)
+            if not state_clean:
+                # unwritten entries may hold anything (NaN included): -inf + NaN is NaN
+                valid_kv = state_valid if state_valid.dim() == 3 else state_valid[:, None]
+                state_key = _zero_invalid(state_key, valid_kv)
+                state_value = _zero_invalid(state_value, valid_kv)
             ok = _per_head(state_valid)
         if state_mask is not None:
             ok = ok & state_mask.reshape(b, hkv, g * t, n)
