@@ -1,0 +1,145 @@
+"""Experiment: how well a cache keeps a RULER needle, measured as the teacher-forced NLL of
+the answer (lower is better; a continuous score with far less sampling noise than 0/100).
+
+For each sample the context is prefilled through the cache (the budgeted chunked protocol),
+then question + answer prefix + the answer are fed in one forward, and the mean NLL of the
+answer's tokens is read; ``em`` says whether every answer token was the argmax. For ARM it
+also prints the share of the needle's tokens (the value and the 20 tokens before it) still
+held exactly in each layer after the prefill.
+
+Configs are ``METHOD[:KEY=VALUE,...]`` separated by ``;``; the keys are the method's options
+(e.g. ``arm:slot_format=model``) plus three experiment switches that patch ARM's internals
+for this process only:
+
+- ``protect=true``: an oracle; the needle's tokens are never merged (tells what the write
+  policy loses from what the read loses);
+- ``local=L``: merge scores minus L * |distance in positions| / 256 (merges kept local);
+- ``exact_nn=S``: pools up to S slots search nearest neighbours exactly (S x S).
+
+    python scripts/needle_nll.py --task niah_single_2 --length 2048 --samples 3 \\
+        --haystack heldout.txt --configs "full;arm;arm:slot_format=model;arm:protect=true"
+
+(``python -m armkv.train.data heldout heldout.txt`` writes the held-out prose used in docs/memory.md.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+import armkv.memory.module as arm_module
+import armkv.memory.write as arm_write
+from armkv.evals.ruler import RulerGenerator, load_essay
+from armkv.hf.attach import make_cache
+from armkv.hf.model import load_model
+from armkv.hf.runner import Runner
+
+PATCH = {"needle": None, "local": 0.0, "pos": None}
+_room_similarity = arm_write.room_similarity
+_write = arm_module.ARMMemory.write
+
+
+def _patched_room_similarity(metric, state, keys, values, cos, slot_pairs=True):
+    ss, ts = _room_similarity(metric, state, keys, values, cos, slot_pairs)
+    tok = PATCH["pos"]
+    if PATCH["local"]:
+        lam, sp = PATCH["local"], state.pos
+        ss = None if ss is None else ss - lam * (sp.unsqueeze(2) - sp.unsqueeze(1)).abs() / 256
+        ts = ts - lam * (tok.unsqueeze(2) - sp.unsqueeze(1)).abs() / 256
+    if PATCH["needle"] is not None:
+        lo, hi = PATCH["needle"]
+        slot = (state.count == 1) & (state.pos >= lo) & (state.pos < hi)
+        if ss is not None:
+            ss = ss.masked_fill(slot.unsqueeze(1) | slot.unsqueeze(2), -math.inf)
+        ts = ts.masked_fill(((tok >= lo) & (tok < hi)).unsqueeze(2) | slot.unsqueeze(1), -math.inf)
+    return ss, ts
+
+
+def _patched_neighbours(metric, state, width=arm_write.BAND_WIDTH):
+    sim, idx = _banded(metric, state, width)
+    if PATCH["needle"] is not None:
+        lo, hi = PATCH["needle"]
+        slot = (state.count == 1) & (state.pos >= lo) & (state.pos < hi)
+        sim = sim.masked_fill(slot | slot.gather(1, idx), -math.inf)
+    return sim, idx
+
+
+_banded = arm_write.banded_neighbours
+
+
+def _patched_write(self, state, keys, values, positions, valid, generator=None, config=None):
+    B, H, N, _ = keys.shape
+    PATCH["pos"] = positions.float().unsqueeze(1).expand(B, H, N).reshape(B * H, N)
+    return _write(self, state, keys, values, positions, valid, generator, config)
+
+
+arm_write.room_similarity = _patched_room_similarity
+arm_write.banded_neighbours = _patched_neighbours
+arm_module.ARMMemory.write = _patched_write
+
+
+def find(ids: list[int], sub: list[int]) -> int | None:
+    return next((i for i in range(len(ids) - len(sub) + 1) if ids[i : i + len(sub)] == sub), None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", default="niah_single_2")
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--samples", type=int, default=3)
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--haystack", required=True, help="prose file for the essay haystack")
+    p.add_argument("--haystack-kind", default="task", choices=("task", "noise", "essay"))
+    p.add_argument("--configs", default="full;arm")
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    model, tok = load_model(None)
+    gen = RulerGenerator(tok, haystack_words=load_essay(a.haystack), haystack=None if a.haystack_kind == "task" else a.haystack_kind)
+    samples = gen.samples(a.task, a.length, a.samples)
+    runner = Runner(model, tok, "full")
+    for cfg in a.configs.split(";"):
+        method, _, opts = cfg.partition(":")
+        options = {}
+        for kv in filter(None, opts.split(",")):
+            k, v = kv.split("=")
+            try:
+                options[k] = json.loads(v)
+            except json.JSONDecodeError:
+                options[k] = v
+        protect, PATCH["local"] = options.pop("protect", False), float(options.pop("local", 0.0))
+        arm_write.EXACT_NEIGHBOURS = int(options.pop("exact_nn", 640))
+        t0, rows = time.time(), []
+        for s in samples:
+            stages = runner.encode(s)
+            ctx = stages[0]
+            ans = tok(" " + s["answers"][0], add_special_tokens=False)["input_ids"]
+            at = find(ctx, ans)
+            PATCH["needle"] = (at - 20, at + len(ans) + 2) if protect and at is not None else None
+            cache = make_cache(model, method, a.budget if method != "full" else None, 256, **options)
+            with torch.inference_mode():
+                model(input_ids=torch.tensor([ctx]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+                share = None
+                if at is not None and hasattr(cache.layers[0], "diagnostics"):
+                    where = torch.arange(at - 20, at + len(ans))
+                    share = [round(layer.diagnostics(where)["exact_share"], 2) for layer in cache.layers]
+                rest = sum(stages[1:], []) + ans
+                pos = torch.arange(len(ctx), len(ctx) + len(rest))[None]
+                logits = model(input_ids=torch.tensor([rest]), position_ids=pos, past_key_values=cache, use_cache=True).logits
+                lp = torch.log_softmax(logits[0, -len(ans) - 1 : -1].float(), -1)
+                target = torch.tensor(ans)
+                rows.append((float(-lp.gather(1, target[:, None]).mean()), bool((lp.argmax(-1) == target).all()), share))
+        nll = sum(r[0] for r in rows) / len(rows)
+        em = sum(r[1] for r in rows) / len(rows)
+        print(f"{cfg:50s} nll {nll:.3f} em {em:.2f} per-sample {[round(r[0], 2) for r in rows]} ({time.time() - t0:.0f}s)", flush=True)
+        if rows[0][2] is not None:
+            print("   needle tokens held exactly, per layer (sample 0):", rows[0][2], flush=True)
+        print(json.dumps({"config": cfg, "nll": nll, "em": em, "per_sample": [r[0] for r in rows]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
