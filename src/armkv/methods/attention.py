@@ -49,23 +49,7 @@ def joint_attention_reference(
     state_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`joint_attention` written out (matmul, masked softmax, matmul): the oracle the
-    fused kernel is tested against.
-
-    Parameters
-    ----------
-    query : [B, Hq, T, d] post-RoPE queries
-    key, value : [B, Hkv, T, d] the chunk's keys and values
-    valid : [B, T] bool, False for padding (never attended)
-    scaling : softmax scale
-    state_key, state_value : [B, Hkv, L, d] or None (no state)
-    state_valid : [B, L] or [B, Hkv, L] bool; None = all valid
-    state_bias : [B, Hkv, L] additive logit bias of the state keys (e.g. log of a slot's count)
-    state_mask : [B, Hq, T, L] bool, per query: False excludes that state key for that query
-
-    Returns
-    -------
-    [B, T, Hq, d]
-    """
+    fused kernel is tested against. Same arguments (all but ``state_clean``) and result."""
     b, hq, t, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
