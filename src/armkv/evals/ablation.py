@@ -3,8 +3,9 @@
 Rows are ARM variants at the same budget, run through RULER's needle tasks with the same
 protocol as ``armkv eval ruler``. The paper's rows are FIFO (slots overwritten oldest
 first, every slot read), ARM with fixed sparsity M = N_b/2 and N_b/4, and ARM with the
-learned M; ours add mean writes, no empty-slot rule, no log-count bias, and positions
-``fixed`` instead of ``stored``. Each row is ``(name, method, ARMConfig overrides)``: edit
+learned M; ours add mean writes, no empty-slot rule, no log-count bias, positions
+``fixed`` instead of ``stored``, slots stored in the model's dtype or bf16 instead of int8,
+and the other merge metrics. Each row is ``(name, method, ARMConfig overrides)``: edit
 :data:`ROWS` to change the table.
 """
 
@@ -27,6 +28,10 @@ ROWS = [
     ("no-log-count-bias", "arm", {"log_count_bias": False}),
     ("positions-fixed", "arm", {"position_mode": "fixed"}),
     ("positions-stored", "arm", {"position_mode": "stored"}),
+    ("slots-model-dtype", "arm", {"slot_format": "model"}),
+    ("slots-bfloat16", "arm", {"slot_format": "bfloat16"}),
+    ("merge-kv", "arm", {"merge_metric": "kv"}),
+    ("merge-ward", "arm", {"merge_metric": "ward"}),
 ]
 
 # RULER's needle-in-a-haystack tasks; the ones on the essay haystack need --haystack-file.
