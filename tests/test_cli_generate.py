@@ -116,3 +116,28 @@ def test_real_model_cache_bytes_against_prompt_length():
     assert sizes["full"][1] > 2.5 * sizes["full"][0]
     assert sizes["sink"][0] == sizes["sink"][1] == 64 * token_bytes
     assert sizes["kivi"][0] == sizes["kivi"][1] <= 64 * token_bytes
+
+
+@pytest.mark.real_model
+def test_real_model_arm_keeps_a_needle_that_sink_drops():
+    """On the default model with the shipped adapter and int8 slots: a needle in the middle of
+    a 700-token prompt, budget 128, survives ARM's memory and not StreamingLLM's window."""
+    from armkv.hf.model import load_model
+    from armkv.hf.runner import Runner
+
+    model, tokenizer = load_model()
+    noise = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+    request = {
+        "id": "needle",
+        "context": noise * 14 + "The special magic number is: 7305518. " + noise * 14,
+        "question": " What is the special magic number mentioned in the text?",
+        "answer_prefix": " The special magic number mentioned in the text is",
+    }
+    budget_bytes = 128 * 2 * 3 * 64 * 4 * 30  # K and V, 3 KV heads of 64, fp32, 30 layers
+    outputs = {}
+    for method in ("arm", "sink"):
+        (result,) = Runner(model, tokenizer, method, budget=128, chunk=64).generate([request], max_new_tokens=10)
+        assert result["cache_bytes"] <= budget_bytes
+        outputs[method] = result["output"]
+    assert "7305518" in outputs["arm"]
+    assert "7305518" not in outputs["sink"]
