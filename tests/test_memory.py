@@ -418,3 +418,22 @@ def test_banded_neighbours_equal_the_exact_ones_within_buckets(metric):
     # a narrower band only ever finds a pair no better than the exact nearest
     narrow_sim, _ = banded_neighbours(metric, state, width=2)
     assert (narrow_sim[has] <= want_sim[has] + 1e-12).all()
+
+
+def test_protect_recent_keeps_the_newest_slots_out_of_the_merges():
+    cfg = ARMConfig(depth=1, branching=2, slots=8, window=4, sinks=0, sync=1, slot_format="model", protect_recent=0.5)
+    mem = ARMMemory(cfg, num_kv_heads=1, head_dim=16).eval()
+    state = mem.init_state(1, torch.float32, "cpu", cfg)
+    g = torch.Generator().manual_seed(1)
+    for step in range(6):  # random 16-d keys are novel: every write past 8 tokens makes room
+        keys, values = torch.randn(1, 1, 3, 16, generator=g), torch.randn(1, 1, 3, 16, generator=g)
+        positions = torch.arange(step * 3, step * 3 + 3)[None]
+        before = state.clone()
+        state = mem.write(state, keys, values, positions, torch.ones(1, 3, dtype=torch.bool), config=cfg)
+        if before.count.gt(0).all():
+            # the newest half of the slots before the write (4 of 8) are untouched by it
+            newest = before.pos[0].argsort()[4:]
+            for s in newest:
+                same = (state.key[0] == before.key[0, s]).all(-1) & (state.count[0] == before.count[0, s])
+                assert same.any(), f"the slot at position {float(before.pos[0, s])} was merged"
+        assert float(state.count.sum()) == 3 * (step + 1)

@@ -65,6 +65,8 @@ class ARMConfig:
     merge_threshold: float = 0.98  # initial cosine (pre-RoPE keys) above which a token merges into a slot
     merge_metric: str = "key"  # which pairs merge first when the pool is full: "key" (cosine of keys),
     # "kv" (the lower of the key and value cosines), "ward" (count-weighted squared distance of keys and values)
+    protect_recent: float = 0.0  # share of the occupied slots, the most recent, kept out of the merges
+    # that make room (0: any slot may merge); the chunk's tokens give way only after the older pairs
     slot_format: str = "int8"  # how slots are stored between writes: int8 codes with a scale per vector
     # (default: 3.5x the slots of fp32 at equal bytes; docs/memory.md has the numbers), bfloat16, or
     # the model's dtype ("model"); the budget buys correspondingly more slots
@@ -106,6 +108,8 @@ class ARMConfig:
             raise ArmkvError(f"ARMConfig.sync={self.sync} must be >= 1 (1 = write at every decoded token)")
         if not 0.0 < self.merge_threshold <= 1.0:
             raise ArmkvError(f"ARMConfig.merge_threshold={self.merge_threshold} must be in (0, 1]")
+        if not 0.0 <= self.protect_recent < 1.0:
+            raise ArmkvError(f"ARMConfig.protect_recent={self.protect_recent} must be in [0, 1)")
         if self.tau <= 0:
             raise ArmkvError(f"ARMConfig.tau={self.tau} must be > 0")
         if not 0.0 <= self.epsilon <= 1.0:

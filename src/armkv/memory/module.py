@@ -90,6 +90,7 @@ class ARMMemory(nn.Module):
             write=c.write,
             empty_slot_rule=c.empty_slot_rule,
             merge_metric=c.merge_metric,
+            protect_recent=c.protect_recent,
             slots_per_bucket=c.slots_per_bucket,
             training=self.training,
             tau=c.tau,

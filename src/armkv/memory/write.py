@@ -176,6 +176,7 @@ def plan_writes(
     generator: torch.Generator | None = None,
     values: torch.Tensor | None = None,
     merge_metric: str = "key",
+    protect_recent: float = 0.0,
 ) -> tuple[WritePlan, MemoryState]:
     """Decide every write of a chunk against the state at the sync point.
 
@@ -241,9 +242,17 @@ def plan_writes(
         free = (~occ).sum(-1)
         deficit = (leader.sum(-1) - free).clamp_min(0)
         if bool((deficit > 0).any()):
-            ss, ts = room_similarity(merge_metric, state, keys, values, cos, slot_pairs=state.slots <= EXACT_NEIGHBOURS)
-            neighbours = _masked_neighbours(ss, state) if ss is not None else banded_neighbours(merge_metric, state)
-            src_of, demote_to = _make_room(state, leader, neighbours, ts, deficit)
+            room = state
+            if protect_recent > 0:
+                # only the older slots merge; the chunk's tokens give way only when their pairs run out
+                older = torch.where(occ, state.pos, math.inf).argsort(1).argsort(1)
+                keep = (occ.sum(1, keepdim=True) * (1 - protect_recent)).floor()
+                room = MemoryState(state.key, state.value, state.pos, state.count * (older < keep), state.bucket)
+            ss, ts = room_similarity(merge_metric, room, keys, values, cos, slot_pairs=state.slots <= EXACT_NEIGHBOURS)
+            neighbours = _masked_neighbours(ss, room) if ss is not None else banded_neighbours(merge_metric, room)
+            if protect_recent > 0:
+                ts = ts - 1e4
+            src_of, demote_to = _make_room(room, leader, neighbours, ts, deficit)
             leader = leader & (demote_to < 0)
         state = _merge_pairs(state, src_of)
         free_mask = state.count == 0
@@ -589,10 +598,12 @@ def write_chunk(
     tau: float = 1.0,
     generator: torch.Generator | None = None,
     merge_metric: str = "key",
+    protect_recent: float = 0.0,
 ) -> MemoryState:
     """Plan, gate and scan one chunk (see the module docstring). Shapes as in plan_writes."""
     plan, state = plan_writes(
-        state, keys, bucket, valid, params, write, slots_per_bucket, training, tau, generator, values, merge_metric
+        state, keys, bucket, valid, params, write, slots_per_bucket, training, tau, generator, values, merge_metric,
+        protect_recent,
     )
     beta = gate_weights(plan, keys, params, write, empty_slot_rule)
     return scan_writes(state, plan, beta, keys, values, positions)

@@ -29,7 +29,7 @@ from armkv.methods.buffers import ExactBuffer
 # a parameter's shape (the tree, scorer, gate and policy come with the adapter).
 RUNTIME_FIELDS = {
     "sinks", "window", "sync", "slots", "pool", "chunk", "position_mode", "write", "empty_slot_rule",
-    "log_count_bias", "merge_metric", "slot_format", "tau", "top_m", "m_fixed", "epsilon",
+    "log_count_bias", "merge_metric", "protect_recent", "slot_format", "tau", "top_m", "m_fixed", "epsilon",
 }  # fmt: skip
 
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
