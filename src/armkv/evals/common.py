@@ -73,11 +73,16 @@ def parse_options(pairs: Iterable[str] | None) -> dict[str, dict]:
         method, dot, key = name.strip().partition(".")
         if not sep or not dot or not method or not key:
             raise ArmkvError(f"--option {pair!r}: expected METHOD.KEY=VALUE, e.g. arm.adapter=PATH")
-        try:
-            options.setdefault(method, {})[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options.setdefault(method, {})[key] = value
+        options.setdefault(method, {})[key] = option_value(value)
     return options
+
+
+def option_value(text: str):
+    """An option's value: JSON where it parses (numbers, booleans), else the text itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def add_common_arguments(parser, *, methods: str | None, samples: int, samples_help: str = "samples per task and length") -> None:

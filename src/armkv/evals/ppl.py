@@ -58,6 +58,7 @@ def perplexity(model, ids: torch.Tensor, method: str, budget: int | None, chunk:
 
 
 def main(args) -> int:
+    from armkv.evals.common import option_value
     from armkv.hf.model import load_model
     from armkv.methods.base import get_method
 
@@ -74,10 +75,7 @@ def main(args) -> int:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise ArmkvError(f"--option {pair!r}: expected KEY=VALUE, e.g. slot_format=int8")
-        try:
-            options[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key.strip()] = value
+        options[key.strip()] = option_value(value)
     model, tokenizer = load_model(args.model)
     ids = tokenizer(path.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, : args.max_tokens]
     if ids.shape[1] < 2:

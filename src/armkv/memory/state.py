@@ -6,8 +6,6 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-SLOT_FORMATS = ("model", "bfloat16", "int8")
-
 
 @dataclass
 class MemoryState:
@@ -92,7 +90,7 @@ class MemoryState:
         if slot_format == "bfloat16":
             return replace(self, key=self.key.to(torch.bfloat16), value=self.value.to(torch.bfloat16))
         if slot_format != "int8":
-            raise ValueError(f"slot_format {slot_format!r} is not one of {', '.join(SLOT_FORMATS)}")
+            raise ValueError(f"slot_format {slot_format!r} is not one of model, bfloat16, int8")
         key, key_scale = _quantise_int8(self.key)
         value, value_scale = _quantise_int8(self.value)
         return replace(self, key=key, value=value, key_scale=key_scale, value_scale=value_scale)

@@ -26,7 +26,7 @@ current state (the paper's state-dependent form).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -247,7 +247,7 @@ def plan_writes(
                 # only the older slots merge; the chunk's tokens give way only when their pairs run out
                 older = torch.where(occ, state.pos, math.inf).argsort(1).argsort(1)
                 keep = (occ.sum(1, keepdim=True) * (1 - protect_recent)).floor()
-                room = MemoryState(state.key, state.value, state.pos, state.count * (older < keep), state.bucket)
+                room = replace(state, count=state.count * (older < keep))
             ss, ts = room_similarity(merge_metric, room, keys, values, cos, slot_pairs=state.slots <= EXACT_NEIGHBOURS)
             neighbours = _masked_neighbours(ss, room) if ss is not None else banded_neighbours(merge_metric, room)
             if protect_recent > 0:

@@ -295,7 +295,6 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
     def fit(slot_format: str) -> ARMConfig:  # sinks, window, sync and slots that fit the budget
         return ARMConfig.for_budget(budget, info.head_dim, info.dtype_bytes, slot_format=slot_format)
 
-    split = fit(overrides.get("slot_format", ARMConfig.slot_format))
     if arm is None:
         if adapter is None:
             found = shipped_adapter(info)
@@ -308,7 +307,8 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
         if adapter == "random":
             import json
 
-            base = dataclasses.replace(split, **{k: v for k, v in overrides.items() if k in {"top_m", "m_fixed"}})
+            tree_for_budget = fit(overrides.get("slot_format", ARMConfig.slot_format))
+            base = dataclasses.replace(tree_for_budget, **{k: v for k, v in overrides.items() if k in {"top_m", "m_fixed"}})
             arm = _random_arm(info.num_layers, info.num_kv_heads, info.head_dim, json.dumps(base.to_dict()))
         else:
             if not Path(adapter).is_dir():
