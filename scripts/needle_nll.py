@@ -33,6 +33,7 @@ import torch
 
 import armkv.memory.module as arm_module
 import armkv.memory.write as arm_write
+from armkv.evals.common import option_value
 from armkv.evals.ruler import RulerGenerator, load_essay
 from armkv.hf.attach import make_cache
 from armkv.hf.model import load_model
@@ -107,10 +108,7 @@ def main() -> None:
         options = {}
         for kv in filter(None, opts.split(",")):
             k, v = kv.split("=")
-            try:
-                options[k] = json.loads(v)
-            except json.JSONDecodeError:
-                options[k] = v
+            options[k] = option_value(v)
         protect, PATCH["local"] = options.pop("protect", False), float(options.pop("local", 0.0))
         arm_write.EXACT_NEIGHBOURS = int(options.pop("exact_nn", 640))
         t0, rows = time.time(), []
