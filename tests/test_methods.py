@@ -160,6 +160,40 @@ def test_bounded_methods_stay_within_budget_at_every_step(method, nan_empty):
     assert max(sizes[-50:]) <= max(sizes[-100:-50]), "a bounded method must not grow while decoding"
 
 
+def held_kv_tensors(obj, seen=None):
+    """Every tensor of 3 or more dims (keys, values, codes, scales) a layer keeps between
+    calls, found by walking its attributes; parameters (nn.Module) and RoPE are not state."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.ndim >= 3 else []
+    if isinstance(obj, (torch.nn.Module, Rotary, ModelInfo)):
+        return []
+    if isinstance(obj, (list, tuple)):
+        items = obj
+    elif isinstance(obj, dict):
+        items = obj.values()
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("armkv"):
+        items = vars(obj).values()
+    else:
+        return []
+    return [t for item in items for t in held_kv_tensors(item, seen)]
+
+
+@pytest.mark.parametrize("method", BOUNDED)
+def test_state_bytes_count_everything_kept_between_steps(method):
+    """No hidden copy (e.g. a dequantised view kept for the next step) beside what is counted."""
+    info_, batch, budget = info(), 2, 96
+    layer = get_method(method).make_layer(0, info_, rotary(), budget, 16)
+    g = torch.Generator().manual_seed(4)
+    for step, _ in enumerate(run_layer(layer, 40, batch, info_, g, 300)):
+        held = held_kv_tensors(layer)
+        assert held, "the walk found no state at all"
+        assert sum(t.numel() * t.element_size() for t in held) <= layer.state_bytes(), f"step {step}"
+
+
 @pytest.mark.parametrize("method", BOUNDED)
 def test_bounded_bytes_independent_of_length(method):
     info_ = info()

@@ -59,7 +59,6 @@ class ARMLayer(CacheLayer):
         self.mix: torch.Tensor | None = None  # [B] soft-cascade weight of Top(M + 1) (training)
         self.aux: dict[str, torch.Tensor] = {}
         self.generator: torch.Generator | None = None
-        self._view: tuple[torch.Tensor, ...] | None = None  # the slots as read, until the next write
 
     # ------------------------------------------------------------------ state
     def _lazy_init(self, key: torch.Tensor) -> None:
@@ -146,43 +145,51 @@ class ARMLayer(CacheLayer):
 
     def _slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The slots as attention reads them: keys rotated for reading [B, H, S, d or 2d],
-        values, occupied [B, H, S], logit bias [B, H, S]. They change only when tokens are
-        written, so decoding computes them once per `sync` steps."""
-        if self._view is None:
-            c, st = self.config, self.state.unpack(self.buffer.sink_k.dtype)
-            B, H = self.buffer.sink_k.shape[:2]
-            S, d = st.slots, st.key.shape[-1]
-            key = st.key.view(B, H, S, d)
-            value = st.value.view(B, H, S, d)
-            count = st.count.view(B, H, S)
-            if c.position_mode == "stored":
-                key = self.rotary.rotate(key, st.pos.view(B, H, S))
-            else:
-                # every slot stands just before the window: q.R(p - delta)k_pre = q_pre.R(-delta)k_pre
-                delta = torch.full((1,), -float(c.window + 1), device=key.device)
-                key = torch.cat([torch.zeros_like(key), self.rotary.rotate(key, delta)], -1)
-                value = torch.cat([value, torch.zeros_like(value)], -1)
-            bias = count.clamp_min(1).log() if c.log_count_bias else torch.zeros_like(count)
-            occupied = count > 0
-            free = ~occupied.unsqueeze(-1)
-            self._view = (key.masked_fill(free, 0.0), value.masked_fill(free, 0.0), occupied, bias)
-        return self._view
+        values, occupied [B, H, S], logit bias [B, H, S].
+
+        The state is stored in this read form (see :meth:`_stored`), so a read only
+        dequantises it: a transient copy for this layer's attention, as KIVI's is, and
+        nothing kept beside the budgeted state between steps."""
+        c, st = self.config, self.state.unpack(self.buffer.sink_k.dtype)
+        B, H = self.buffer.sink_k.shape[:2]
+        S, d = st.slots, st.key.shape[-1]
+        key, value = st.key.view(B, H, S, d), st.value.view(B, H, S, d)
+        count = st.count.view(B, H, S)
+        if c.position_mode != "stored":
+            # every slot stands just before the window and scores with the pre-RoPE query (the
+            # second half of the joint dot product, see attend_chunk)
+            key = torch.cat([torch.zeros_like(key), key], -1)
+            value = torch.cat([value, torch.zeros_like(value)], -1)
+        bias = count.clamp_min(1).log() if c.log_count_bias else torch.zeros_like(count)
+        return key, value, count > 0, bias
+
+    def _read_positions(self, state: MemoryState) -> torch.Tensor:
+        """Where each slot's key is rotated to for reading: its count-weighted position
+        ("stored"), or just before the window ("fixed": q.R(p - delta)k_pre = q_pre.R(-delta)k_pre)."""
+        if self.config.position_mode == "stored":
+            return state.pos
+        return torch.full((1, 1), -float(self.config.window + 1), device=state.pos.device)
 
     def _flush(self) -> None:
         """Write the waiting tokens into the slots (one chunked scan)."""
         c, mem = self.config, self.memory
         keys, values, valid, positions = self.pending
         self.pending = None
-        self._view = None
         k_pre = self.rotary.unrotate(keys, positions.unsqueeze(1))
         if mem.training and c.write != "fifo":
             self.aux["balance"] = self.aux.get("balance", 0) + mem.router.balance_loss(k_pre, valid)
-        state = self.state.unpack(keys.dtype)
+        stored = self.state.unpack(keys.dtype)
+        state = dataclasses.replace(stored, key=self.rotary.unrotate(stored.key, self._read_positions(stored)))
         self.state = self._stored(mem.write(state, k_pre, values, positions, valid, self.generator, c))
 
     def _stored(self, state: MemoryState) -> MemoryState:
-        """The state as kept between writes: packed to ``slot_format`` at inference; in
-        training the model's dtype (int8 codes would cut the gradient)."""
+        """The state as kept between writes, in the form attention reads: slot keys rotated
+        to their read positions, free slots zero, and at inference packed to ``slot_format``
+        (in training kept in the model's dtype: int8 codes would cut the gradient). Writes
+        undo the rotation (:meth:`_flush`); an unchanged slot packs to the same codes again."""
+        occupied = (state.count > 0).unsqueeze(-1)
+        key = self.rotary.rotate(state.key, self._read_positions(state)).masked_fill(~occupied, 0.0)
+        state = dataclasses.replace(state, key=key, value=state.value.masked_fill(~occupied, 0.0))
         return state if self.memory.training else state.pack(self.config.slot_format)
 
     def _masks_for(self, q_pre: torch.Tensor, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
