@@ -15,6 +15,7 @@ EVALS = {
     "longbench": ("armkv.evals.longbench", "LongBench from local JSONL files, the official prompts and metrics"),
     "ablation": ("armkv.evals.ablation", "the paper's Table 6: ARM variants on RULER's needle tasks"),
     "ppl": ("armkv.evals.ppl", "perplexity through each cache method"),
+    "policy": ("armkv.evals.policy", "the top-M the learned policy picks, per layer and input (histogram)"),
 }
 
 
