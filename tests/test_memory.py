@@ -437,3 +437,40 @@ def test_protect_recent_keeps_the_newest_slots_out_of_the_merges():
                 same = (state.key[0] == before.key[0, s]).all(-1) & (state.count[0] == before.count[0, s])
                 assert same.any(), f"the slot at position {float(before.pos[0, s])} was merged"
         assert float(state.count.sum()) == 3 * (step + 1)
+
+
+@pytest.mark.parametrize("bits,groups", [(8, 1), (4, 1), (4, 2)])
+def test_symmetric_quantiser_is_within_half_a_step_and_stable(bits, groups):
+    from armkv.memory.quant import dequantise_symmetric, pack_int4, quantise_symmetric, unpack_int4
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 7, 64, generator=g) * torch.rand(3, 7, 1, generator=g) * 10
+    x[0, 0] = 0.0  # a free slot: all zeros stays all zeros
+    codes, scale = quantise_symmetric(x, bits, groups)
+    q = 2 ** (bits - 1) - 1
+    assert scale.shape == (3, 7, groups) and int(codes.abs().max()) <= q
+    back = dequantise_symmetric(codes, scale)
+    step = scale.repeat_interleave(64 // groups, -1)
+    assert bool(((back - x).abs() <= step / 2 + 1e-6).all())
+    assert bool((back[0, 0] == 0).all())
+    again, scale2 = quantise_symmetric(back, bits, groups)
+    assert torch.equal(again, codes) and torch.allclose(scale2, scale)
+    if bits == 4:
+        assert torch.equal(unpack_int4(pack_int4(codes)), codes)
+        assert pack_int4(codes).shape[-1] == 32
+
+
+def test_k8v4_slots_pack_to_fewer_bytes_than_int8():
+    from armkv.config import slot_bytes
+
+    st = MemoryState.empty(2, 5, 64)
+    st.key.normal_(), st.value.normal_()
+    st.count.fill_(1)
+    int8, k8v4 = st.pack("int8"), st.pack("k8v4")
+    assert k8v4.nbytes() < int8.nbytes() < st.nbytes()
+    meta = 2 * 5 * 12  # count, position, bucket
+    assert k8v4.nbytes() - meta == 2 * 5 * (slot_bytes("k8v4", 64, 4) - 12)
+    assert int8.nbytes() - meta == 2 * 5 * (slot_bytes("int8", 64, 4) - 12)
+    torch.testing.assert_close(k8v4.unpack(torch.float32).key, int8.unpack(torch.float32).key)
+    err = (k8v4.unpack(torch.float32).value - st.value).abs().max()
+    assert 0 < err <= st.value.abs().max() / 14 + 1e-6

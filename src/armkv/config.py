@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from armkv.errors import ArmkvError
+from armkv.memory.quant import value_groups
 
 # Bytes of slot metadata kept beside each slot's key and value: count n (fp32),
 # count-weighted position (fp32) and bucket id (int32).
@@ -24,7 +25,7 @@ CHOICES = {
     "write": ("gated", "mean", "fifo"),
     "top_m": ("adaptive", "fixed"),
     "merge_metric": ("key", "kv", "ward"),
-    "slot_format": ("model", "bfloat16", "int8"),
+    "slot_format": ("model", "bfloat16", "int8", "k8v4"),
 }
 
 
@@ -32,6 +33,11 @@ def slot_bytes(slot_format: str, head_dim: int, dtype_bytes: int) -> int:
     """Bytes of one slot for one KV head: key and value as stored, plus the metadata."""
     if slot_format == "int8":
         kv = 2 * (head_dim + 4)  # int8 codes and one fp32 scale per vector
+    elif slot_format == "k8v4":
+        if head_dim % 2:
+            raise ArmkvError(f"slot_format 'k8v4' packs two int4 values a byte: head size {head_dim} must be even")
+        # int8 keys (one fp32 scale), int4 values two a byte (one fp32 scale per 32 channels)
+        kv = head_dim + 4 + head_dim // 2 + 4 * value_groups(head_dim)
     elif slot_format == "bfloat16":
         kv = 2 * head_dim * 2
     else:

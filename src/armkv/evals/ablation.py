@@ -30,6 +30,8 @@ ROWS = [
     ("positions-stored", "arm", {"position_mode": "stored"}),
     ("slots-model-dtype", "arm", {"slot_format": "model"}),
     ("slots-bfloat16", "arm", {"slot_format": "bfloat16"}),
+    ("slots-int8", "arm", {"slot_format": "int8"}),
+    ("slots-k8v4", "arm", {"slot_format": "k8v4"}),
     ("merge-kv", "arm", {"merge_metric": "kv"}),
     ("merge-ward", "arm", {"merge_metric": "ward"}),
 ]

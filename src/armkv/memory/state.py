@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from armkv.memory.quant import dequantise_symmetric, pack_int4, quantise_symmetric, unpack_int4, value_groups
+
 
 @dataclass
 class MemoryState:
@@ -17,11 +19,11 @@ class MemoryState:
     count : [G, S] tokens absorbed (0 = free)
     bucket : [G, S] bucket the slot is filed under (-1 = free in the shared pool;
         the fixed partition s // Y in the paper's pool)
-    key_scale, value_scale : [G, S] per-vector scales when key and value are stored as int8
-        codes (:meth:`pack`), else None
+    key_scale, value_scale : [G, S, groups] scales when key and value are stored as int8 or
+        int4 codes (:meth:`pack`; int4 values are uint8 bytes of two codes), else None
 
     Writes and reads work on the unpacked (float) state; between writes a layer may keep
-    it packed (``slot_format`` "bfloat16" or "int8"), which is what its bytes count.
+    it packed (``slot_format`` "bfloat16", "int8" or "k8v4"), which is what its bytes count.
     """
 
     key: torch.Tensor
@@ -83,32 +85,31 @@ class MemoryState:
     # ------------------------------------------------------------------ storage format
     def pack(self, slot_format: str) -> "MemoryState":
         """The state as stored between writes: keys and values in the model's dtype
-        ("model": unchanged), in bfloat16, or as int8 codes with one fp32 scale per vector
-        (absmax / 127, symmetric). Unpacking and packing again gives the same codes."""
+        ("model": unchanged), in bfloat16, as int8 codes with one fp32 scale per vector
+        (absmax / 127, symmetric; "int8"), or with int8 keys and int4 values, two codes a
+        byte and one fp32 scale per 32 channels ("k8v4"). Unpacking and packing again gives
+        the same codes."""
         if slot_format == "model":
             return self
         if slot_format == "bfloat16":
             return replace(self, key=self.key.to(torch.bfloat16), value=self.value.to(torch.bfloat16))
-        if slot_format != "int8":
-            raise ValueError(f"slot_format {slot_format!r} is not one of model, bfloat16, int8")
-        key, key_scale = _quantise_int8(self.key)
-        value, value_scale = _quantise_int8(self.value)
+        if slot_format not in ("int8", "k8v4"):
+            raise ValueError(f"slot_format {slot_format!r} is not one of model, bfloat16, int8, k8v4")
+        key, key_scale = quantise_symmetric(self.key, 8)
+        if slot_format == "int8":
+            value, value_scale = quantise_symmetric(self.value, 8)
+        else:
+            value, value_scale = quantise_symmetric(self.value, 4, value_groups(self.value.shape[-1]))
+            value = pack_int4(value)
         return replace(self, key=key, value=value, key_scale=key_scale, value_scale=value_scale)
 
     def unpack(self, dtype: torch.dtype) -> "MemoryState":
         """The state with float keys and values of ``dtype`` (what writes and reads use)."""
         if self.key_scale is not None:
-            key = self.key.to(torch.float32) * self.key_scale.unsqueeze(-1)
-            value = self.value.to(torch.float32) * self.value_scale.unsqueeze(-1)
+            key = dequantise_symmetric(self.key, self.key_scale)
+            codes = unpack_int4(self.value) if self.value.dtype == torch.uint8 else self.value
+            value = dequantise_symmetric(codes, self.value_scale)
             return replace(self, key=key.to(dtype), value=value.to(dtype), key_scale=None, value_scale=None)
         if self.key.dtype == dtype:
             return self
         return replace(self, key=self.key.to(dtype), value=self.value.to(dtype))
-
-
-def _quantise_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., d] -> (codes int8 [..., d], scale fp32 [...]): x ~ codes * scale."""
-    x = x.to(torch.float32)
-    scale = x.abs().amax(-1) / 127.0
-    codes = torch.round(x / scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)).clamp(-127, 127)
-    return codes.to(torch.int8), scale

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from armkv.errors import ArmkvError
+from armkv.memory.quant import pack_bits as pack
+from armkv.memory.quant import unpack_bits as unpack
 from armkv.memory.rope import Rotary
 from armkv.methods.attention import joint_attention
 from armkv.methods.base import CacheLayer, ModelInfo, register_method, reject_options
@@ -39,22 +41,6 @@ def quantise(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.
     scale = ((hi - lo) / (2**bits - 1)).clamp(min=torch.finfo(x.dtype).tiny)
     codes = ((x - lo) / scale).round().clamp(0, 2**bits - 1).to(torch.uint8)
     return codes, scale, lo
-
-
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes [..., d] of ``bits`` bits -> [..., d * bits / 8] bytes."""
-    per_byte = 8 // bits
-    grouped = codes.reshape(*codes.shape[:-1], -1, per_byte).to(torch.int32)
-    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
-    return (grouped << shifts).sum(-1).to(torch.uint8)
-
-
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: [..., d * bits / 8] -> uint8 codes [..., d]."""
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * bits
-    codes = (packed.to(torch.int32)[..., None] >> shifts) & (2**bits - 1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte).to(torch.uint8)
 
 
 class KiviLayer(CacheLayer):

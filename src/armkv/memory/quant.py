@@ -1,0 +1,59 @@
+"""Low-bit storage shared by the cache methods: bit packing (KIVI's codes, ARM's int4
+values) and symmetric absmax quantisation (ARM's slots)."""
+
+from __future__ import annotations
+
+import torch
+
+# ARM's int4 slot values carry one scale per group of this many channels (KIVI's value group)
+VALUE_GROUP = 32
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., d] of ``bits`` bits -> [..., d * bits / 8] bytes."""
+    per_byte = 8 // bits
+    grouped = codes.reshape(*codes.shape[:-1], -1, per_byte).to(torch.int32)
+    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
+    return (grouped << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: [..., d * bits / 8] -> uint8 codes [..., d]."""
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * bits
+    codes = (packed.to(torch.int32)[..., None] >> shifts) & (2**bits - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte).to(torch.uint8)
+
+
+def value_groups(head_dim: int) -> int:
+    """Scales per int4 value vector: one per VALUE_GROUP channels, or one if d does not split."""
+    return head_dim // VALUE_GROUP if head_dim % VALUE_GROUP == 0 else 1
+
+
+def quantise_symmetric(x: torch.Tensor, bits: int, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] -> (codes int8 [..., d] in [-q, q], scale fp32 [..., groups]) with
+    q = 2 ** (bits - 1) - 1 and x ~ codes * scale (absmax / q per group of d / groups
+    channels). Quantising the dequantised values again gives the same codes."""
+    x = x.to(torch.float32)
+    q = 2 ** (bits - 1) - 1
+    xs = x.reshape(*x.shape[:-1], groups, x.shape[-1] // groups)
+    scale = xs.abs().amax(-1) / q
+    codes = torch.round(xs / scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)).clamp(-q, q)
+    return codes.reshape(x.shape).to(torch.int8), scale
+
+
+def dequantise_symmetric(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantise_symmetric` (fp32)."""
+    groups = scale.shape[-1]
+    xs = codes.to(torch.float32).reshape(*codes.shape[:-1], groups, codes.shape[-1] // groups)
+    return (xs * scale.unsqueeze(-1)).reshape(codes.shape)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes in [-7, 7] [..., d] -> two per byte [..., d / 2] uint8."""
+    return pack_bits((codes + 8).to(torch.uint8), 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`."""
+    return unpack_bits(packed, 4).to(torch.int8) - 8
