@@ -65,12 +65,12 @@ class MemoryState:
         return self.key.shape[1]
 
     def nbytes(self) -> int:
-        """Bytes held; the bucket ids are counted as int32 (they fit in one)."""
+        """Bytes held, as stored (a packed state keeps its bucket ids as int32)."""
         total = 0
         for f in fields(self):
             t = getattr(self, f.name)
             if t is not None:
-                total += t.numel() * (4 if f.name == "bucket" else t.element_size())
+                total += t.numel() * t.element_size()
         return total
 
     def _map(self, fn) -> "MemoryState":
@@ -89,10 +89,11 @@ class MemoryState:
         (absmax / 127, symmetric; "int8"), or with int8 keys and int4 values, two codes a
         byte and one fp32 scale per 32 channels ("k8v4"). Unpacking and packing again gives
         the same codes."""
+        packed = replace(self, bucket=self.bucket.to(torch.int32))
         if slot_format == "model":
-            return self
+            return packed
         if slot_format == "bfloat16":
-            return replace(self, key=self.key.to(torch.bfloat16), value=self.value.to(torch.bfloat16))
+            return replace(packed, key=self.key.to(torch.bfloat16), value=self.value.to(torch.bfloat16))
         if slot_format not in ("int8", "k8v4"):
             raise ValueError(f"slot_format {slot_format!r} is not one of model, bfloat16, int8, k8v4")
         key, key_scale = quantise_symmetric(self.key, 8)
@@ -101,15 +102,15 @@ class MemoryState:
         else:
             value, value_scale = quantise_symmetric(self.value, 4, value_groups(self.value.shape[-1]))
             value = pack_int4(value)
-        return replace(self, key=key, value=value, key_scale=key_scale, value_scale=value_scale)
+        return replace(packed, key=key, value=value, key_scale=key_scale, value_scale=value_scale)
 
     def unpack(self, dtype: torch.dtype) -> "MemoryState":
-        """The state with float keys and values of ``dtype`` (what writes and reads use)."""
+        """The state with float keys and values of ``dtype`` and int64 bucket ids (what writes
+        and reads use)."""
+        bucket = self.bucket.long()
         if self.key_scale is not None:
             key = dequantise_symmetric(self.key, self.key_scale)
             codes = unpack_int4(self.value) if self.value.dtype == torch.uint8 else self.value
             value = dequantise_symmetric(codes, self.value_scale)
-            return replace(self, key=key.to(dtype), value=value.to(dtype), key_scale=None, value_scale=None)
-        if self.key.dtype == dtype:
-            return self
-        return replace(self, key=self.key.to(dtype), value=self.value.to(dtype))
+            return replace(self, key=key.to(dtype), value=value.to(dtype), bucket=bucket, key_scale=None, value_scale=None)
+        return replace(self, key=self.key.to(dtype), value=self.value.to(dtype), bucket=bucket)

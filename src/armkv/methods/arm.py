@@ -185,12 +185,12 @@ class ARMLayer(CacheLayer):
     def _stored(self, state: MemoryState) -> MemoryState:
         """The state as kept between writes, in the form attention reads: slot keys rotated
         to their read positions, free slots zero, and at inference packed to ``slot_format``
-        (in training kept in the model's dtype: int8 codes would cut the gradient). Writes
+        (in training kept in the model's dtype, "model": int8 codes would cut the gradient). Writes
         undo the rotation (:meth:`_flush`); an unchanged slot packs to the same codes again."""
         occupied = (state.count > 0).unsqueeze(-1)
         key = self.rotary.rotate(state.key, self._read_positions(state)).masked_fill(~occupied, 0.0)
         state = dataclasses.replace(state, key=key, value=state.value.masked_fill(~occupied, 0.0))
-        return state if self.memory.training else state.pack(self.config.slot_format)
+        return state.pack("model" if self.memory.training else self.config.slot_format)
 
     def _masks_for(self, q_pre: torch.Tensor, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
         mem = self.memory
@@ -198,7 +198,7 @@ class ARMLayer(CacheLayer):
         extra = 0 if self.mix is None else 1
         k = min(int(self.m.max()) + extra, mem.router.num_buckets)
         buckets = mem.route_queries(q_pre, k)
-        slot_bucket = self.state.bucket.view(B, -1, self.state.slots).repeat_interleave(rep, 1)
+        slot_bucket = self.state.bucket.long().view(B, -1, self.state.slots).repeat_interleave(rep, 1)
         occ = occupied.repeat_interleave(rep, 1).unsqueeze(2)
         ms = [self.m] if self.mix is None else [self.m, (self.m + 1).clamp_max(mem.router.num_buckets)]
         return [bucket_slot_mask(buckets, m, slot_bucket, mem.router.num_buckets) & occ for m in ms]
