@@ -120,7 +120,7 @@ def test_real_model_cache_bytes_against_prompt_length():
 
 @pytest.mark.real_model
 def test_real_model_arm_keeps_a_needle_that_sink_drops():
-    """On the default model with the shipped adapter and int8 slots: a needle in the middle of
+    """On the default model with the shipped adapter and packed slots: a needle in the middle of
     a 700-token prompt, budget 128, survives ARM's memory and not StreamingLLM's window."""
     from armkv.hf.model import load_model
     from armkv.hf.runner import Runner

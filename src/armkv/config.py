@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass, field
 
 from armkv.errors import ArmkvError
-from armkv.memory.quant import value_groups
 
 # Bytes of slot metadata kept beside each slot's key and value: count n (fp32),
 # count-weighted position (fp32) and bucket id (int32).
@@ -27,6 +26,15 @@ CHOICES = {
     "merge_metric": ("key", "kv", "ward"),
     "slot_format": ("model", "bfloat16", "int8", "k8v4"),
 }
+
+
+# int4 slot values ("k8v4") carry one scale per group of this many channels (KIVI's value group)
+VALUE_GROUP = 32
+
+
+def value_groups(head_dim: int) -> int:
+    """Scales per int4 value vector: one per VALUE_GROUP channels, or one if d does not split."""
+    return head_dim // VALUE_GROUP if head_dim % VALUE_GROUP == 0 else 1
 
 
 def slot_bytes(slot_format: str, head_dim: int, dtype_bytes: int) -> int:
@@ -73,9 +81,9 @@ class ARMConfig:
     # "kv" (the lower of the key and value cosines), "ward" (count-weighted squared distance of keys and values)
     protect_recent: float = 0.0  # share of the occupied slots, the most recent, kept out of the merges
     # that make room (0: any slot may merge); the chunk's tokens give way only after the older pairs
-    slot_format: str = "int8"  # how slots are stored between writes: int8 codes with a scale per vector
-    # (default: 3.5x the slots of fp32 at equal bytes; docs/memory.md has the numbers), bfloat16, or
-    # the model's dtype ("model"); the budget buys correspondingly more slots
+    slot_format: str = "k8v4"  # how slots are stored between writes: "k8v4" (default) int8 keys and
+    # int4 values (4.4x the slots of fp32 at equal bytes), "int8" keys and values (3.5x), "bfloat16",
+    # or the model's dtype ("model"); the budget buys correspondingly more slots (docs/memory.md)
     log_count_bias: bool = True  # add log(n) to a merged slot's attention logit (it stands for n keys)
     tau: float = 1.0  # Gumbel-Softmax temperature (training only)
     top_m: str = "adaptive"  # "adaptive": the learned policy picks M per input; "fixed": M = m_fixed

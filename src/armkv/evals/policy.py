@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from armkv.errors import ArmkvError
 
 
@@ -33,6 +31,8 @@ def add_arguments(parser) -> None:
 
 def picked_m(model, windows: torch.Tensor, budget: int, adapter: str | None = None) -> tuple[torch.Tensor, int]:
     """M picked by each layer for each window: windows [N, T] ids -> ([layers, N] long, buckets per layer)."""
+    import torch
+
     from armkv.hf.attach import make_cache
 
     options = {} if adapter is None else {"adapter": adapter}
@@ -44,6 +44,8 @@ def picked_m(model, windows: torch.Tensor, budget: int, adapter: str | None = No
 
 def summarise(m: torch.Tensor, num_buckets: int) -> dict:
     """Per-layer and overall statistics of M [layers, N]."""
+    import torch
+
     mf = m.float()
     return {
         "num_buckets": num_buckets,
@@ -71,6 +73,8 @@ def plot(m: torch.Tensor, num_buckets: int, path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    import torch
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ax1.hist(m.flatten().numpy(), bins=range(1, num_buckets + 2), align="left", color="tab:blue")

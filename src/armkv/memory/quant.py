@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-# ARM's int4 slot values carry one scale per group of this many channels (KIVI's value group)
-VALUE_GROUP = 32
+from armkv.config import VALUE_GROUP, value_groups  # noqa: F401  (re-exported: the format's layout)
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -23,11 +22,6 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * bits
     codes = (packed.to(torch.int32)[..., None] >> shifts) & (2**bits - 1)
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte).to(torch.uint8)
-
-
-def value_groups(head_dim: int) -> int:
-    """Scales per int4 value vector: one per VALUE_GROUP channels, or one if d does not split."""
-    return head_dim // VALUE_GROUP if head_dim % VALUE_GROUP == 0 else 1
 
 
 def quantise_symmetric(x: torch.Tensor, bits: int, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

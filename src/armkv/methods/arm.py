@@ -323,7 +323,9 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
             arm = _load_adapter(str(Path(adapter).resolve()))
     arm.check_fits(info.num_layers, info.num_kv_heads, info.head_dim)
     tree = arm.config
-    split = fit(overrides.get("slot_format", tree.slot_format))
+    # the storage format is a run-time choice (it changes no parameter): the library's default
+    # unless asked, whatever the adapter was saved with
+    split = fit(overrides.get("slot_format", ARMConfig.slot_format))
     runtime = dataclasses.replace(tree, sinks=split.sinks, window=split.window, sync=split.sync)
     # the paper's pool partitions the slots over this adapter's buckets: a multiple of N_b
     slots = split.slots
