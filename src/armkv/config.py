@@ -24,28 +24,37 @@ CHOICES = {
     "write": ("gated", "mean", "fifo"),
     "top_m": ("adaptive", "fixed"),
     "merge_metric": ("key", "kv", "ward"),
-    "slot_format": ("model", "bfloat16", "int8", "k8v4"),
+    "slot_format": ("model", "bfloat16", "int8", "k8v4", "k4v4"),
 }
 
+# The quantised slot formats: (key bits, value bits). 8 bits: one fp32 scale per vector;
+# 4 bits: two codes a byte, one fp32 scale per VALUE_GROUP channels.
+QUANTISED_SLOTS = {"int8": (8, 8), "k8v4": (8, 4), "k4v4": (4, 4)}
 
-# int4 slot values ("k8v4") carry one scale per group of this many channels (KIVI's value group)
+
+# int4 slot vectors carry one scale per group of this many channels (KIVI's value group)
 VALUE_GROUP = 32
 
 
 def value_groups(head_dim: int) -> int:
-    """Scales per int4 value vector: one per VALUE_GROUP channels, or one if d does not split."""
+    """Scales per int4 vector: one per VALUE_GROUP channels, or one if d does not split."""
     return head_dim // VALUE_GROUP if head_dim % VALUE_GROUP == 0 else 1
+
+
+def quantised_bytes(bits: int, head_dim: int) -> int:
+    """Bytes of one quantised key or value vector: codes and fp32 scales."""
+    if bits == 8:
+        return head_dim + 4
+    if head_dim % 2:
+        raise ArmkvError(f"4-bit slot formats pack two codes a byte: head size {head_dim} must be even")
+    return head_dim // 2 + 4 * value_groups(head_dim)
 
 
 def slot_bytes(slot_format: str, head_dim: int, dtype_bytes: int) -> int:
     """Bytes of one slot for one KV head: key and value as stored, plus the metadata."""
-    if slot_format == "int8":
-        kv = 2 * (head_dim + 4)  # int8 codes and one fp32 scale per vector
-    elif slot_format == "k8v4":
-        if head_dim % 2:
-            raise ArmkvError(f"slot_format 'k8v4' packs two int4 values a byte: head size {head_dim} must be even")
-        # int8 keys (one fp32 scale), int4 values two a byte (one fp32 scale per 32 channels)
-        kv = head_dim + 4 + head_dim // 2 + 4 * value_groups(head_dim)
+    if slot_format in QUANTISED_SLOTS:
+        key_bits, value_bits = QUANTISED_SLOTS[slot_format]
+        kv = quantised_bytes(key_bits, head_dim) + quantised_bytes(value_bits, head_dim)
     elif slot_format == "bfloat16":
         kv = 2 * head_dim * 2
     else:

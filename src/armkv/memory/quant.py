@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from armkv.config import VALUE_GROUP, value_groups  # noqa: F401  (re-exported: the format's layout)
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:

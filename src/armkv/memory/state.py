@@ -6,7 +6,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from armkv.memory.quant import dequantise_symmetric, pack_int4, quantise_symmetric, unpack_int4, value_groups
+from armkv.config import QUANTISED_SLOTS, value_groups
+from armkv.memory.quant import dequantise_symmetric, pack_int4, quantise_symmetric, unpack_int4
 
 
 @dataclass
@@ -87,21 +88,18 @@ class MemoryState:
         """The state as stored between writes: keys and values in the model's dtype
         ("model": unchanged), in bfloat16, as int8 codes with one fp32 scale per vector
         (absmax / 127, symmetric; "int8"), or with int8 keys and int4 values, two codes a
-        byte and one fp32 scale per 32 channels ("k8v4"). Unpacking and packing again gives
-        the same codes."""
+        byte and one fp32 scale per 32 channels ("k8v4"), or both int4 ("k4v4"). Unpacking
+        and packing again gives the same codes."""
         packed = replace(self, bucket=self.bucket.to(torch.int32))
         if slot_format == "model":
             return packed
         if slot_format == "bfloat16":
             return replace(packed, key=self.key.to(torch.bfloat16), value=self.value.to(torch.bfloat16))
-        if slot_format not in ("int8", "k8v4"):
-            raise ValueError(f"slot_format {slot_format!r} is not one of model, bfloat16, int8, k8v4")
-        key, key_scale = quantise_symmetric(self.key, 8)
-        if slot_format == "int8":
-            value, value_scale = quantise_symmetric(self.value, 8)
-        else:
-            value, value_scale = quantise_symmetric(self.value, 4, value_groups(self.value.shape[-1]))
-            value = pack_int4(value)
+        if slot_format not in QUANTISED_SLOTS:
+            raise ValueError(f"slot_format {slot_format!r} is not one of model, bfloat16, {', '.join(QUANTISED_SLOTS)}")
+        key_bits, value_bits = QUANTISED_SLOTS[slot_format]
+        key, key_scale = _quantise(self.key, key_bits)
+        value, value_scale = _quantise(self.value, value_bits)
         return replace(packed, key=key, value=value, key_scale=key_scale, value_scale=value_scale)
 
     def unpack(self, dtype: torch.dtype) -> "MemoryState":
@@ -109,8 +107,19 @@ class MemoryState:
         and reads use)."""
         bucket = self.bucket.long()
         if self.key_scale is not None:
-            key = dequantise_symmetric(self.key, self.key_scale)
-            codes = unpack_int4(self.value) if self.value.dtype == torch.uint8 else self.value
-            value = dequantise_symmetric(codes, self.value_scale)
+            key, value = _dequantise(self.key, self.key_scale), _dequantise(self.value, self.value_scale)
             return replace(self, key=key.to(dtype), value=value.to(dtype), bucket=bucket, key_scale=None, value_scale=None)
         return replace(self, key=self.key.to(dtype), value=self.value.to(dtype), bucket=bucket)
+
+
+def _quantise(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] -> (codes: int8 [..., d], or for 4 bits uint8 [..., d / 2] two a byte; fp32 scales)."""
+    if bits == 8:
+        return quantise_symmetric(x, 8)
+    codes, scale = quantise_symmetric(x, 4, value_groups(x.shape[-1]))
+    return pack_int4(codes), scale
+
+
+def _dequantise(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_quantise` (fp32); 4-bit codes are the uint8 ones."""
+    return dequantise_symmetric(unpack_int4(codes) if codes.dtype == torch.uint8 else codes, scale)
