@@ -56,6 +56,7 @@ class ARMLayer(CacheLayer):
         # (keys [B, H, n, d] post-RoPE, values, valid [B, n], positions [B, n])
         self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.m: torch.Tensor | None = None  # [B] buckets each row reads
+        self._reads_all = False  # every row reads every bucket (no routing, no per-query mask)
         self.mix: torch.Tensor | None = None  # [B] soft-cascade weight of Top(M + 1) (training)
         self.aux: dict[str, torch.Tensor] = {}
         self.generator: torch.Generator | None = None
@@ -82,7 +83,6 @@ class ARMLayer(CacheLayer):
         H = key.shape[1]
         S = self.state.slots
         pos = positions.unsqueeze(1)
-        q_pre = self.rotary.unrotate(query, pos)
         if self.m is None:
             self._decide_m(self.rotary.unrotate(key, pos), valid)
 
@@ -100,10 +100,10 @@ class ARMLayer(CacheLayer):
 
         # which slots each query reads: those of its top-M buckets (M per row); reading every
         # bucket needs no routing and no per-query mask (state_valid already drops free slots)
-        if self.mix is None and int(self.m.min()) >= mem.router.num_buckets:
-            slot_masks = [None]
-        else:
-            slot_masks = self._masks_for(q_pre, occupied, rep)
+        # (decided once per sequence with M, so the decode step has no host sync here)
+        reads_all = self.mix is None and self._reads_all
+        q_pre = None if reads_all and c.position_mode == "stored" else self.rotary.unrotate(query, pos)
+        slot_masks = [None] if reads_all else self._masks_for(q_pre, occupied, rep)
 
         exact_valid_h = exact_valid.unsqueeze(1).expand(B, H, -1)
         state_valid = torch.cat([exact_valid_h, occupied], -1)
@@ -209,11 +209,14 @@ class ARMLayer(CacheLayer):
         first = valid & (valid.cumsum(1) <= c.policy_tokens)
         w = first.unsqueeze(1).unsqueeze(-1).to(k_pre.dtype)
         pooled = (k_pre * w).sum(2) / w.sum(2).clamp_min(1)  # [B, H, d]
+        num_buckets = self.memory.router.num_buckets
         if c.top_m == "fixed" or self.memory.policy is None:
             self.m = torch.full((k_pre.shape[0],), c.fixed_m, dtype=torch.long, device=k_pre.device)
+            self._reads_all = c.fixed_m >= num_buckets
             return
         m, g, expected = self.memory.policy.decide(pooled.flatten(1), self.memory.training, c.epsilon, self.generator)
-        self.m = m.clamp_max(self.memory.router.num_buckets)
+        self.m = m.clamp_max(num_buckets)
+        self._reads_all = bool((self.m >= num_buckets).all())
         if self.memory.training:
             self.mix = g
             self.aux["budget"] = expected.mean() / self.memory.router.num_buckets
