@@ -457,8 +457,11 @@ def test_symmetric_quantiser_is_within_half_a_step_and_stable(bits, groups):
     again, scale2 = quantise_symmetric(back, bits, groups)
     assert torch.equal(again, codes) and torch.allclose(scale2, scale)
     if bits == 4:
-        assert torch.equal(unpack_int4(pack_int4(codes)), codes)
-        assert pack_int4(codes).shape[-1] == 32
+        packed = pack_int4(codes)
+        assert packed.dtype == torch.uint8 and packed.shape[-1] == 32
+        assert torch.equal(unpack_int4(packed), codes)
+        every = torch.arange(-8, 8, dtype=torch.int8).repeat(4).view(1, 64)  # each code in both nibbles
+        assert torch.equal(unpack_int4(pack_int4(every)), every)
 
 
 def test_k8v4_slots_pack_to_fewer_bytes_than_int8():

@@ -43,10 +43,15 @@ def dequantise_symmetric(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """int8 codes in [-7, 7] [..., d] -> two per byte [..., d / 2] uint8."""
-    return pack_bits((codes + 8).to(torch.uint8), 4)
+    """int8 codes in [-8, 7] [..., d] -> [..., d / 2] bytes (uint8): channel i in the low
+    nibble and channel i + d / 2 in the high nibble of byte i, both two's complement, so that
+    :func:`unpack_int4` is three integer ops (the decode step reads every slot's value)."""
+    half = codes.shape[-1] // 2
+    codes = codes.to(torch.int8)
+    return ((codes[..., :half] & 15) | (codes[..., half:] << 4)).view(torch.uint8)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int4`."""
-    return unpack_bits(packed, 4).to(torch.int8) - 8
+    """Inverse of :func:`pack_int4`: int8 codes [..., d] (arithmetic shifts sign-extend)."""
+    signed = packed.view(torch.int8)
+    return torch.cat([(signed << 4) >> 4, signed >> 4], -1)
