@@ -233,18 +233,25 @@ def plot_log(log_path: str | Path, out_path: str | Path) -> None:
     steps = [r["step"] for r in rows]
     bookkeeping = {"step", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"}
     numeric = sorted({k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and k not in bookkeeping})
-    losses = ["loss"] + [k for k in numeric if k != "loss" and not k.startswith("schedule/")]
-    scalars = ["lr"] + [k for k in numeric if k.startswith("schedule/")]
-    fig, axes = plt.subplots(1, len(scalars) + 1, figsize=(5.5 * (len(scalars) + 1), 4), squeeze=False)
-    for name in losses:
-        axes[0, 0].plot(steps, [r.get(name, float("nan")) for r in rows], label=name)
-    axes[0, 0].set_title("training loss and metrics")
-    axes[0, 0].legend()
-    for ax, name in zip(axes[0, 1:], scalars):
-        ax.plot(steps, [r.get(name, float("nan")) for r in rows])
+    # one panel per curve (their scales differ by orders of magnitude: a balance term near
+    # -80 would flatten a KL near 0.01), the raw value faint and a running mean over it
+    names = ["loss"] + [k for k in numeric if k != "loss" and not k.startswith("schedule/")]
+    names += ["lr"] + [k for k in numeric if k.startswith("schedule/")]
+    cols = min(4, len(names))
+    nrows = -(-len(names) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.2 * nrows), squeeze=False)
+    window = max(1, len(rows) // 20)
+    for ax, name in zip(axes.flat, names):
+        values = [r.get(name, float("nan")) for r in rows]
+        ax.plot(steps, values, color="tab:blue", alpha=0.35 if window > 1 else 1.0)
+        if window > 1 and not name.startswith("schedule/") and name != "lr":
+            smooth = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+            ax.plot(steps, smooth, color="tab:blue", label=f"mean of {window}")
+            ax.legend()
         ax.set_title(name)
-    for ax in axes[0]:
         ax.set_xlabel("step")
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)
     plt.close(fig)
