@@ -71,3 +71,17 @@ def test_adapter_options_are_checked(tmp_path):
         make_cache(model, "arm", budget=64, adapter=str(tmp_path / "nope"))
     with pytest.raises(ArmkvError, match="change the adapter"):
         make_cache(model, "arm", budget=64, arm_overrides={"depth": 5})
+
+
+def test_shipped_adapters_load_for_the_default_model_shape():
+    """Both shipped adapters fit SmolLM2-135M (30 layers, 3 KV heads, head size 64) and the
+    calibrated one is what --method arm uses when no adapter is named."""
+    from armkv.methods.arm import DEFAULT_ADAPTER_ORDER, SHIPPED_ADAPTERS, shipped_adapter
+    from armkv.methods.base import ModelInfo
+    from armkv.memory.module import ARMModel
+
+    info = ModelInfo(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_positions=8192)
+    assert shipped_adapter(info).name.endswith("-" + DEFAULT_ADAPTER_ORDER[0]) and DEFAULT_ADAPTER_ORDER[0] == "calibrated"
+    for kind in ("calibrated", "trained"):
+        (folder,) = SHIPPED_ADAPTERS.glob(f"*-{kind}")
+        ARMModel.load(folder).check_fits(30, 3, 64)

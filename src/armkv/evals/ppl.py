@@ -22,7 +22,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--method", required=True, help="cache method (full, swa, sink, kivi, offload, arm, fifo)")
     parser.add_argument("--budget", type=int, default=512, help="token-equivalents per layer for bounded methods")
     parser.add_argument("--chunk", type=int, default=256, help="P: tokens per forward (the sync point)")
-    parser.add_argument("--adapter", default=None, help="arm: adapter folder, 'calibrated' (the shipped one), or 'random'")
+    parser.add_argument("--adapter", default=None, help="arm: adapter folder, 'calibrated' (shipped, the default), 'trained' (shipped) or 'random'")
     parser.add_argument("--input", required=True, help="a UTF-8 text file")
     parser.add_argument("--max-tokens", type=int, default=4096, help="score the first N tokens of the file")
     parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
