@@ -74,17 +74,15 @@ def plot(m: torch.Tensor, num_buckets: int, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    import torch
-
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ax1.hist(m.flatten().numpy(), bins=range(1, num_buckets + 2), align="left", color="tab:blue")
     ax1.set_xlabel(f"M (buckets read, of {num_buckets})")
     ax1.set_ylabel("layer x input")
     ax1.set_title("distribution of M")
     mf = m.float()
-    layers = torch.arange(m.shape[0])
-    ax2.plot(layers, mf.mean(1), marker="o", label="mean")
-    ax2.fill_between(layers, mf.min(1).values, mf.max(1).values, alpha=0.3, label="min-max over inputs")
+    layers = range(m.shape[0])
+    ax2.plot(layers, mf.mean(1).numpy(), marker="o", label="mean")
+    ax2.fill_between(layers, mf.min(1).values.numpy(), mf.max(1).values.numpy(), alpha=0.3, label="min-max over inputs")
     ax2.set_xlabel("layer")
     ax2.set_ylabel("M")
     ax2.set_ylim(0, num_buckets + 1)

@@ -1,10 +1,9 @@
-"""Low-bit storage shared by the cache methods: bit packing (KIVI's codes, ARM's int4
-values) and symmetric absmax quantisation (ARM's slots)."""
+"""Low-bit storage shared by the cache methods: bit packing (KIVI's codes), symmetric
+absmax quantisation and the int4 nibble layout (ARM's slots)."""
 
 from __future__ import annotations
 
 import torch
-
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ class MemoryState:
         int4 codes (:meth:`pack`; int4 values are uint8 bytes of two codes), else None
 
     Writes and reads work on the unpacked (float) state; between writes a layer may keep
-    it packed (``slot_format`` "bfloat16", "int8" or "k8v4"), which is what its bytes count.
+    it packed (``slot_format`` "bfloat16", "int8", "k8v4" or "k4v4"), which is what its bytes count.
     """
 
     key: torch.Tensor
@@ -103,13 +103,15 @@ class MemoryState:
         return replace(packed, key=key, value=value, key_scale=key_scale, value_scale=value_scale)
 
     def unpack(self, dtype: torch.dtype) -> "MemoryState":
-        """The state with float keys and values of ``dtype`` and int64 bucket ids (what writes
-        and reads use)."""
-        bucket = self.bucket.long()
+        """The state with float keys and values of ``dtype`` and int64 bucket ids (what writes use)."""
+        key, value = self.kv(dtype)
+        return replace(self, key=key, value=value, bucket=self.bucket.long(), key_scale=None, value_scale=None)
+
+    def kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as floats of ``dtype``, dequantised if packed (all a read needs)."""
         if self.key_scale is not None:
-            key, value = _dequantise(self.key, self.key_scale), _dequantise(self.value, self.value_scale)
-            return replace(self, key=key.to(dtype), value=value.to(dtype), bucket=bucket, key_scale=None, value_scale=None)
-        return replace(self, key=self.key.to(dtype), value=self.value.to(dtype), bucket=bucket)
+            return _dequantise(self.key, self.key_scale).to(dtype), _dequantise(self.value, self.value_scale).to(dtype)
+        return self.key.to(dtype), self.value.to(dtype)
 
 
 def _quantise(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

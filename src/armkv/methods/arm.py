@@ -150,10 +150,10 @@ class ARMLayer(CacheLayer):
         The state is stored in this read form (see :meth:`_stored`), so a read only
         dequantises it: a transient copy for this layer's attention, as KIVI's is, and
         nothing kept beside the budgeted state between steps."""
-        c, st = self.config, self.state.unpack(self.buffer.sink_k.dtype)
+        c, st = self.config, self.state
         B, H = self.buffer.sink_k.shape[:2]
-        S, d = st.slots, st.key.shape[-1]
-        key, value = st.key.view(B, H, S, d), st.value.view(B, H, S, d)
+        S = st.slots
+        key, value = (t.view(B, H, S, -1) for t in st.kv(self.buffer.sink_k.dtype))
         count = st.count.view(B, H, S)
         if c.position_mode != "stored":
             # every slot stands just before the window and scores with the pre-RoPE query (the

@@ -1,0 +1,41 @@
+"""Where a method's budgeted chunked prefill spends its time: cProfile over one prefill of
+LENGTH random ids through the default model, 1 torch thread, the 30 costliest functions by
+own time (``cumtime`` of ``plan_writes`` is ARM's whole write plan).
+
+    python scripts/profile_arm.py 4096 arm
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+
+import torch
+
+from armkv.bench.decode import DecodeBench, Session, load_bench_model
+from armkv.hf.attach import make_cache
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("length", type=int)
+    p.add_argument("method", nargs="?", default="arm")
+    p.add_argument("--budget", type=int, default=512)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    model = load_bench_model(None, "cpu", "float32")
+    session = Session(model, DecodeBench(methods=[a.method], lengths=[a.length], budget=a.budget, clock="process"))
+    budget = None if a.method == "full" else a.budget
+    with torch.no_grad():
+        cache = make_cache(model, a.method, budget, 256)
+        profile = cProfile.Profile()
+        profile.enable()
+        _, seconds = session.prefill(cache, a.length)
+        profile.disable()
+    print(f"{a.method}: prefill of {a.length} tokens, {a.length / seconds:.0f} tokens/s")
+    pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
