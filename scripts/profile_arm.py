@@ -3,6 +3,7 @@ LENGTH random ids through the default model, 1 torch thread, the 30 costliest fu
 own time (``cumtime`` of ``plan_writes`` is ARM's whole write plan).
 
     python scripts/profile_arm.py 4096 arm
+    python scripts/profile_arm.py 4096 arm --decode 64   # 64 decode steps after the prefill
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main() -> None:
     p.add_argument("length", type=int)
     p.add_argument("method", nargs="?", default="arm")
     p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--decode", type=int, default=0, help="profile this many decode steps after the prefill instead")
     a = p.parse_args()
     torch.set_num_threads(1)
     model = load_bench_model(None, "cpu", "float32")
@@ -30,10 +32,18 @@ def main() -> None:
     with torch.no_grad():
         cache = make_cache(model, a.method, budget, 256)
         profile = cProfile.Profile()
-        profile.enable()
-        _, seconds = session.prefill(cache, a.length)
-        profile.disable()
-    print(f"{a.method}: prefill of {a.length} tokens, {a.length / seconds:.0f} tokens/s")
+        if a.decode:
+            token, _ = session.prefill(cache, a.length)
+            profile.enable()
+            steps, _ = session.decode(cache, token, a.length, a.decode)
+            profile.disable()
+            print(f"{a.method}: {a.decode} decode steps after {a.length} tokens, "
+                  f"mean {sum(steps) / len(steps) * 1e3:.1f} ms/token")
+        else:
+            profile.enable()
+            _, seconds = session.prefill(cache, a.length)
+            profile.disable()
+            print(f"{a.method}: prefill of {a.length} tokens, {a.length / seconds:.0f} tokens/s")
     pstats.Stats(profile).sort_stats("tottime").print_stats(30)
 
 

@@ -85,3 +85,35 @@ def test_shipped_adapters_load_for_the_default_model_shape():
     for kind in ("calibrated", "trained"):
         (folder,) = SHIPPED_ADAPTERS.glob(f"*-{kind}")
         ARMModel.load(folder).check_fits(30, 3, 64)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"slot_format": "k8v4"}, {"slot_format": "k8v4", "slot_mixing": False}, {"slot_format": "model"},
+     {"slot_format": "k4v4", "log_count_bias": False}],
+)
+def test_decode_read_equals_the_chunk_read(overrides):
+    """The decode step's own read (one query, nothing the size of the state copied, mixed
+    slots read with the mixed query) against the general joint-softmax read, on a state with
+    merged slots, waiting tokens, an unfilled row and a padding token."""
+    model = tiny_model("llama").eval()
+    torch.manual_seed(1)
+    ids = torch.randint(0, 100, (2, 157))
+    mask = torch.ones_like(ids)
+    mask[1, :120] = 0  # row 1: a shorter, left-padded prompt
+    cache = make_cache(model, "arm", budget=48, chunk=16, arm_overrides={"sync": 5, **overrides})
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for t in range(3):  # leave tokens waiting to be written
+            model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    layer = cache.layers[1]
+    assert layer.pending is not None and layer.state.count.max() > 1  # merged slots, waiting tokens
+    B, H = layer.buffer.sink_k.shape[:2]
+    Hq, d = model.config.num_attention_heads, layer.buffer.sink_k.shape[-1]
+    query, key, value = torch.randn(B, Hq, 1, d), torch.randn(B, H, 1, d), torch.randn(B, H, 1, d)
+    valid = torch.tensor([[True], [False]])  # row 1 decodes a padding token
+    positions = torch.full((B, 1), 160)
+    exact = layer._exact()
+    fast = layer._decode_read(query, key, value, valid, 0.3, *exact)
+    ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)

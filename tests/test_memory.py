@@ -478,3 +478,33 @@ def test_k8v4_slots_pack_to_fewer_bytes_than_int8():
     torch.testing.assert_close(k8v4.unpack(torch.float32).key, int8.unpack(torch.float32).key)
     err = (k8v4.unpack(torch.float32).value - st.value).abs().max()
     assert 0 < err <= st.value.abs().max() / 14 + 1e-6
+
+
+@pytest.mark.parametrize("d", [64, 48])  # a Hadamard order, and one that is not (seeded orthogonal)
+def test_mixed_slots_cost_no_bytes_and_hold_outlier_channels_better(d):
+    from armkv.memory.quant import mixing_matrix
+
+    q = mixing_matrix(d, torch.float64)
+    torch.testing.assert_close(q @ q.T, torch.eye(d, dtype=torch.float64))
+    g = torch.Generator().manual_seed(3)
+    st = MemoryState.empty(2, 9, d)
+    st.key.copy_(torch.randn(2, 9, d, generator=g)), st.value.copy_(torch.randn(2, 9, d, generator=g))
+    st.key[..., 3] *= 30  # an outlier channel, as real keys have
+    st.value[..., 5] *= 30
+    st.count.fill_(1)
+    st.key[1, 4], st.value[1, 4], st.count[1, 4] = 0.0, 0.0, 0  # a free slot stays zero
+    for fmt in ("int8", "k8v4", "k4v4"):
+        plain, mixed = st.pack(fmt), st.pack(fmt, mix=True)
+        assert mixed.nbytes() == plain.nbytes() and mixed.mixed and not plain.mixed
+        back, back_plain = mixed.unpack(torch.float32), plain.unpack(torch.float32)
+        assert not back.mixed and bool((back.key[1, 4] == 0).all())
+        for name in ("key", "value"):
+            err = (getattr(back, name) - getattr(st, name)).norm()
+            assert err < 0.8 * (getattr(back_plain, name) - getattr(st, name)).norm(), (fmt, name)
+        # stable: unpacked and packed again, the same codes
+        again = back.pack(fmt, mix=True)
+        assert torch.equal(again.key, mixed.key) and torch.equal(again.value, mixed.value)
+        # a reader that mixes its query instead gets the same dot products
+        k_mixed, _ = mixed.kv(torch.float32, unmix=False)
+        qv = torch.randn(d, generator=g)
+        torch.testing.assert_close(k_mixed @ (mixing_matrix(d).T @ qv), back.key @ qv, rtol=1e-4, atol=1e-4)

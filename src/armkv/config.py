@@ -93,6 +93,8 @@ class ARMConfig:
     slot_format: str = "k8v4"  # how slots are stored between writes: "k8v4" (default) int8 keys and
     # int4 values (4.4x the slots of fp32 at equal bytes), "int8" keys and values (3.5x), "bfloat16",
     # or the model's dtype ("model"); the budget buys correspondingly more slots (docs/memory.md)
+    slot_mixing: bool = True  # quantised slots store x Q (Q orthogonal: Hadamard) so that outlier
+    # channels do not waste the absmax scale; no bytes, reads mix the query instead (docs/memory.md)
     log_count_bias: bool = True  # add log(n) to a merged slot's attention logit (it stands for n keys)
     tau: float = 1.0  # Gumbel-Softmax temperature (training only)
     top_m: str = "adaptive"  # "adaptive": the learned policy picks M per input; "fixed": M = m_fixed

@@ -1,7 +1,11 @@
 """Low-bit storage shared by the cache methods: bit packing (KIVI's codes), symmetric
-absmax quantisation and the int4 nibble layout (ARM's slots)."""
+absmax quantisation, the int4 nibble layout (ARM's slots) and the orthogonal mixing that
+spreads a vector's outlier channels before it is quantised."""
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 
@@ -54,3 +58,29 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_int4`: int8 codes [..., d] (arithmetic shifts sign-extend)."""
     signed = packed.view(torch.int8)
     return torch.cat([(signed << 4) >> 4, signed >> 4], -1)
+
+
+@functools.lru_cache(maxsize=16)
+def _mixing_matrix(d: int) -> torch.Tensor:
+    if d & (d - 1) == 0:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < d:  # Sylvester's construction
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        return h / math.sqrt(d)
+    # no Hadamard matrix of this order: a fixed random orthogonal one does the same job
+    g = torch.Generator().manual_seed(0)
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))
+
+
+def mixing_matrix(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An orthogonal d x d matrix Q (Q Q^T = I) that spreads every channel over all d:
+    the normalised Hadamard matrix where d is a power of two, else a fixed (seeded) random
+    orthogonal matrix. A vector x is stored as quantise(x Q) and read as dequantise(.) Q^T.
+
+    Why (QuaRot's and QuIP's incoherence processing): keys and values have a few channels
+    far larger than the rest, and an absmax scale spent on them leaves the others a few
+    codes. Mixed, the channels are alike and the same bits hold more of the vector; dot
+    products are unchanged, (q Q).(k Q) = q.k, so a reader may mix the query instead of
+    unmixing every key."""
+    return _mixing_matrix(d).to(device=device, dtype=dtype)

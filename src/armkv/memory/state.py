@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from armkv.config import QUANTISED_SLOTS, value_groups
-from armkv.memory.quant import dequantise_symmetric, pack_int4, quantise_symmetric, unpack_int4
+from armkv.memory.quant import dequantise_symmetric, mixing_matrix, pack_int4, quantise_symmetric, unpack_int4
 
 
 @dataclass
@@ -22,6 +22,7 @@ class MemoryState:
         the fixed partition s // Y in the paper's pool)
     key_scale, value_scale : [G, S, groups] scales when key and value are stored as int8 or
         int4 codes (:meth:`pack`; int4 values are uint8 bytes of two codes), else None
+    mixed : the codes hold x Q, not x (:func:`armkv.memory.quant.mixing_matrix`); a flag, no bytes
 
     Writes and reads work on the unpacked (float) state; between writes a layer may keep
     it packed (``slot_format`` "bfloat16", "int8", "k8v4" or "k4v4"), which is what its bytes count.
@@ -34,6 +35,7 @@ class MemoryState:
     bucket: torch.Tensor
     key_scale: torch.Tensor | None = None
     value_scale: torch.Tensor | None = None
+    mixed: bool = False
 
     @classmethod
     def empty(
@@ -70,12 +72,15 @@ class MemoryState:
         total = 0
         for f in fields(self):
             t = getattr(self, f.name)
-            if t is not None:
+            if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
         return total
 
     def _map(self, fn) -> "MemoryState":
-        return MemoryState(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name)) for f in fields(self)})
+        def apply(x):
+            return fn(x) if isinstance(x, torch.Tensor) else x
+
+        return MemoryState(**{f.name: apply(getattr(self, f.name)) for f in fields(self)})
 
     def clone(self) -> "MemoryState":
         return self._map(torch.Tensor.clone)
@@ -84,12 +89,14 @@ class MemoryState:
         return self._map(torch.Tensor.detach)
 
     # ------------------------------------------------------------------ storage format
-    def pack(self, slot_format: str) -> "MemoryState":
+    def pack(self, slot_format: str, mix: bool = False) -> "MemoryState":
         """The state as stored between writes: keys and values in the model's dtype
         ("model": unchanged), in bfloat16, as int8 codes with one fp32 scale per vector
         (absmax / 127, symmetric; "int8"), or with int8 keys and int4 values, two codes a
-        byte and one fp32 scale per 32 channels ("k8v4"), or both int4 ("k4v4"). Unpacking
-        and packing again gives the same codes."""
+        byte and one fp32 scale per 32 channels ("k8v4"), or both int4 ("k4v4"). With
+        ``mix`` the quantised formats store x Q instead of x (``mixing_matrix``: outlier
+        channels spread before the absmax scale is taken). Unpacking and packing again
+        gives the same codes."""
         packed = replace(self, bucket=self.bucket.to(torch.int32))
         if slot_format == "model":
             return packed
@@ -98,20 +105,30 @@ class MemoryState:
         if slot_format not in QUANTISED_SLOTS:
             raise ValueError(f"slot_format {slot_format!r} is not one of model, bfloat16, {', '.join(QUANTISED_SLOTS)}")
         key_bits, value_bits = QUANTISED_SLOTS[slot_format]
-        key, key_scale = _quantise(self.key, key_bits)
-        value, value_scale = _quantise(self.value, value_bits)
-        return replace(packed, key=key, value=value, key_scale=key_scale, value_scale=value_scale)
+        key, value = self.key, self.value
+        if mix:
+            q = mixing_matrix(key.shape[-1], key.dtype, key.device)
+            key, value = key @ q, value @ q
+        key, key_scale = _quantise(key, key_bits)
+        value, value_scale = _quantise(value, value_bits)
+        return replace(packed, key=key, value=value, key_scale=key_scale, value_scale=value_scale, mixed=mix)
 
     def unpack(self, dtype: torch.dtype) -> "MemoryState":
         """The state with float keys and values of ``dtype`` and int64 bucket ids (what writes use)."""
         key, value = self.kv(dtype)
-        return replace(self, key=key, value=value, bucket=self.bucket.long(), key_scale=None, value_scale=None)
+        return replace(self, key=key, value=value, bucket=self.bucket.long(), key_scale=None, value_scale=None, mixed=False)
 
-    def kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values as floats of ``dtype``, dequantised if packed (all a read needs)."""
-        if self.key_scale is not None:
-            return _dequantise(self.key, self.key_scale).to(dtype), _dequantise(self.value, self.value_scale).to(dtype)
-        return self.key.to(dtype), self.value.to(dtype)
+    def kv(self, dtype: torch.dtype, unmix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as floats of ``dtype``, dequantised if packed (all a read needs).
+        ``unmix=False`` leaves a mixed state's vectors as x Q (a reader that mixes its
+        query instead, see ``mixing_matrix``)."""
+        if self.key_scale is None:
+            return self.key.to(dtype), self.value.to(dtype)
+        key, value = _dequantise(self.key, self.key_scale).to(dtype), _dequantise(self.value, self.value_scale).to(dtype)
+        if self.mixed and unmix:
+            q = mixing_matrix(key.shape[-1], dtype, key.device)
+            key, value = key @ q.T, value @ q.T
+        return key, value
 
 
 def _quantise(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

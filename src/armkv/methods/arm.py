@@ -21,7 +21,8 @@ from armkv.memory.module import ARMModel
 from armkv.memory.read import bucket_slot_mask
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
-from armkv.methods.attention import joint_attention
+from armkv.memory.quant import mixing_matrix
+from armkv.methods.attention import joint_attention, safe_softmax
 from armkv.methods.base import CacheLayer, ModelInfo, register_method, require_budget
 from armkv.methods.buffers import ExactBuffer
 
@@ -29,7 +30,7 @@ from armkv.methods.buffers import ExactBuffer
 # a parameter's shape (the tree, scorer, gate and policy come with the adapter).
 RUNTIME_FIELDS = {
     "sinks", "window", "sync", "slots", "pool", "chunk", "position_mode", "write", "empty_slot_rule",
-    "log_count_bias", "merge_metric", "protect_recent", "slot_format", "tau", "top_m", "m_fixed", "epsilon",
+    "log_count_bias", "merge_metric", "protect_recent", "slot_format", "slot_mixing", "tau", "top_m", "m_fixed", "epsilon",
 }  # fmt: skip
 
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
@@ -78,30 +79,91 @@ class ARMLayer(CacheLayer):
     def attend_chunk(self, query, key, value, valid, positions, scaling):
         if self.buffer is None:
             self._lazy_init(key)
-        c, mem = self.config, self.memory
-        B, Hq, T, d = query.shape
-        H = key.shape[1]
-        S = self.state.slots
-        pos = positions.unsqueeze(1)
+        c = self.config
+        T = query.shape[2]
         if self.m is None:
-            self._decide_m(self.rotary.unrotate(key, pos), valid)
+            self._decide_m(self.rotary.unrotate(key, positions.unsqueeze(1)), valid)
 
+        exact_k, exact_v, exact_valid = self._exact()
+        # which slots each query reads: those of its top-M buckets (M per row); reading every
+        # bucket needs no routing and no per-query mask (state_valid already drops free slots)
+        # (decided once per sequence with M, so the decode step has no host sync here)
+        reads_all = self.mix is None and self._reads_all
+        if T == 1 and reads_all and c.position_mode == "stored":
+            out = self._decode_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
+        else:
+            out = self._chunk_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all)
+
+        # commit: tokens leaving the window wait, then go into the slots together: at the end
+        # of every prefill chunk, and every `sync` tokens while decoding
+        overflow = self.buffer.push(key, value, valid, positions)
+        if overflow.key.shape[2] > 0:
+            new = (overflow.key, overflow.value, overflow.valid, overflow.positions)
+            self.pending = new if self.pending is None else tuple(
+                torch.cat([a, b], 2 if a.ndim == 4 else 1) for a, b in zip(self.pending, new)
+            )
+        if self.pending is not None and (T > 1 or self.pending[0].shape[2] >= c.sync):
+            self._flush()
+        return out
+
+    def _exact(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The exact part of the state: sinks, window and the tokens waiting to be written
+        (keys [B, H, L, d], values, valid [B, L]), unwritten entries zeroed here (it is small),
+        so that the attention need not pass over the whole state (free slots are stored zero)."""
         exact_k, exact_v, exact_valid, _ = self.buffer.kv()
         if self.pending is not None:
             exact_k = torch.cat([exact_k, self.pending[0]], 2)
             exact_v = torch.cat([exact_v, self.pending[1]], 2)
             exact_valid = torch.cat([exact_valid, self.pending[2]], 1)
-        # the exact part is small: zero its unwritten entries here, so that the attention need
-        # not pass over the whole state (the slots' view is zeroed where free once per write)
         keep = exact_valid[:, None, :, None]
-        exact_k, exact_v = torch.where(keep, exact_k, 0.0), torch.where(keep, exact_v, 0.0)
-        slot_k, slot_v, occupied, bias = self._slots()
-        rep = Hq // H
+        return torch.where(keep, exact_k, 0.0), torch.where(keep, exact_v, 0.0), exact_valid
 
-        # which slots each query reads: those of its top-M buckets (M per row); reading every
-        # bucket needs no routing and no per-query mask (state_valid already drops free slots)
-        # (decided once per sequence with M, so the decode step has no host sync here)
-        reads_all = self.mix is None and self._reads_all
+    def _decode_read(self, query, key, value, valid, scaling, exact_k, exact_v, exact_valid) -> torch.Tensor:
+        """The decode step's read when every bucket is read (one token, stored positions): the
+        same softmax as :meth:`_chunk_read`, written for one query so that nothing the size of
+        the state is copied. Slots, exact entries and the token itself are scored apart and
+        share one softmax; mixed slots (``slot_mixing``) are read with the mixed query,
+        (q Q).(k Q) = q.k, and their weighted values unmixed once, (w V Q) Q^T = w V.
+        ``tests/test_arm_method.py`` checks it against the chunk read.
+
+        Returns [B, 1, Hq, d]."""
+        B, Hq, _, d = query.shape
+        H = key.shape[1]
+        st = self.state
+        S = st.slots
+        q = query.reshape(B, H, Hq // H, d)  # the query heads of a KV head share its keys
+        slot_k, slot_v = (t.view(B, H, S, d) for t in st.kv(query.dtype, unmix=False))
+        mix = mixing_matrix(d, query.dtype, query.device) if st.mixed else None
+        count = st.count.view(B, H, S)
+        bias = count.clamp_min(1).log() if self.config.log_count_bias else torch.zeros_like(count)
+        bias = torch.where(count > 0, bias, -torch.inf).to(query.dtype)
+        q_slots = q if mix is None else q @ mix
+        scores = torch.cat(
+            [
+                torch.matmul(q_slots, slot_k.transpose(-1, -2)) * scaling + bias.unsqueeze(2),
+                (torch.matmul(q, exact_k.transpose(-1, -2)) * scaling).masked_fill(~exact_valid[:, None, None, :], -torch.inf),
+                ((q * key).sum(-1, keepdim=True) * scaling).masked_fill(~valid[:, None, None, :], -torch.inf),
+            ],
+            -1,
+        )
+        w = safe_softmax(scores)
+        from_slots = torch.matmul(w[..., :S], slot_v)
+        if mix is not None:
+            from_slots = from_slots @ mix.T
+        L = exact_k.shape[2]
+        self_value = torch.where(valid[:, None, None, :], value, 0.0)
+        out = from_slots + torch.matmul(w[..., S : S + L], exact_v) + w[..., S + L :] * self_value
+        return out.reshape(B, Hq, 1, d).transpose(1, 2)
+
+    def _chunk_read(self, query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all) -> torch.Tensor:
+        """A chunk's read: one joint softmax over [exact | slots of the top-M buckets | the
+        chunk, causally]. Returns [B, T, Hq, d]."""
+        c = self.config
+        B, Hq, T, d = query.shape
+        H = key.shape[1]
+        rep = Hq // H
+        pos = positions.unsqueeze(1)
+        slot_k, slot_v, occupied, bias = self._slots()
         q_pre = None if reads_all and c.position_mode == "stored" else self.rotary.unrotate(query, pos)
         slot_masks = [None] if reads_all else self._masks_for(q_pre, occupied, rep)
 
@@ -129,19 +191,7 @@ class ARMLayer(CacheLayer):
                 q_in, chunk_k, chunk_v, valid, scaling, state_k, state_v, state_valid, state_bias, state_mask, state_clean=True
             )
             outs.append(out[..., :d])
-        out = outs[0] if len(outs) == 1 else self.mix.view(B, 1, 1, 1) * outs[1] + (1 - self.mix.view(B, 1, 1, 1)) * outs[0]
-
-        # commit: tokens leaving the window wait, then go into the slots together: at the end
-        # of every prefill chunk, and every `sync` tokens while decoding
-        overflow = self.buffer.push(key, value, valid, positions)
-        if overflow.key.shape[2] > 0:
-            new = (overflow.key, overflow.value, overflow.valid, overflow.positions)
-            self.pending = new if self.pending is None else tuple(
-                torch.cat([a, b], 2 if a.ndim == 4 else 1) for a, b in zip(self.pending, new)
-            )
-        if self.pending is not None and (T > 1 or self.pending[0].shape[2] >= c.sync):
-            self._flush()
-        return out
+        return outs[0] if len(outs) == 1 else self.mix.view(B, 1, 1, 1) * outs[1] + (1 - self.mix.view(B, 1, 1, 1)) * outs[0]
 
     def _slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The slots as attention reads them: keys rotated for reading [B, H, S, d or 2d],
@@ -190,7 +240,9 @@ class ARMLayer(CacheLayer):
         occupied = (state.count > 0).unsqueeze(-1)
         key = self.rotary.rotate(state.key, self._read_positions(state)).masked_fill(~occupied, 0.0)
         state = dataclasses.replace(state, key=key, value=state.value.masked_fill(~occupied, 0.0))
-        return state.pack("model" if self.memory.training else self.config.slot_format)
+        if self.memory.training:
+            return state.pack("model")
+        return state.pack(self.config.slot_format, mix=self.config.slot_mixing)
 
     def _masks_for(self, q_pre: torch.Tensor, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
         mem = self.memory
@@ -333,7 +385,7 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
             arm = _load_adapter(str(Path(adapter).resolve()))
     arm.check_fits(info.num_layers, info.num_kv_heads, info.head_dim)
     tree = arm.config
-    # the storage format is a run-time choice (it changes no parameter): the library's default
+    # the storage format (and its mixing) is a run-time choice (it changes no parameter): the library's default
     # unless asked, whatever the adapter was saved with
     split = fit(overrides.get("slot_format", ARMConfig.slot_format))
     runtime = dataclasses.replace(tree, sinks=split.sinks, window=split.window, sync=split.sync)
@@ -346,7 +398,7 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
         raise ArmkvError(
             f"budget {budget} is too small for arm: raise --budget to at least {split.sinks + split.window + split.sync + 2}"
         )
-    fields = {"slots": int(slots), "pool": pool, "slot_format": split.slot_format, **overrides}
+    fields = {"slots": int(slots), "pool": pool, "slot_format": split.slot_format, "slot_mixing": ARMConfig.slot_mixing, **overrides}
     fields.setdefault("chunk", min(tree.chunk, int(slots)))
     runtime = dataclasses.replace(runtime, **fields)
     return arm, runtime

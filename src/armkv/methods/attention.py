@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _safe_softmax(scores: torch.Tensor) -> torch.Tensor:
+def safe_softmax(scores: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim where -inf marks excluded keys; a row with none left gives zeros.
 
     Padding queries may have no key at all; a plain softmax would give NaN there, and the
@@ -62,7 +62,7 @@ def joint_attention_reference(
     chunk_value = _zero_invalid(value, valid[:, None, :])
 
     if state_key is None or state_key.shape[2] == 0:
-        weights = _safe_softmax(chunk_scores)
+        weights = safe_softmax(chunk_scores)
         out = torch.matmul(weights, chunk_value)
     else:
         n = state_key.shape[2]
@@ -83,7 +83,7 @@ def joint_attention_reference(
             state_ok = per_query if state_ok is None else state_ok & per_query
         if state_ok is not None:
             state_scores = state_scores.masked_fill(~state_ok, float("-inf"))
-        weights = _safe_softmax(torch.cat([state_scores, chunk_scores], dim=-1))
+        weights = safe_softmax(torch.cat([state_scores, chunk_scores], dim=-1))
         out = torch.matmul(weights[..., :n], state_value) + torch.matmul(weights[..., n:], chunk_value)
     return out.reshape(b, hq, t, d).transpose(1, 2)
 
