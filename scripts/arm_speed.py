@@ -1,10 +1,12 @@
 """ARM's prefill throughput and decode latency per slot format, beside the floor, in one run.
 
 Random token ids through the default model, 1 torch thread, CPU time of the process:
-prefill of LENGTH ids in chunks of 256, then 34 decode steps (the first 2 dropped). With
-``sync`` = 16 the mean counts ARM's write steps, the median mostly does not.
+prefill of LENGTH ids in chunks of 256 for every format, then ROUNDS rounds that each
+decode 32 steps (``sync`` = 16: two writes) with the floor's model and then with each
+format in turn, so that every configuration sees the same machine noise. The first round
+is warm-up. The median step mostly misses ARM's write steps; the mean counts them.
 
-    python scripts/arm_speed.py 2048 --formats model,int8
+    python scripts/arm_speed.py 2048 --formats k8v4,k4v4
 """
 
 from __future__ import annotations
@@ -21,22 +23,40 @@ from armkv.hf.attach import make_cache
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("length", type=int)
-    p.add_argument("--formats", default="model,int8")
+    p.add_argument("--formats", default="k8v4,int8")
     p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--option", action="append", default=[], help="KEY=VALUE for every arm cache, e.g. sync=32")
     a = p.parse_args()
     torch.set_num_threads(1)
+    extra = {k: (int(v) if v.isdigit() else v) for k, v in (o.split("=", 1) for o in a.option)}
     model = load_bench_model(None, "cpu", "float32")
     session = Session(model, DecodeBench(methods=["arm"], lengths=[a.length], budget=a.budget, clock="process"))
+    names = ["floor", *a.formats.split(",")]
+    state, steps = {}, {n: [] for n in names}
     with torch.no_grad():
-        token, _ = session.prefill(session.cache("full"), 4)
-        steps, _ = session.decode(session.cache("full"), token, 4, 34)
-        print(f"floor {statistics.median(steps[2:]) * 1e3:.1f} ms/token")
-        for fmt in a.formats.split(","):
-            cache = make_cache(model, "arm", a.budget, 256, slot_format=fmt)
-            token, seconds = session.prefill(cache, a.length)
-            steps, _ = session.decode(cache, token, a.length, 34)
-            print(f"arm slot_format={fmt}: prefill {a.length / seconds:.0f} tokens/s, decode median "
-                  f"{statistics.median(steps[2:]) * 1e3:.1f} mean {statistics.mean(steps[2:]) * 1e3:.1f} ms/token")
+        for name in names:
+            if name == "floor":
+                cache, n = session.cache("full"), 4
+            else:
+                cache, n = make_cache(model, "arm", a.budget, 256, slot_format=name, **extra), a.length
+            token, seconds = session.prefill(cache, n)
+            if name != "floor":
+                print(f"arm slot_format={name}: prefill {n / seconds:.0f} tokens/s")
+            state[name] = [cache, token, n]
+        for r in range(a.rounds):
+            for name in names:
+                cache, token, pos = state[name]
+                times, token = session.decode(cache, token, pos, 32)
+                state[name] = [cache, token, pos + 32]
+                if r:
+                    steps[name] += times
+    floor = statistics.median(steps["floor"]) * 1e3
+    print(f"floor {floor:.1f} ms/token")
+    for name in names[1:]:
+        med, mean = statistics.median(steps[name]) * 1e3, statistics.mean(steps[name]) * 1e3
+        print(f"arm slot_format={name}: decode median {med:.1f} ({med / floor:.2f}x floor), mean {mean:.1f} "
+              f"({mean / floor:.2f}x) ms/token over {len(steps[name])} steps")
 
 
 if __name__ == "__main__":

@@ -508,3 +508,72 @@ def test_mixed_slots_cost_no_bytes_and_hold_outlier_channels_better(d):
         k_mixed, _ = mixed.kv(torch.float32, unmix=False)
         qv = torch.randn(d, generator=g)
         torch.testing.assert_close(k_mixed @ (mixing_matrix(d).T @ qv), back.key @ qv, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scorer", ["similarity", "paper"])
+def test_pair_scores_equal_their_term_by_term_reference(scorer):
+    from armkv.memory.write import WriteParams
+
+    torch.manual_seed(4)
+    params = WriteParams(24, scorer=scorer).double()
+    with torch.no_grad():
+        for p in params.parameters():
+            p.normal_()
+    slots, tokens = torch.randn(3, 11, 24, dtype=torch.float64), torch.randn(3, 7, 24, dtype=torch.float64)
+    slots[1, 2] = 0.0  # a free slot (zero key)
+    slots.requires_grad_(True)
+    z, cos = params.pair_scores(slots, tokens)
+    z_ref, cos_ref = params.pair_scores_reference(slots, tokens)
+    torch.testing.assert_close(z, z_ref)
+    torch.testing.assert_close(cos, cos_ref)
+    g = torch.autograd.grad(z.sum(), [slots, *params.score.parameters()])
+    g_ref = torch.autograd.grad(z_ref.sum(), [slots, *params.score.parameters()])
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("metric", ["key", "kv", "ward"])
+@pytest.mark.parametrize("S,width", [(37, 5), (130, 32), (3, 2)])
+def test_band_similarity_equals_the_pairwise_loop(metric, S, width):
+    """The blocked band of slot-slot similarities against every pair written out."""
+    from armkv.memory.write import _ward_scales, band_similarity
+
+    g = torch.Generator().manual_seed(S)
+    G, d = 2, 6
+    key, value = torch.randn(G, S, d, generator=g, dtype=torch.float64), torch.randn(G, S, d, generator=g, dtype=torch.float64)
+    count = (torch.rand(G, S, generator=g, dtype=torch.float64) * 5).floor() + 1
+    state = MemoryState(key, value, torch.zeros(G, S, dtype=torch.float64), count, torch.zeros(G, S, dtype=torch.long))
+    scales = _ward_scales(state)
+    got = band_similarity(metric, key, value, count, width, scales)
+    assert got.shape == (G, S, width)
+    cos = torch.nn.functional.cosine_similarity
+    for gi in range(G):
+        for i in range(S):
+            for o in range(1, width + 1):
+                j = i + o
+                if j >= S:
+                    continue
+                if metric == "key":
+                    want = cos(key[gi, i], key[gi, j], dim=0)
+                elif metric == "kv":
+                    want = torch.minimum(cos(key[gi, i], key[gi, j], dim=0), cos(value[gi, i], value[gi, j], dim=0))
+                else:
+                    dk = ((key[gi, i] - key[gi, j]) ** 2).sum() / scales[0][gi, 0, 0]
+                    dv = ((value[gi, i] - value[gi, j]) ** 2).sum() / scales[1][gi, 0, 0]
+                    n_i, n_j = count[gi, i], count[gi, j]
+                    want = -(dk + dv) * n_i * n_j / (n_i + n_j)
+                torch.testing.assert_close(got[gi, i, o - 1], want)
+
+
+@pytest.mark.parametrize("fmt", ["model", "bfloat16", "int8", "k8v4", "k4v4"])
+@pytest.mark.parametrize("d", [64, 128, 48])  # 2 and 4 value groups, and one (48 does not split by 32)
+def test_reads_with_the_scales_folded_equal_dequantised_reads(fmt, d):
+    g = torch.Generator().manual_seed(d)
+    st = MemoryState.empty(3, 13, d)
+    st.key.copy_(torch.randn(3, 13, d, generator=g)), st.value.copy_(torch.randn(3, 13, d, generator=g))
+    st.count.fill_(1)
+    packed = st.pack(fmt, mix=True)
+    query, weights = torch.randn(3, 5, d, generator=g), torch.rand(3, 5, 13, generator=g)
+    key, value = packed.kv(torch.float32, unmix=False)
+    torch.testing.assert_close(packed.key_scores(query), query @ key.transpose(1, 2), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(packed.weighted_values(weights), weights @ value, rtol=1e-4, atol=1e-4)

@@ -130,6 +130,52 @@ class MemoryState:
             key, value = key @ q.T, value @ q.T
         return key, value
 
+    # ------------------------------------------------------------------ reads without dequantising
+    def key_scores(self, query: torch.Tensor) -> torch.Tensor:
+        """query [G, R, d] . every slot key -> [G, R, S], in the stored basis (a mixed state
+        wants a mixed query). The scales multiply the R x S scores instead of the S x d keys:
+        sum_c q_c s_g(c) k_c = sum_g s_g (q_g . k_g) over each scale's group of channels."""
+        if self.key_scale is None:
+            return torch.matmul(query, self.key.to(query.dtype).transpose(1, 2))
+        G, R, _ = query.shape
+        total = 0
+        for lo, hi, codes, scale in _code_groups(self.key, self.key_scale, query.dtype):
+            q = query[..., lo:hi].reshape(G, R, codes.shape[1], -1).transpose(1, 2)  # [G, ng, R, dg]
+            total = total + (torch.matmul(q, codes.transpose(-1, -2)) * scale.transpose(1, 2).unsqueeze(2)).sum(1)
+        return total
+
+    def weighted_values(self, weights: torch.Tensor) -> torch.Tensor:
+        """weights [G, R, S] @ the slot values -> [G, R, d], in the stored basis; the scales
+        weight the R x S weights instead of the S x d values."""
+        if self.value_scale is None:
+            return torch.matmul(weights, self.value.to(weights.dtype))
+        G, R, _ = weights.shape
+        parts = []
+        for _, _, codes, scale in _code_groups(self.value, self.value_scale, weights.dtype):
+            scaled = weights.unsqueeze(1) * scale.transpose(1, 2).unsqueeze(2)  # [G, ng, R, S]
+            parts.append(torch.matmul(scaled, codes).transpose(1, 2).reshape(G, R, -1))
+        return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
+
+
+def _code_groups(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    """Packed codes [G, S, d or d / 2] and scales [G, S, ng] as float code groups, without
+    applying the scales. Yields (first channel, end channel, codes [G, n, S, dg], scales
+    [G, S, n]) per stored half: int8 codes are one half; int4 bytes two (low nibbles: the
+    first d / 2 channels; high: the rest), each with its share of the groups (or, with one
+    group per vector, the same scale)."""
+    G, S = codes.shape[:2]
+    if codes.dtype == torch.uint8:
+        signed = codes.view(torch.int8)
+        halves = [(signed << 4) >> 4, signed >> 4]
+    else:
+        halves = [codes]
+    ng, width = scale.shape[-1], halves[0].shape[-1]
+    per_half = ng // len(halves) if ng % len(halves) == 0 else 0
+    for h, half in enumerate(halves):
+        sc = scale[..., h * per_half : (h + 1) * per_half] if per_half else scale
+        n = sc.shape[-1]
+        yield h * width, (h + 1) * width, half.to(dtype).view(G, S, n, width // n).transpose(1, 2), sc
+
 
 def _quantise(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., d] -> (codes: int8 [..., d], or for 4 bits uint8 [..., d / 2] two a byte; fp32 scales)."""

@@ -69,9 +69,27 @@ class WriteParams(nn.Module):
         d = self.head_dim
         cos = F.normalize(tokens, dim=-1) @ F.normalize(slot_keys, dim=-1).transpose(1, 2)
         w, b = self.score.weight[0], self.score.bias[0]
-        z = (slot_keys @ w[:d]).unsqueeze(1) + (tokens @ w[d : 2 * d]).unsqueeze(2) + b
+        # the slot term, the token term and the bias ride in one matmul with the product term:
+        # [k, k.w_k, 1] . [K * w_p, 1, K.w_K + b] (the chunk's hot path: N x S scores per group)
+        ones_t = torch.ones_like(tokens[..., :1])
+        ones_s = torch.ones_like(slot_keys[..., :1])
+        prod_w = w[2 * d : 3 * d] if self.scorer_kind == "similarity" else torch.zeros_like(w[:d])
+        left = torch.cat([tokens, tokens @ w[d : 2 * d, None], ones_t], -1)
+        right = torch.cat([slot_keys * prod_w, ones_s, slot_keys @ w[:d, None] + b], -1)
+        z = left @ right.transpose(1, 2)
         if self.scorer_kind == "similarity":
-            z = z + tokens @ (slot_keys * w[2 * d : 3 * d]).transpose(1, 2) + w[3 * d] * cos
+            z = z + w[3 * d] * cos
+        return z, cos
+
+    def pair_scores_reference(self, slot_keys: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`pair_scores` term by term, per (token, slot) pair: the tests' oracle."""
+        d = self.head_dim
+        w, b = self.score.weight[0], self.score.bias[0]
+        k, K = tokens.unsqueeze(2), slot_keys.unsqueeze(1)  # [G, N, 1, d], [G, 1, S, d]
+        cos = F.cosine_similarity(k, K, dim=-1, eps=1e-12)
+        z = (K * w[:d]).sum(-1) + (k * w[d : 2 * d]).sum(-1) + b
+        if self.scorer_kind == "similarity":
+            z = z + (k * K * w[2 * d : 3 * d]).sum(-1) + w[3 * d] * cos
         return z, cos
 
     def gate_values(self, cand: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -105,6 +123,14 @@ def _gumbel_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Te
     return -torch.log(-torch.log(u.clamp(1e-10, 1 - 1e-10)))
 
 
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [G, S, ...], index [G, K] -> [G, K, ...]: x[g, index[g, k]], whole rows copied
+    (``gather`` with an index expanded over the trailing dims is several times slower)."""
+    G, S = x.shape[:2]
+    flat = (index + torch.arange(G, device=index.device).unsqueeze(1) * S).reshape(-1)
+    return x.reshape(G * S, *x.shape[2:]).index_select(0, flat).view(G, index.shape[1], *x.shape[2:])
+
+
 def _merge_pairs(state: MemoryState, src_of: torch.Tensor) -> MemoryState:
     """Merge slot src_of[g, s] into slot s (count-weighted), freeing the source slot.
 
@@ -118,7 +144,7 @@ def _merge_pairs(state: MemoryState, src_of: torch.Tensor) -> MemoryState:
 
     def blend(a: torch.Tensor) -> torch.Tensor:
         if a.ndim == 3:
-            other = a.gather(1, src.unsqueeze(-1).expand_as(a))
+            other = gather_rows(a, src)
             return torch.where(has.unsqueeze(-1), w_dst.unsqueeze(-1).to(a.dtype) * a + w_src.unsqueeze(-1).to(a.dtype) * other, a)
         return torch.where(has, w_dst * a + w_src * a.gather(1, src), a)
 
@@ -206,17 +232,22 @@ def plan_writes(
     cand_mask = occ.unsqueeze(1) & (state.bucket.unsqueeze(1) == bucket.unsqueeze(2))
     z = z.masked_fill(~cand_mask, -math.inf)
     similarity = params.scorer_kind == "similarity"
-    # options: the candidate slots, then (similarity scorer) "take a new slot" with logit 0
-    options = torch.cat([z, torch.zeros(G, N, 1, device=dev, dtype=z.dtype)], -1) if similarity else z
-    noisy = options + _gumbel_like(options, generator) if training else options
-    choice = noisy.argmax(-1)
     if training:
+        # options: the candidate slots, then (similarity scorer) "take a new slot" with logit 0
+        options = torch.cat([z, torch.zeros(G, N, 1, device=dev, dtype=z.dtype)], -1) if similarity else z
+        noisy = options + _gumbel_like(options, generator)
+        choice = noisy.argmax(-1)
         probs = torch.softmax(noisy / tau, dim=-1)
         probs = torch.nan_to_num(probs, nan=1.0)  # a token with no option at all: weight 1
         alpha = probs.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+        has_cand = cand_mask.any(-1)
     else:
+        # the argmax over [slots | new (logit 0)] without building it: ties go to the slot
+        best_z, choice = z.max(-1)
+        if similarity:
+            choice = torch.where(best_z >= 0, choice, S)
         alpha = torch.ones(G, N, dtype=keys.dtype, device=dev)
-    has_cand = cand_mask.any(-1)
+        has_cand = best_z > -math.inf
     best_slot = choice.clamp_max(S - 1)
     if similarity:
         novel = valid & ((choice == S) | ~has_cand)
@@ -394,34 +425,20 @@ def banded_neighbours(metric: str, state: MemoryState, width: int = BAND_WIDTH) 
         return torch.full((G, S), -math.inf, device=state.key.device), torch.zeros(G, S, dtype=torch.long, device=state.key.device)
 
     def sort(x: torch.Tensor) -> torch.Tensor:  # rows of x [G, S, ...] in bucket order
-        return x.gather(1, order.view(G, S, *([1] * (x.ndim - 2))).expand_as(x))
+        return gather_rows(x, order)
 
-    if metric == "key":
-        feats = [sort(F.normalize(state.key, dim=-1))]
-    elif metric == "kv":
-        feats = [sort(F.normalize(state.key, dim=-1)), sort(F.normalize(state.value, dim=-1))]
-    else:
-        sk, sv = _ward_scales(state)
-        feats = [sort(torch.cat([state.key / sk.sqrt(), state.value / sv.sqrt()], -1))]
-        n = sort(state.count.clamp_min(1))
     occ_s, bucket_s = sort(occ), sort(bucket)
-    # sim[:, i, o - 1]: sorted place i against place i + o (same bucket, both occupied)
-    sim = torch.full((G, S, w), -math.inf, dtype=state.key.dtype, device=state.key.device)
-    for o in range(1, w + 1):
-        if metric == "key":
-            pair = (feats[0][:, : S - o] * feats[0][:, o:]).sum(-1)
-        elif metric == "kv":
-            pair = torch.minimum((feats[0][:, : S - o] * feats[0][:, o:]).sum(-1), (feats[1][:, : S - o] * feats[1][:, o:]).sum(-1))
-        else:
-            na, nb = n[:, : S - o], n[:, o:]
-            pair = -((feats[0][:, : S - o] - feats[0][:, o:]) ** 2).sum(-1) * na * nb / (na + nb)
-        ok = occ_s[:, : S - o] & occ_s[:, o:] & (bucket_s[:, : S - o] == bucket_s[:, o:])
-        sim[:, : S - o, o - 1] = pair.masked_fill(~ok, -math.inf)
+    scales = _ward_scales(state) if metric == "ward" else None
+    value = sort(state.value) if metric != "key" else None
+    sim = band_similarity(metric, sort(state.key), value, sort(state.count.clamp_min(1)), w, scales)
+    ok = occ_s.unsqueeze(-1) & _band(occ_s, w, False) & (bucket_s.unsqueeze(-1) == _band(bucket_s, w, -2))
+    sim = sim.masked_fill(~ok, -math.inf)
     # best partner after each place, and (the same pairs seen from the other end) before it
     fwd_sim, fwd_o = sim.max(-1)
-    back = torch.full((G, S, w), -math.inf, dtype=sim.dtype, device=sim.device)
-    for o in range(1, w + 1):
-        back[:, o:, o - 1] = sim[:, : S - o, o - 1]
+    # back[:, i, o - 1] = sim[:, i - o, o - 1]: place i seen from i - o
+    offsets = torch.arange(1, w + 1, device=sim.device)
+    src = pos.unsqueeze(1) - offsets  # [S, w]
+    back = sim.gather(1, src.clamp_min(0).expand(G, S, w)).masked_fill((src < 0).expand(G, S, w), -math.inf)
     back_sim, back_o = back.max(-1)
     use_back = back_sim > fwd_sim
     place = torch.where(use_back, pos - (back_o + 1), pos + (fwd_o + 1)).clamp(0, S - 1)
@@ -430,6 +447,53 @@ def banded_neighbours(metric: str, state: MemoryState, width: int = BAND_WIDTH) 
     nn_sim = torch.empty_like(best).scatter_(1, order, best)
     nn_idx = torch.empty_like(order).scatter_(1, order, order.gather(1, place))
     return nn_sim, nn_idx
+
+
+def _band(x: torch.Tensor, width: int, fill) -> torch.Tensor:
+    """x [G, S, ...] -> [G, S, width, ...] with out[:, i, o - 1] = x[:, i + o] (``fill`` past the end)."""
+    pad = x.new_full((x.shape[0], width, *x.shape[2:]), fill)
+    win = torch.cat([x, pad], 1).unfold(1, width + 1, 1)  # [G, S, ..., width + 1], a view
+    return win[..., 1:].movedim(-1, 2)
+
+
+BAND_BLOCK = 64  # rows per block of the banded dot products (a [BLOCK, BLOCK + width] matmul each)
+
+
+def _band_dots(f: torch.Tensor, width: int) -> torch.Tensor:
+    """f [G, S, d] -> [G, S, width]: out[:, i, o - 1] = f[:, i] . f[:, i + o] (0 past the end).
+
+    Blocks of BAND_BLOCK rows against the BAND_BLOCK + width rows they reach, one batched
+    matmul (S x (BLOCK + width) x d work, nothing of size S x width x d materialised)."""
+    G, S, d = f.shape
+    nb = -(-S // BAND_BLOCK)
+    fp = torch.cat([f, f.new_zeros(G, nb * BAND_BLOCK + width - S, d)], 1)
+    rows = fp[:, : nb * BAND_BLOCK].reshape(G, nb, BAND_BLOCK, d)
+    reach = fp.unfold(1, BAND_BLOCK + width, BAND_BLOCK)  # [G, nb, d, BLOCK + width]
+    dots = torch.matmul(rows, reach)  # [G, nb, BLOCK, BLOCK + width]
+    col = torch.arange(BAND_BLOCK, device=f.device).unsqueeze(1) + torch.arange(1, width + 1, device=f.device)
+    band = dots.gather(-1, col.expand(G, nb, BAND_BLOCK, width))
+    return band.reshape(G, nb * BAND_BLOCK, width)[:, :S]
+
+
+def band_similarity(
+    metric: str, key: torch.Tensor, value: torch.Tensor | None, count: torch.Tensor, width: int, scales=None
+) -> torch.Tensor:
+    """:func:`room_similarity`'s slot-slot measure between each slot and the ``width`` slots
+    after it (in the given order): [G, S, width], arbitrary where a pair is not valid.
+
+    key, value : [G, S, d] (value unused by "key"); count : [G, S] (>= 1); scales : Ward's (E|k|^2, E|v|^2) over the
+    occupied slots (:func:`_ward_scales`), for "ward"
+    """
+    if metric == "key":
+        return _band_dots(F.normalize(key, dim=-1), width)
+    if metric == "kv":
+        return torch.minimum(_band_dots(F.normalize(key, dim=-1), width), _band_dots(F.normalize(value, dim=-1), width))
+    sk, sv = scales
+    f = torch.cat([key / sk.sqrt(), value / sv.sqrt()], -1)
+    sq = (f * f).sum(-1)
+    dist = (sq.unsqueeze(-1) + _band(sq, width, 0.0) - 2 * _band_dots(f, width)).clamp_min(0)
+    n_after = _band(count, width, 1.0)
+    return -dist * count.unsqueeze(-1) * n_after / (count.unsqueeze(-1) + n_after)
 
 
 def _make_room(

@@ -122,32 +122,33 @@ class ARMLayer(CacheLayer):
         """The decode step's read when every bucket is read (one token, stored positions): the
         same softmax as :meth:`_chunk_read`, written for one query so that nothing the size of
         the state is copied. Slots, exact entries and the token itself are scored apart and
-        share one softmax; mixed slots (``slot_mixing``) are read with the mixed query,
-        (q Q).(k Q) = q.k, and their weighted values unmixed once, (w V Q) Q^T = w V.
+        share one softmax; the slots are read from their codes with the scales folded into
+        the scores and weights (``MemoryState.key_scores`` / ``weighted_values``), and mixed
+        slots (``slot_mixing``) with the mixed query, (q Q).(k Q) = q.k, their weighted values
+        unmixed once, (w V Q) Q^T = w V.
         ``tests/test_arm_method.py`` checks it against the chunk read.
 
         Returns [B, 1, Hq, d]."""
         B, Hq, _, d = query.shape
         H = key.shape[1]
         st = self.state
-        S = st.slots
-        q = query.reshape(B, H, Hq // H, d)  # the query heads of a KV head share its keys
-        slot_k, slot_v = (t.view(B, H, S, d) for t in st.kv(query.dtype, unmix=False))
+        S, R = st.slots, Hq // H
+        q = query.reshape(B, H, R, d)  # the query heads of a KV head share its keys
         mix = mixing_matrix(d, query.dtype, query.device) if st.mixed else None
         count = st.count.view(B, H, S)
         bias = count.clamp_min(1).log() if self.config.log_count_bias else torch.zeros_like(count)
         bias = torch.where(count > 0, bias, -torch.inf).to(query.dtype)
-        q_slots = q if mix is None else q @ mix
+        q_slots = (q if mix is None else q @ mix).reshape(B * H, R, d)
         scores = torch.cat(
             [
-                torch.matmul(q_slots, slot_k.transpose(-1, -2)) * scaling + bias.unsqueeze(2),
+                st.key_scores(q_slots).view(B, H, R, S) * scaling + bias.unsqueeze(2),
                 (torch.matmul(q, exact_k.transpose(-1, -2)) * scaling).masked_fill(~exact_valid[:, None, None, :], -torch.inf),
                 ((q * key).sum(-1, keepdim=True) * scaling).masked_fill(~valid[:, None, None, :], -torch.inf),
             ],
             -1,
         )
         w = safe_softmax(scores)
-        from_slots = torch.matmul(w[..., :S], slot_v)
+        from_slots = st.weighted_values(w[..., :S].reshape(B * H, R, S)).view(B, H, R, d)
         if mix is not None:
             from_slots = from_slots @ mix.T
         L = exact_k.shape[2]
