@@ -13,7 +13,7 @@ from test_train_cli import corpus, model_dir, train_args  # noqa: F401  (fixture
 
 
 def arm_args(model_dir, corpus, out, *extra):
-    # budget 10 leaves 23 slots (k8v4) for the 32-token sequences: the pool must merge
+    # budget 10 leaves 28 slots (k4v4) for the 30 tokens of each sequence past the sink and window: the pool must merge
     args = train_args(model_dir, corpus, out, "--budget", "10", "--chunk", "8", "--seq-len", "32",
                       "--batch-tokens", "64", "--lr", "2e-2", *extra)
     args[args.index("lm")] = "arm"

@@ -90,9 +90,10 @@ class ARMConfig:
     # "kv" (the lower of the key and value cosines), "ward" (count-weighted squared distance of keys and values)
     protect_recent: float = 0.0  # share of the occupied slots, the most recent, kept out of the merges
     # that make room (0: any slot may merge); the chunk's tokens give way only after the older pairs
-    slot_format: str = "k8v4"  # how slots are stored between writes: "k8v4" (default) int8 keys and
-    # int4 values (4.4x the slots of fp32 at equal bytes), "int8" keys and values (3.5x), "bfloat16",
-    # or the model's dtype ("model"); the budget buys correspondingly more slots (docs/memory.md)
+    slot_format: str = "k4v4"  # how slots are stored between writes: "k4v4" (default) int4 keys and
+    # values with a scale per 32 channels (5.7x the slots of fp32 at equal bytes), "k8v4" int8 keys
+    # (4.4x), "int8" keys and values (3.5x), "bfloat16", or the model's dtype ("model"); the budget
+    # buys correspondingly more slots (docs/memory.md)
     slot_mixing: bool = True  # quantised slots store x Q (Q orthogonal: Hadamard) so that outlier
     # channels do not waste the absmax scale; no bytes, reads mix the query instead (docs/memory.md)
     log_count_bias: bool = True  # add log(n) to a merged slot's attention logit (it stands for n keys)

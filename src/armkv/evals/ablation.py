@@ -32,6 +32,8 @@ ROWS = [
     ("slots-bfloat16", "arm", {"slot_format": "bfloat16"}),
     ("slots-int8", "arm", {"slot_format": "int8"}),
     ("slots-k8v4", "arm", {"slot_format": "k8v4"}),
+    ("slots-k4v4", "arm", {"slot_format": "k4v4"}),
+    ("slots-unmixed", "arm", {"slot_mixing": False}),
     ("merge-kv", "arm", {"merge_metric": "kv"}),
     ("merge-ward", "arm", {"merge_metric": "ward"}),
 ]
