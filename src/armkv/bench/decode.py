@@ -148,6 +148,17 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+def _release_freed_memory() -> None:
+    """Hand memory freed by the allocator back to the system (glibc's malloc_trim), so that
+    the resident set, and a peak read after it, counts only what is still in use."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _peak_rss() -> int:
     """Peak resident set size in bytes: since the last reset where it worked, else of the process."""
     try:
@@ -346,7 +357,11 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
                         result[key][method][length] = None
                     continue
                 bar.set_postfix_str(f"{method} {length}")
+                # the previous point's cache must be gone (and its pages returned to the
+                # system) before the peak mark is reset, or this point inherits its peak
+                cache = token = None
                 gc.collect()
+                _release_freed_memory()
                 _reset_peak_rss()
                 _device_peak_reset(session.device)
                 cache = session.cache(method)
