@@ -73,6 +73,7 @@ def _mixing_matrix(d: int) -> torch.Tensor:
     return q * torch.sign(torch.diagonal(r))
 
 
+@functools.lru_cache(maxsize=64)  # one copy per (size, dtype, device): no host-to-device copy per read
 def mixing_matrix(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
     """An orthogonal d x d matrix Q (Q Q^T = I) that spreads every channel over all d:
     the normalised Hadamard matrix where d is a power of two, else a fixed (seeded) random
