@@ -4,6 +4,7 @@ own time (``cumtime`` of ``plan_writes`` is ARM's whole write plan).
 
     python scripts/profile_arm.py 4096 arm
     python scripts/profile_arm.py 4096 arm --decode 64   # 64 decode steps after the prefill
+    python scripts/profile_arm.py 2048 arm --writes 3    # 3 rounds of the decode-time write
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import time
 
 import torch
 
@@ -24,6 +26,8 @@ def main() -> None:
     p.add_argument("method", nargs="?", default="arm")
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--decode", type=int, default=0, help="profile this many decode steps after the prefill instead")
+    p.add_argument("--writes", type=int, default=0,
+                   help="arm: time and profile this many rounds of the decode-time write (8 decode steps, then every layer writes its waiting tokens)")
     a = p.parse_args()
     torch.set_num_threads(1)
     model = load_bench_model(None, "cpu", "float32")
@@ -32,7 +36,21 @@ def main() -> None:
     with torch.no_grad():
         cache = make_cache(model, a.method, budget, 256)
         profile = cProfile.Profile()
-        if a.decode:
+        if a.writes:
+            token, _ = session.prefill(cache, a.length)
+            seconds = 0.0
+            for r in range(a.writes):
+                _, token = session.decode(cache, token, a.length + 8 * r, 8)
+                t0 = time.process_time()
+                profile.enable()
+                for layer in cache.layers:
+                    if layer.pending is not None:
+                        layer._flush()
+                profile.disable()
+                seconds += time.process_time() - t0
+            print(f"{a.method}: the decode-time write after {a.length} tokens, "
+                  f"{seconds / (a.writes * len(cache.layers)) * 1e3:.1f} ms per layer (under the profiler)")
+        elif a.decode:
             token, _ = session.prefill(cache, a.length)
             profile.enable()
             steps, _ = session.decode(cache, token, a.length, a.decode)

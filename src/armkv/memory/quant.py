@@ -54,23 +54,16 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return ((codes[..., :half] & 15) | (codes[..., half:] << 4)).view(torch.uint8)
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int4`: int8 codes [..., d] (arithmetic shifts sign-extend)."""
+def int4_halves(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two nibble halves of :func:`pack_int4`'s bytes as int8 codes: channels [0, d / 2)
+    and [d / 2, d) (arithmetic shifts sign-extend)."""
     signed = packed.view(torch.int8)
-    return torch.cat([(signed << 4) >> 4, signed >> 4], -1)
+    return (signed << 4) >> 4, signed >> 4
 
 
-@functools.lru_cache(maxsize=16)
-def _mixing_matrix(d: int) -> torch.Tensor:
-    if d & (d - 1) == 0:
-        h = torch.ones(1, 1, dtype=torch.float64)
-        while h.shape[0] < d:  # Sylvester's construction
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        return h / math.sqrt(d)
-    # no Hadamard matrix of this order: a fixed random orthogonal one does the same job
-    g = torch.Generator().manual_seed(0)
-    q, r = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
-    return q * torch.sign(torch.diagonal(r))
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: int8 codes [..., d]."""
+    return torch.cat(int4_halves(packed), -1)
 
 
 @functools.lru_cache(maxsize=64)  # one copy per (size, dtype, device): no host-to-device copy per read
@@ -84,4 +77,13 @@ def mixing_matrix(d: int, dtype: torch.dtype = torch.float32, device: torch.devi
     codes. Mixed, the channels are alike and the same bits hold more of the vector; dot
     products are unchanged, (q Q).(k Q) = q.k, so a reader may mix the query instead of
     unmixing every key."""
-    return _mixing_matrix(d).to(device=device, dtype=dtype)
+    if d & (d - 1) == 0:
+        q = torch.ones(1, 1, dtype=torch.float64)
+        while q.shape[0] < d:  # Sylvester's construction
+            q = torch.cat([torch.cat([q, q], 1), torch.cat([q, -q], 1)], 0)
+        q = q / math.sqrt(d)
+    else:  # no Hadamard matrix of this order: a fixed random orthogonal one does the same job
+        g = torch.Generator().manual_seed(0)
+        q, r = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+        q = q * torch.sign(torch.diagonal(r))
+    return q.to(device=device, dtype=dtype)

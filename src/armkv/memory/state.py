@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from armkv.config import QUANTISED_SLOTS, value_groups
-from armkv.memory.quant import dequantise_symmetric, mixing_matrix, pack_int4, quantise_symmetric, unpack_int4
+from armkv.memory.quant import dequantise_symmetric, int4_halves, mixing_matrix, pack_int4, quantise_symmetric, unpack_int4
 
 
 @dataclass
@@ -164,11 +164,7 @@ def _code_groups(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
     first d / 2 channels; high: the rest), each with its share of the groups (or, with one
     group per vector, the same scale)."""
     G, S = codes.shape[:2]
-    if codes.dtype == torch.uint8:
-        signed = codes.view(torch.int8)
-        halves = [(signed << 4) >> 4, signed >> 4]
-    else:
-        halves = [codes]
+    halves = int4_halves(codes) if codes.dtype == torch.uint8 else (codes,)
     ng, width = scale.shape[-1], halves[0].shape[-1]
     per_half = ng // len(halves) if ng % len(halves) == 0 else 0
     for h, half in enumerate(halves):
