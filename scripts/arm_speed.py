@@ -7,6 +7,7 @@ format in turn, so that every configuration sees the same machine noise. The fir
 is warm-up. The median step mostly misses ARM's write steps; the mean counts them.
 
     python scripts/arm_speed.py 2048 --formats k8v4,k4v4
+    python scripts/arm_speed.py 2048 --formats k4v4 --methods sink,swa
 """
 
 from __future__ import annotations
@@ -24,25 +25,33 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("length", type=int)
     p.add_argument("--formats", default="k8v4,int8")
+    p.add_argument("--methods", default="", help="other methods to time beside, at the same budget (e.g. sink,swa)")
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--option", action="append", default=[], help="KEY=VALUE for every arm cache, e.g. sync=32")
     a = p.parse_args()
     torch.set_num_threads(1)
+
+    def label(name: str) -> str:
+        return name if name in others else f"arm slot_format={name}"
+
     extra = {k: (int(v) if v.isdigit() else v) for k, v in (o.split("=", 1) for o in a.option)}
     model = load_bench_model(None, "cpu", "float32")
     session = Session(model, DecodeBench(methods=["arm"], lengths=[a.length], budget=a.budget, clock="process"))
-    names = ["floor", *a.formats.split(",")]
+    others = [m for m in a.methods.split(",") if m]
+    names = ["floor", *others, *[f for f in a.formats.split(",") if f]]
     state, steps = {}, {n: [] for n in names}
     with torch.no_grad():
         for name in names:
             if name == "floor":
                 cache, n = session.cache("full"), 4
+            elif name in others:
+                cache, n = make_cache(model, name, a.budget, 256), a.length
             else:
                 cache, n = make_cache(model, "arm", a.budget, 256, slot_format=name, **extra), a.length
             token, seconds = session.prefill(cache, n)
             if name != "floor":
-                print(f"arm slot_format={name}: prefill {n / seconds:.0f} tokens/s")
+                print(f"{label(name)}: prefill {n / seconds:.0f} tokens/s")
             state[name] = [cache, token, n]
         for r in range(a.rounds):
             for name in names:
@@ -55,7 +64,7 @@ def main() -> None:
     print(f"floor {floor:.1f} ms/token")
     for name in names[1:]:
         med, mean = statistics.median(steps[name]) * 1e3, statistics.mean(steps[name]) * 1e3
-        print(f"arm slot_format={name}: decode median {med:.1f} ({med / floor:.2f}x floor), mean {mean:.1f} "
+        print(f"{label(name)}: decode median {med:.1f} ({med / floor:.2f}x floor), mean {mean:.1f} "
               f"({mean / floor:.2f}x) ms/token over {len(steps[name])} steps")
 
 

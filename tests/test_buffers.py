@@ -41,25 +41,30 @@ def random_chunk(batch, heads, t, d, start, generator):
 
 def check_equal(buf, ref):
     keys, values, valid, positions = buf.kv()
+    assert (keys.transpose(1, 2)[~valid] == 0).all() and (values.transpose(1, 2)[~valid] == 0).all(), "entries without a token are zero"
     for b, row in enumerate(ref.rows):
-        got = [i for i in range(valid.shape[1]) if valid[b, i]]
+        # sinks first; the window in time order after a chunk push, in ring order after
+        # decode steps: compare in time order
+        sinks = [i for i in range(buf.sinks) if valid[b, i]]
+        window = sorted((i for i in range(buf.sinks, valid.shape[1]) if valid[b, i]), key=lambda i: int(positions[b, i]))
+        got = sinks + window
         want = row["sinks"] + row["window"]
         assert len(got) == len(want)
         for i, (k, v, p) in zip(got, want):
             assert torch.equal(keys[b, :, i], k) and torch.equal(values[b, :, i], v) and int(positions[b, i]) == p
-        # Sinks first, then the window in time order.
-        assert [int(positions[b, i]) for i in got] == [p for _, _, p in want]
 
 
 @pytest.mark.parametrize("sinks,window", [(0, 5), (3, 7), (4, 1), (2, 0), (5, 13)])
-@pytest.mark.parametrize("chunk", [1, 3, 11])
-def test_push_matches_naive(sinks, window, chunk, nan_empty):
-    g = torch.Generator().manual_seed(sinks * 100 + window * 10 + chunk)
+@pytest.mark.parametrize("chunks", [[1] * 7, [3] * 7, [11] * 7, [1, 1, 1, 4, 1, 1, 1, 1, 1, 11, 1, 1, 2, 1]],
+                         ids=["decode", "chunk3", "chunk11", "decode-then-chunks"])
+def test_push_matches_naive(sinks, window, chunks, nan_empty):
+    """Chunk pushes, one-token pushes (the ring) and both in turn (the ring put back in order)."""
+    g = torch.Generator().manual_seed(sinks * 100 + window * 10 + len(chunks) + chunks[0])
     batch, heads, d = 3, 2, 5
     buf = ExactBuffer(sinks, window, batch, heads, d)
     ref = NaiveBuffer(sinks, window, batch)
     start = torch.zeros(batch, dtype=torch.long)
-    for _ in range(7):
+    for chunk in chunks:
         key, value, valid, positions = random_chunk(batch, heads, chunk, d, start, g)
         start = positions[:, -1] + 1
         lost = buf.push(key, value, valid, positions)
@@ -72,6 +77,7 @@ def test_push_matches_naive(sinks, window, chunk, nan_empty):
             for i, (k, v, p) in zip(idx, w):
                 assert torch.equal(lost.key[b, :, i], k) and torch.equal(lost.value[b, :, i], v)
                 assert int(lost.positions[b, i]) == p
+        assert (lost.key.transpose(1, 2)[~lost.valid] == 0).all() and (lost.value.transpose(1, 2)[~lost.valid] == 0).all()
         check_equal(buf, ref)
 
 

@@ -22,7 +22,7 @@ from armkv.memory.read import bucket_slot_mask
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
 from armkv.memory.quant import mixing_matrix
-from armkv.methods.attention import joint_attention, safe_softmax
+from armkv.methods.attention import decode_scores, decode_values, joint_attention, safe_softmax
 from armkv.methods.base import CacheLayer, ModelInfo, register_method, require_budget
 from armkv.methods.buffers import ExactBuffer
 
@@ -108,15 +108,15 @@ class ARMLayer(CacheLayer):
 
     def _exact(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The exact part of the state: sinks, window and the tokens waiting to be written
-        (keys [B, H, L, d], values, valid [B, L]), unwritten entries zeroed here (it is small),
-        so that the attention need not pass over the whole state (free slots are stored zero)."""
+        (keys [B, H, L, d], values, valid [B, L]). Entries that hold no valid token are zero
+        (the buffer and its overflow keep them so, and free slots are stored zero), so the
+        attention need not mask them out of its products."""
         exact_k, exact_v, exact_valid, _ = self.buffer.kv()
         if self.pending is not None:
             exact_k = torch.cat([exact_k, self.pending[0]], 2)
             exact_v = torch.cat([exact_v, self.pending[1]], 2)
             exact_valid = torch.cat([exact_valid, self.pending[2]], 1)
-        keep = exact_valid[:, None, :, None]
-        return torch.where(keep, exact_k, 0.0), torch.where(keep, exact_v, 0.0), exact_valid
+        return exact_k, exact_v, exact_valid
 
     def _decode_read(self, query, key, value, valid, scaling, exact_k, exact_v, exact_valid) -> torch.Tensor:
         """The decode step's read when every bucket is read (one token, stored positions): the
@@ -141,8 +141,7 @@ class ARMLayer(CacheLayer):
         scores = torch.cat(
             [
                 st.key_scores(q_slots).view(B, H, R, S) * scaling + bias.unsqueeze(2),
-                (torch.matmul(q, exact_k.transpose(-1, -2)) * scaling).masked_fill(~exact_valid[:, None, None, :], -torch.inf),
-                ((q * key).sum(-1, keepdim=True) * scaling).masked_fill(~valid[:, None, None, :], -torch.inf),
+                decode_scores(q, key, valid, scaling, exact_k, exact_valid[:, None, None, :]),
             ],
             -1,
         )
@@ -150,9 +149,7 @@ class ARMLayer(CacheLayer):
         from_slots = st.weighted_values(w[..., :S].reshape(B * H, R, S)).view(B, H, R, d)
         if mix is not None:
             from_slots = from_slots @ mix.T
-        L = exact_k.shape[2]
-        self_value = torch.where(valid[:, None, None, :], value, 0.0)
-        out = from_slots + torch.matmul(w[..., S : S + L], exact_v) + w[..., S + L :] * self_value
+        out = from_slots + decode_values(w[..., S:], exact_v, value, valid)
         return out.reshape(B, Hq, 1, d).transpose(1, 2)
 
     def _chunk_read(self, query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all) -> torch.Tensor:

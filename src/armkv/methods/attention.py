@@ -111,9 +111,10 @@ def joint_attention(
     """Attend a chunk's queries over the state (all of it) and the chunk (causally), jointly.
 
     One call of torch's fused ``scaled_dot_product_attention`` over [state | chunk] with an
-    additive mask (the state's bias where a key may be read, -inf elsewhere); a query with
-    no key at all (padding) gets zeros, as in :func:`joint_attention_reference`, which it
-    must equal (tests/test_methods.py).
+    additive mask (the state's bias where a key may be read, -inf elsewhere); for one new
+    token (decoding), two matmuls over the state and the token's own logit, so that the
+    state is not copied every step. A query with no key at all (padding) gets zeros, as in
+    :func:`joint_attention_reference`, which both paths must equal (tests/test_methods.py).
 
     Parameters
     ----------
@@ -136,6 +137,10 @@ def joint_attention(
     hkv = key.shape[1]
     g = hq // hkv
     dtype = query.dtype
+    if t == 1 and state_key is not None and state_key.shape[2] > 0:
+        return _decode_attention(
+            query, key, value, valid, scaling, state_key, state_value, state_valid, state_bias, state_mask, state_clean
+        )
     # [B, Hkv, G*T, d]: the G query heads of a KV head share its keys (rows ordered (g, t)).
     q = query.reshape(b, hkv, g * t, d)
     causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril().repeat(g, 1)  # [G*T, T]
@@ -164,3 +169,58 @@ def joint_attention(
         keys, values = torch.cat([state_key, key], dim=2), torch.cat([state_value, chunk_value], dim=2)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
     return out.reshape(b, hq, t, d).transpose(1, 2)
+
+
+def decode_scores(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    state_key: torch.Tensor,
+    state_ok: torch.Tensor | None = None,
+    state_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One new token's logits over a state and itself, -inf where excluded.
+
+    q [B, Hkv, G, d] (the G query heads of each KV head), key [B, Hkv, 1, d], valid [B, 1],
+    state_key [B, Hkv, L, d], state_ok broadcastable to [B, Hkv, G, L] (None: all readable),
+    state_bias [B, Hkv, L]. Returns [B, Hkv, G, L + 1] (the token's own logit last)."""
+    scores = torch.matmul(q, state_key.transpose(-1, -2)) * scaling
+    if state_bias is not None:
+        scores = scores + state_bias[:, :, None, :].to(scores.dtype)
+    if state_ok is not None:
+        scores = scores.masked_fill(~state_ok, float("-inf"))
+    own = ((q * key).sum(-1, keepdim=True) * scaling).masked_fill(~valid[:, None, None, :], float("-inf"))
+    return torch.cat([scores, own], -1)
+
+
+def decode_values(weights: torch.Tensor, state_value: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The weighted sum of :func:`decode_scores`' softmax: weights [B, Hkv, G, L + 1],
+    state_value [B, Hkv, L, d] (invalid entries zero), value [B, Hkv, 1, d] -> [B, Hkv, G, d]."""
+    n = state_value.shape[2]
+    own = torch.where(valid[:, None, None, :], value, torch.zeros((), dtype=value.dtype, device=value.device))
+    return torch.matmul(weights[..., :n], state_value) + weights[..., n:] * own
+
+
+def _decode_attention(query, key, value, valid, scaling, state_key, state_value, state_valid, state_bias, state_mask, state_clean):
+    """:func:`joint_attention` for one new token: the state's and the token's logits in one
+    softmax, with no copy of the state (SDPA would need [state | token] concatenated and a
+    float mask the size of the state, every decode step)."""
+    b, hq, _, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    n = state_key.shape[2]
+    q = query.reshape(b, hkv, g, d)
+    ok = None
+    if state_valid is not None:
+        if not state_clean:
+            valid_kv = state_valid if state_valid.dim() == 3 else state_valid[:, None]
+            state_key = _zero_invalid(state_key, valid_kv)
+            state_value = _zero_invalid(state_value, valid_kv)
+        ok = _per_head(state_valid)
+    if state_mask is not None:
+        per_query = state_mask.reshape(b, hkv, g, n)
+        ok = per_query if ok is None else ok & per_query
+    weights = safe_softmax(decode_scores(q, key, valid, scaling, state_key, ok, state_bias))
+    out = decode_values(weights, state_value, value, valid)
+    return out.reshape(b, hq, 1, d).transpose(1, 2)

@@ -34,6 +34,11 @@ class Overflow:
         return self.valid.shape[1]
 
 
+def _zero_where_not(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """x [B, H, n, d] with the tokens where valid [B, n] is False set to zero."""
+    return torch.where(valid[:, None, :, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x [B, H, L, d], index [B, n] -> [B, H, n, d] (the same tokens for every head)."""
     b, h, _, d = x.shape
@@ -66,16 +71,21 @@ class ExactBuffer:
         if sinks < 0 or window < 0:
             raise ValueError(f"ExactBuffer: sinks={sinks} and window={window} must be >= 0")
         self.sinks, self.window = sinks, window
-        shape = (batch, num_kv_heads)
-        # Allocated with empty: entries are read only where *_valid says so (see attention.joint_attention).
-        self.sink_k = torch.empty(*shape, sinks, head_dim, dtype=dtype, device=device)  # [B, H, S, d]
-        self.sink_v = torch.empty_like(self.sink_k)
-        self.win_k = torch.empty(*shape, window, head_dim, dtype=dtype, device=device)  # [B, H, W, d]
-        self.win_v = torch.empty_like(self.win_k)
-        self.sink_valid = torch.zeros(batch, sinks, dtype=torch.bool, device=device)
-        self.win_valid = torch.zeros(batch, window, dtype=torch.bool, device=device)
-        self.sink_pos = torch.zeros(batch, sinks, dtype=torch.long, device=device)
-        self.win_pos = torch.zeros(batch, window, dtype=torch.long, device=device)
+        # One tensor each for keys, values, validity and positions, sinks first: the read takes
+        # them as they are (no copy). Entries that hold no valid token are zero, so a reader
+        # need not mask them out of its products (state_clean in attention.joint_attention).
+        self.k = torch.zeros(batch, num_kv_heads, sinks + window, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.valid = torch.zeros(batch, sinks + window, dtype=torch.bool, device=device)
+        self.pos = torch.zeros(batch, sinks + window, dtype=torch.long, device=device)
+        self.sink_k, self.win_k = self.k[:, :, :sinks], self.k[:, :, sinks:]  # views
+        self.sink_v, self.win_v = self.v[:, :, :sinks], self.v[:, :, sinks:]
+        self.sink_valid, self.win_valid = self.valid[:, :sinks], self.valid[:, sinks:]
+        self.sink_pos, self.win_pos = self.pos[:, :sinks], self.pos[:, sinks:]
+        # The window is a ring while decoding: head[b] is the index of row b's oldest entry
+        # (the next one replaced). A chunk push puts it back in time order first.
+        self.head = torch.zeros(batch, dtype=torch.long, device=device)
+        self._ring = False  # head may be nonzero
 
     @property
     def capacity(self) -> int:
@@ -101,6 +111,8 @@ class ExactBuffer:
         valid = valid.to(torch.bool)
         if key.shape[2] == 1:
             return self._push_one(key, value, valid, positions)
+        if self._ring:
+            self._unroll()
         to_window = valid
         if self.sinks:
             to_window = self._fill_sinks(key, value, valid, positions)
@@ -114,9 +126,10 @@ class ExactBuffer:
         order = torch.sort(cand_valid.to(torch.int8), dim=1, stable=True).indices  # [B, W + T]
         total = cand_valid.shape[1]
         keep = order[:, total - self.window :]
-        self.win_k.copy_(gather_tokens(cand_k, keep))
-        self.win_v.copy_(gather_tokens(cand_v, keep))
-        self.win_valid.copy_(cand_valid.gather(1, keep))
+        kept = cand_valid.gather(1, keep)
+        self.win_k.copy_(_zero_where_not(gather_tokens(cand_k, keep), kept))
+        self.win_v.copy_(_zero_where_not(gather_tokens(cand_v, keep), kept))
+        self.win_valid.copy_(kept)
         self.win_pos.copy_(cand_pos.gather(1, keep))
 
         lost = (cand_valid.sum(1) - self.window).clamp(min=0)  # [B]
@@ -124,12 +137,23 @@ class ExactBuffer:
         # Valid entries of the sorted order end at `total`; the window took the last W, so a
         # row's lost tokens sit just before it and anything earlier in the slice is invalid.
         out = order[:, total - self.window - n : total - self.window]  # [B, n]
+        out_valid = cand_valid.gather(1, out)
         return Overflow(
-            key=gather_tokens(cand_k, out),
-            value=gather_tokens(cand_v, out),
-            valid=cand_valid.gather(1, out),
+            key=_zero_where_not(gather_tokens(cand_k, out), out_valid),
+            value=_zero_where_not(gather_tokens(cand_v, out), out_valid),
+            valid=out_valid,
             positions=cand_pos.gather(1, out),
         )
+
+    def _unroll(self) -> None:
+        """Put the ring window back in time order (oldest first) and reset its head."""
+        order = (self.head[:, None] + torch.arange(self.window, device=self.head.device)) % self.window  # [B, W]
+        self.win_k.copy_(gather_tokens(self.win_k, order))
+        self.win_v.copy_(gather_tokens(self.win_v, order))
+        self.win_valid.copy_(self.win_valid.gather(1, order))
+        self.win_pos.copy_(self.win_pos.gather(1, order))
+        self.head.zero_()
+        self._ring = False
 
     def _push_one(
         self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor
@@ -149,18 +173,24 @@ class ExactBuffer:
             self.sink_valid |= hot
             v = v & ~hot.any(1)
         if self.window == 0:
-            return Overflow(key=key, value=value, valid=v[:, None], positions=pos)
+            return Overflow(key=_zero_where_not(key, v[:, None]), value=_zero_where_not(value, v[:, None]), valid=v[:, None], positions=pos)
+        # The ring's oldest entry leaves (O(1) in the window: no shift of the other entries).
+        b, h, _, d = key.shape
+        at = self.head[:, None]  # [B, 1]
+        at_kv = at[:, None, :, None].expand(b, h, 1, d)
+        old_k, old_v = self.win_k.gather(2, at_kv), self.win_v.gather(2, at_kv)
+        old_valid, old_pos = self.win_valid.gather(1, at), self.win_pos.gather(1, at)
+        leaves = old_valid & v[:, None]
         lost = Overflow(
-            key=self.win_k[:, :, :1].clone(),
-            value=self.win_v[:, :, :1].clone(),
-            valid=self.win_valid[:, :1] & v[:, None],
-            positions=self.win_pos[:, :1].clone(),
+            key=_zero_where_not(old_k, leaves), value=_zero_where_not(old_v, leaves), valid=leaves, positions=old_pos
         )
         row = v[:, None, None, None]
-        self.win_k.copy_(torch.where(row, torch.cat([self.win_k[:, :, 1:], key], 2), self.win_k))
-        self.win_v.copy_(torch.where(row, torch.cat([self.win_v[:, :, 1:], value], 2), self.win_v))
-        self.win_valid.copy_(torch.where(v[:, None], torch.cat([self.win_valid[:, 1:], v[:, None]], 1), self.win_valid))
-        self.win_pos.copy_(torch.where(v[:, None], torch.cat([self.win_pos[:, 1:], pos], 1), self.win_pos))
+        self.win_k.scatter_(2, at_kv, torch.where(row, key, old_k))
+        self.win_v.scatter_(2, at_kv, torch.where(row, value, old_v))
+        self.win_valid.scatter_(1, at, old_valid | v[:, None])
+        self.win_pos.scatter_(1, at, torch.where(v[:, None], pos, old_pos))
+        self.head.copy_(torch.where(v, (self.head + 1) % self.window, self.head))
+        self._ring = True
         return lost
 
     def _fill_sinks(
@@ -187,24 +217,22 @@ class ExactBuffer:
         return valid & ~to_sink
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sinks then window.
+        """Sinks then window (the buffer's own tensors, not copies: read them before the next push).
+
+        The window is in time order after a chunk push, in ring order after decode steps;
+        attention does not depend on the order (``positions`` give it).
 
         Returns
         -------
-        keys, values : [B, H, L, d] with L = sinks + window
+        keys, values : [B, H, L, d] with L = sinks + window, zero where not valid
         valid : [B, L] bool
         positions : [B, L] long
         """
-        return (
-            torch.cat([self.sink_k, self.win_k], dim=2),
-            torch.cat([self.sink_v, self.win_v], dim=2),
-            torch.cat([self.sink_valid, self.win_valid], dim=1),
-            torch.cat([self.sink_pos, self.win_pos], dim=1),
-        )
+        return self.k, self.v, self.valid, self.pos
 
     def reorder(self, index: torch.Tensor) -> None:
         """Select batch rows in place (beam search): index [B] long."""
-        for name in ("sink_k", "sink_v", "win_k", "win_v", "sink_valid", "win_valid", "sink_pos", "win_pos"):
+        for name in ("k", "v", "valid", "pos", "head"):
             t = getattr(self, name)
             t.copy_(t.index_select(0, index.to(t.device)))
 
@@ -215,9 +243,8 @@ class ExactBuffer:
         validity and positions (:meth:`bookkeeping_bytes`) are not counted against a budget
         by any method (9 bytes per token and row, whatever the heads and head size).
         """
-        return sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v, self.win_k, self.win_v))
+        return self.k.nbytes + self.v.nbytes
 
     def bookkeeping_bytes(self) -> int:
-        """Bytes of the validity masks and positions ([B, L] bool and long)."""
-        meta = (self.sink_valid, self.win_valid, self.sink_pos, self.win_pos)
-        return sum(t.numel() * t.element_size() for t in meta)
+        """Bytes of the validity mask, positions ([B, L] bool and long) and ring heads ([B] long)."""
+        return self.valid.nbytes + self.pos.nbytes + self.head.nbytes

@@ -29,7 +29,7 @@ class WindowLayer(CacheLayer):
                 self.sinks, self.window, key.shape[0], key.shape[1], key.shape[3], key.dtype, key.device
             )
         state_k, state_v, state_valid, _ = self.buffer.kv()
-        out = joint_attention(query, key, value, valid, scaling, state_k, state_v, state_valid)
+        out = joint_attention(query, key, value, valid, scaling, state_k, state_v, state_valid, state_clean=True)
         self.buffer.push(key, value, valid, positions)
         return out
 
