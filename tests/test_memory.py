@@ -65,7 +65,8 @@ def test_scan_equals_naive_loop(gate, write, G, N, S, occupied):
     slow = naive.naive_scan(merged, plan, keys, values, positions, params, write)
     for name in ("key", "value", "pos", "count"):
         tol = 1e-10 if name in ("key", "value") else 1e-5  # positions and counts are kept in fp32
-        torch.testing.assert_close(getattr(fast, name), getattr(slow, name), rtol=tol, atol=tol, msg=name)
+        # (the reference may widen positions and counts to the keys' dtype)
+        torch.testing.assert_close(getattr(fast, name), getattr(slow, name), rtol=tol, atol=tol, msg=name, check_dtype=False)
     weights = torch.randn_like(fast.key)
     grads = []
     for out in (fast, slow):

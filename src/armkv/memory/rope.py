@@ -29,8 +29,8 @@ class Rotary:
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] -> cos, sin [..., d] (unscaled)."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)  # each frequency once, then both halves
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Apply RoPE. x [..., T, d], positions broadcastable to [..., T]."""

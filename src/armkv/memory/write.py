@@ -285,7 +285,7 @@ def plan_writes(
                 ts = ts - 1e4
             src_of, demote_to = _make_room(room, leader, neighbours, ts, deficit)
             leader = leader & (demote_to < 0)
-        state = _merge_pairs(state, src_of)
+            state = _merge_pairs(state, src_of)  # (with no deficit nothing merges: src_of is all -1)
         free_mask = state.count == 0
         free_order = torch.sort((~free_mask).to(torch.int8), dim=1, stable=True).indices  # free slots first
         rank = leader.cumsum(1) - 1

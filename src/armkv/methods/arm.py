@@ -228,9 +228,39 @@ class ARMLayer(CacheLayer):
         k_pre = self.rotary.unrotate(keys, positions.unsqueeze(1))
         if mem.training and c.write != "fifo":
             self.aux["balance"] = self.aux.get("balance", 0) + mem.router.balance_loss(k_pre, valid)
-        stored = self.state.unpack(keys.dtype)
+        packed = self.state
+        stored = packed.unpack(keys.dtype)
         state = dataclasses.replace(stored, key=self.rotary.unrotate(stored.key, self._read_positions(stored)))
-        self.state = self._stored(mem.write(state, k_pre, values, positions, valid, self.generator, c))
+        written = mem.write(state, k_pre, values, positions, valid, self.generator, c)
+        self.state = self._stored(written) if mem.training else self._restored(packed, state, written)
+
+    def _restored(self, packed: MemoryState, before: MemoryState, after: MemoryState) -> MemoryState:
+        """:meth:`_stored` of ``after`` that re-rotates and re-packs only the slots the write
+        changed, copying their codes into ``packed`` (the state as stored before the write) in
+        place; every other slot keeps the codes it has. Equal to ``_stored(after)``
+        (tests/test_arm_method.py). A changed slot has a new count or position: a write adds
+        to its count, a merge adds to one count and frees the other (count 0), and a freed
+        slot filled again in the same write holds a later position than anything stored."""
+        G, S, d = after.key.shape
+        changed = (after.count != before.count) | (after.pos != before.pos)
+        rows = changed.view(-1).nonzero().squeeze(1)  # [n] flat indices g * S + s
+        fresh = self._stored(
+            MemoryState(
+                key=after.key.reshape(G * S, d).index_select(0, rows).unsqueeze(0),
+                value=after.value.reshape(G * S, d).index_select(0, rows).unsqueeze(0),
+                pos=after.pos.reshape(-1).index_select(0, rows).unsqueeze(0),
+                count=after.count.reshape(-1).index_select(0, rows).unsqueeze(0),
+                bucket=after.bucket.reshape(-1).index_select(0, rows).unsqueeze(0),
+            )
+        )
+        parts = {}
+        for name in ("key", "value", "key_scale", "value_scale"):
+            old, new = getattr(packed, name), getattr(fresh, name)
+            if old is not None:
+                parts[name] = old.view(G * S, -1).index_copy_(0, rows, new.view(rows.numel(), -1)).view(old.shape)
+        return dataclasses.replace(
+            packed, pos=after.pos, count=after.count, bucket=after.bucket.to(packed.bucket.dtype), **parts
+        )
 
     def _stored(self, state: MemoryState) -> MemoryState:
         """The state as kept between writes, in the form attention reads: slot keys rotated
