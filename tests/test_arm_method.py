@@ -31,7 +31,7 @@ def test_large_memory_reads_equal_exact_attention():
                                        {"log_count_bias": False}, {"pool": "paper"}, {"merge_metric": "kv"},
                                        {"merge_metric": "ward"}, {"slot_format": "bfloat16"},
                                        {"slot_format": "int8"}, {"slot_format": "k8v4"}, {"slot_format": "k4v4"},
-                                       {"protect_recent": 0.5}])
+                                       {"protect_recent": 0.5}, {"lazy_merge": True}])
 def test_ablation_switches_run_within_budget(overrides):
     model = tiny_model("llama").eval()
     ids = torch.randint(0, 100, (1, 200))

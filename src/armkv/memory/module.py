@@ -91,6 +91,7 @@ class ARMMemory(nn.Module):
             empty_slot_rule=c.empty_slot_rule,
             merge_metric=c.merge_metric,
             protect_recent=c.protect_recent,
+            lazy=c.lazy_merge,
             slots_per_bucket=c.slots_per_bucket,
             training=self.training,
             tau=c.tau,

@@ -21,7 +21,9 @@ class MemoryState:
     bucket : [G, S] bucket the slot is filed under (-1 = free in the shared pool;
         the fixed partition s // Y in the paper's pool)
     key_scale, value_scale : [G, S, groups] scales when key and value are stored as int8 or
-        int4 codes (:meth:`pack`; int4 values are uint8 bytes of two codes), else None
+        int4 codes (:meth:`pack`; int4 codes are uint8 bytes of two codes), else None. Key
+        codes are stored channel-major, [G, d or d / 2, S], the layout in which a query's
+        scores over every slot are one plain matrix product (:meth:`key_scores`)
     mixed : the codes hold x Q, not x (:func:`armkv.memory.quant.mixing_matrix`); a flag, no bytes
 
     Writes and reads work on the unpacked (float) state; between writes a layer may keep
@@ -65,7 +67,7 @@ class MemoryState:
 
     @property
     def slots(self) -> int:
-        return self.key.shape[1]
+        return self.count.shape[1]
 
     def nbytes(self) -> int:
         """Bytes held, as stored (a packed state keeps its bucket ids as int32)."""
@@ -110,6 +112,7 @@ class MemoryState:
             q = mixing_matrix(key.shape[-1], key.dtype, key.device)
             key, value = key @ q, value @ q
         key, key_scale = _quantise(key, key_bits)
+        key = key.transpose(1, 2).contiguous()  # channel-major (see the class docstring)
         value, value_scale = _quantise(value, value_bits)
         return replace(packed, key=key, value=value, key_scale=key_scale, value_scale=value_scale, mixed=mix)
 
@@ -124,7 +127,8 @@ class MemoryState:
         query instead, see ``mixing_matrix``)."""
         if self.key_scale is None:
             return self.key.to(dtype), self.value.to(dtype)
-        key, value = _dequantise(self.key, self.key_scale).to(dtype), _dequantise(self.value, self.value_scale).to(dtype)
+        key = _dequantise(self.key.transpose(1, 2), self.key_scale).to(dtype)
+        value = _dequantise(self.value, self.value_scale).to(dtype)
         if self.mixed and unmix:
             q = mixing_matrix(key.shape[-1], dtype, key.device)
             key, value = key @ q.T, value @ q.T
@@ -138,10 +142,22 @@ class MemoryState:
         if self.key_scale is None:
             return torch.matmul(query, self.key.to(query.dtype).transpose(1, 2))
         G, R, _ = query.shape
-        total = 0
-        for lo, hi, codes, scale in _code_groups(self.key, self.key_scale, query.dtype):
-            q = query[..., lo:hi].reshape(G, R, codes.shape[1], -1).transpose(1, 2)  # [G, ng, R, dg]
-            total = total + (torch.matmul(q, codes.transpose(-1, -2)) * scale.transpose(1, 2).unsqueeze(2)).sum(1)
+        S = self.key.shape[-1]
+        halves = int4_halves(self.key) if self.key.dtype == torch.uint8 else (self.key,)  # [G, width, S] each
+        scale = self.key_scale.transpose(1, 2)  # [G, ng, S]
+        per_half = scale.shape[1] // len(halves) if scale.shape[1] % len(halves) == 0 else 0
+        width = halves[0].shape[1]
+        total = None
+        for h, half in enumerate(halves):
+            sc = scale[:, h * per_half : (h + 1) * per_half] if per_half else scale  # [G, n, S]
+            n = sc.shape[1]
+            q = query[..., h * width : (h + 1) * width]
+            if n == 1:  # one scale over the half: a [R, width] x [width, S] product per group
+                part = torch.matmul(q, half.to(query.dtype)) * sc
+            else:
+                codes = half.to(query.dtype).view(G, n, width // n, S)
+                part = (torch.matmul(q.reshape(G, R, n, -1).transpose(1, 2), codes) * sc.unsqueeze(2)).sum(1)
+            total = part if total is None else total + part
         return total
 
     def weighted_values(self, weights: torch.Tensor) -> torch.Tensor:

@@ -203,6 +203,7 @@ def plan_writes(
     values: torch.Tensor | None = None,
     merge_metric: str = "key",
     protect_recent: float = 0.0,
+    lazy: bool = False,
 ) -> tuple[WritePlan, MemoryState]:
     """Decide every write of a chunk against the state at the sync point.
 
@@ -215,6 +216,9 @@ def plan_writes(
     slots_per_bucket : Y of the paper's fixed partition, 0 for the shared pool
     values : [G, N, d] the chunk's values (needed by the "kv" and "ward" merge metrics)
     merge_metric : how a full pool picks what to merge (:func:`room_similarity`)
+    lazy : (shared pool, similarity scorer) a group whose free slots can hold all of the
+        chunk's valid tokens gives each its own slot, however similar; merging starts when
+        the pool runs short
 
     Returns
     -------
@@ -253,6 +257,10 @@ def plan_writes(
         novel = valid & ((choice == S) | ~has_cand)
     else:
         novel = valid.clone()  # the paper's scorer cannot tell novelty: every token wants a free slot
+    roomy = None
+    if lazy and similarity and slots_per_bucket == 0:
+        roomy = (~occ).sum(-1, keepdim=True) >= valid.sum(-1, keepdim=True)  # [G, 1]
+        novel = torch.where(roomy, valid, novel)
 
     # novel tokens that repeat an earlier novel token of their bucket join its new slot
     zt, _ = params.pair_scores(keys, keys)  # zt[g, t, u]: token t against token u as a slot
@@ -261,6 +269,8 @@ def plan_writes(
     parent = t_idx.clone()
     if similarity:
         passes = same & earlier & (zt >= 0)
+        if roomy is not None:
+            passes = passes & ~roomy.unsqueeze(-1)  # room for every token: repeats keep their own slots
         first = torch.where(passes, t_idx.unsqueeze(1), N).min(-1).values
         parent = torch.where(first < N, first, t_idx)
         for _ in range(max(1, math.ceil(math.log2(max(N, 2))))):
@@ -663,11 +673,12 @@ def write_chunk(
     generator: torch.Generator | None = None,
     merge_metric: str = "key",
     protect_recent: float = 0.0,
+    lazy: bool = False,
 ) -> MemoryState:
     """Plan, gate and scan one chunk (see the module docstring). Shapes as in plan_writes."""
     plan, state = plan_writes(
         state, keys, bucket, valid, params, write, slots_per_bucket, training, tau, generator, values, merge_metric,
-        protect_recent,
+        protect_recent, lazy,
     )
     beta = gate_weights(plan, keys, params, write, empty_slot_rule)
     return scan_writes(state, plan, beta, keys, values, positions)

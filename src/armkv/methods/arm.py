@@ -30,7 +30,7 @@ from armkv.methods.buffers import ExactBuffer
 # a parameter's shape (the tree, scorer, gate and policy come with the adapter).
 RUNTIME_FIELDS = {
     "sinks", "window", "sync", "slots", "pool", "chunk", "position_mode", "write", "empty_slot_rule",
-    "log_count_bias", "merge_metric", "protect_recent", "slot_format", "slot_mixing", "tau", "top_m", "m_fixed", "epsilon",
+    "log_count_bias", "merge_metric", "protect_recent", "lazy_merge", "slot_format", "slot_mixing", "tau", "top_m", "m_fixed", "epsilon",
 }  # fmt: skip
 
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
@@ -256,7 +256,12 @@ class ARMLayer(CacheLayer):
         parts = {}
         for name in ("key", "value", "key_scale", "value_scale"):
             old, new = getattr(packed, name), getattr(fresh, name)
-            if old is not None:
+            if old is None:
+                continue
+            if name == "key" and packed.key_scale is not None:  # channel-major codes [G, width, S]
+                old[rows // S, :, rows % S] = new[0].transpose(0, 1)
+                parts[name] = old
+            else:
                 parts[name] = old.view(G * S, -1).index_copy_(0, rows, new.view(rows.numel(), -1)).view(old.shape)
         return dataclasses.replace(
             packed, pos=after.pos, count=after.count, bucket=after.bucket.to(packed.bucket.dtype), **parts
