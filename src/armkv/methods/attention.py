@@ -88,6 +88,25 @@ def joint_attention_reference(
     return out.reshape(b, hq, t, d).transpose(1, 2)
 
 
+def _readable(state_key, state_value, state_valid, state_mask, state_clean: bool, rows: int):
+    """The state as a query may read it: (keys, values, which keys each of the ``rows``
+    query rows per KV head may read, broadcastable to [B, Hkv, rows, L], or None for all).
+    Unwritten entries may hold anything (NaN included; -inf + NaN is NaN): they are zeroed
+    unless the caller keeps them zero (``state_clean``)."""
+    ok = None
+    if state_valid is not None:
+        if not state_clean:
+            valid_kv = state_valid if state_valid.dim() == 3 else state_valid[:, None]
+            state_key = _zero_invalid(state_key, valid_kv)
+            state_value = _zero_invalid(state_value, valid_kv)
+        ok = _per_head(state_valid)
+    if state_mask is not None:
+        b, hkv, n = state_key.shape[0], state_key.shape[1], state_key.shape[2]
+        per_query = state_mask.reshape(b, hkv, rows, n)
+        ok = per_query if ok is None else ok & per_query
+    return state_key, state_value, ok
+
+
 def _additive(ok: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask (and a bias where it holds) as the float mask SDPA adds to the logits."""
     blocked = torch.full((), float("-inf"), dtype=dtype, device=ok.device)
@@ -150,16 +169,9 @@ def joint_attention(
         keys, values, mask = key, chunk_value, chunk_mask
     else:
         n = state_key.shape[2]
-        ok = torch.ones(1, 1, 1, n, dtype=torch.bool, device=query.device)
-        if state_valid is not None:
-            if not state_clean:
-                # unwritten entries may hold anything (NaN included): -inf + NaN is NaN
-                valid_kv = state_valid if state_valid.dim() == 3 else state_valid[:, None]
-                state_key = _zero_invalid(state_key, valid_kv)
-                state_value = _zero_invalid(state_value, valid_kv)
-            ok = _per_head(state_valid)
-        if state_mask is not None:
-            ok = ok & state_mask.reshape(b, hkv, g * t, n)
+        state_key, state_value, ok = _readable(state_key, state_value, state_valid, state_mask, state_clean, g * t)
+        if ok is None:
+            ok = torch.ones(1, 1, 1, n, dtype=torch.bool, device=query.device)
         bias = None if state_bias is None else state_bias[:, :, None, :]
         state_part = _additive(ok, bias, dtype)
         heads = max(state_part.shape[1], 1)
@@ -209,18 +221,8 @@ def _decode_attention(query, key, value, valid, scaling, state_key, state_value,
     b, hq, _, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
-    n = state_key.shape[2]
     q = query.reshape(b, hkv, g, d)
-    ok = None
-    if state_valid is not None:
-        if not state_clean:
-            valid_kv = state_valid if state_valid.dim() == 3 else state_valid[:, None]
-            state_key = _zero_invalid(state_key, valid_kv)
-            state_value = _zero_invalid(state_value, valid_kv)
-        ok = _per_head(state_valid)
-    if state_mask is not None:
-        per_query = state_mask.reshape(b, hkv, g, n)
-        ok = per_query if ok is None else ok & per_query
+    state_key, state_value, ok = _readable(state_key, state_value, state_valid, state_mask, state_clean, g)
     weights = safe_softmax(decode_scores(q, key, valid, scaling, state_key, ok, state_bias))
     out = decode_values(weights, state_value, value, valid)
     return out.reshape(b, hq, 1, d).transpose(1, 2)
