@@ -15,6 +15,7 @@ from armkv.errors import ArmkvError
 # Bytes of slot metadata kept beside each slot's key and value: count n (fp32),
 # count-weighted position (fp32) and bucket id (int32).
 SLOT_META_BYTES = 12
+SLOT_SCALE_BYTES = 2  # bfloat16 quantisation scales (memory/state.py)
 
 CHOICES = {
     "pool": ("shared", "paper"),
@@ -27,8 +28,8 @@ CHOICES = {
     "slot_format": ("model", "bfloat16", "int8", "k8v4", "k4v4"),
 }
 
-# The quantised slot formats: (key bits, value bits). 8 bits: one fp32 scale per vector;
-# 4 bits: two codes a byte, one fp32 scale per VALUE_GROUP channels.
+# The quantised slot formats: (key bits, value bits). 8 bits: one scale per vector; 4 bits:
+# two codes a byte, one scale per VALUE_GROUP channels. Scales are bfloat16 (SLOT_SCALE_BYTES).
 QUANTISED_SLOTS = {"int8": (8, 8), "k8v4": (8, 4), "k4v4": (4, 4)}
 
 
@@ -42,12 +43,12 @@ def value_groups(head_dim: int) -> int:
 
 
 def quantised_bytes(bits: int, head_dim: int) -> int:
-    """Bytes of one quantised key or value vector: codes and fp32 scales."""
+    """Bytes of one quantised key or value vector: codes and scales."""
     if bits == 8:
-        return head_dim + 4
+        return head_dim + SLOT_SCALE_BYTES
     if head_dim % 2:
         raise ArmkvError(f"4-bit slot formats pack two codes a byte: head size {head_dim} must be even")
-    return head_dim // 2 + 4 * value_groups(head_dim)
+    return head_dim // 2 + SLOT_SCALE_BYTES * value_groups(head_dim)
 
 
 def slot_bytes(slot_format: str, head_dim: int, dtype_bytes: int) -> int:

@@ -26,15 +26,18 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte).to(torch.uint8)
 
 
-def quantise_symmetric(x: torch.Tensor, bits: int, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., d] -> (codes int8 [..., d] in [-q, q], scale fp32 [..., groups]) with
-    q = 2 ** (bits - 1) - 1 and x ~ codes * scale (absmax / q per group of d / groups
-    channels). Quantising the dequantised values again gives the same codes."""
+def quantise_symmetric(
+    x: torch.Tensor, bits: int, groups: int = 1, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] -> (codes int8 [..., d] in [-q, q], scale [..., groups] of ``scale_dtype``)
+    with q = 2 ** (bits - 1) - 1 and x ~ codes * scale (absmax / q per group of d / groups
+    channels, rounded to ``scale_dtype`` before the codes are taken, so that the codes fit
+    the stored scale). Quantising the dequantised values again gives the same codes."""
     x = x.to(torch.float32)
     q = 2 ** (bits - 1) - 1
     xs = x.reshape(*x.shape[:-1], groups, x.shape[-1] // groups)
-    scale = xs.abs().amax(-1) / q
-    codes = torch.round(xs / scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)).clamp(-q, q)
+    scale = (xs.abs().amax(-1) / q).to(scale_dtype)
+    codes = torch.round(xs / scale.float().clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)).clamp(-q, q)
     return codes.reshape(x.shape).to(torch.int8), scale
 
 
@@ -42,7 +45,7 @@ def dequantise_symmetric(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tens
     """Inverse of :func:`quantise_symmetric` (fp32)."""
     groups = scale.shape[-1]
     xs = codes.to(torch.float32).reshape(*codes.shape[:-1], groups, codes.shape[-1] // groups)
-    return (xs * scale.unsqueeze(-1)).reshape(codes.shape)
+    return (xs * scale.float().unsqueeze(-1)).reshape(codes.shape)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,13 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from armkv.config import QUANTISED_SLOTS, value_groups
+from armkv.config import QUANTISED_SLOTS, SLOT_SCALE_BYTES, value_groups
 from armkv.memory.quant import dequantise_symmetric, int4_halves, mixing_matrix, pack_int4, quantise_symmetric, unpack_int4
+
+
+# The slots' quantisation scales: bfloat16 (2 bytes; its 8-bit mantissa adds at most 0.4% to a
+# scale whose int4 step is 1/7 of the range) keeps fp32's range, which fp16 would not.
+SLOT_SCALE_DTYPE = {2: torch.bfloat16, 4: torch.float32}[SLOT_SCALE_BYTES]
 
 
 @dataclass
@@ -144,7 +149,7 @@ class MemoryState:
         G, R, _ = query.shape
         S = self.key.shape[-1]
         halves = int4_halves(self.key) if self.key.dtype == torch.uint8 else (self.key,)  # [G, width, S] each
-        scale = self.key_scale.transpose(1, 2)  # [G, ng, S]
+        scale = self.key_scale.to(query.dtype).transpose(1, 2)  # [G, ng, S]
         per_half = scale.shape[1] // len(halves) if scale.shape[1] % len(halves) == 0 else 0
         width = halves[0].shape[1]
         total = None
@@ -168,7 +173,7 @@ class MemoryState:
         G, R, _ = weights.shape
         parts = []
         for _, _, codes, scale in _code_groups(self.value, self.value_scale, weights.dtype):
-            scaled = weights.unsqueeze(1) * scale.transpose(1, 2).unsqueeze(2)  # [G, ng, R, S]
+            scaled = weights.unsqueeze(1) * scale.to(weights.dtype).transpose(1, 2).unsqueeze(2)  # [G, ng, R, S]
             parts.append(torch.matmul(scaled, codes).transpose(1, 2).reshape(G, R, -1))
         return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
 
@@ -190,10 +195,11 @@ def _code_groups(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
 
 
 def _quantise(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., d] -> (codes: int8 [..., d], or for 4 bits uint8 [..., d / 2] two a byte; fp32 scales)."""
+    """x [..., d] -> (codes: int8 [..., d], or for 4 bits uint8 [..., d / 2] two a byte;
+    SLOT_SCALE_DTYPE scales)."""
     if bits == 8:
-        return quantise_symmetric(x, 8)
-    codes, scale = quantise_symmetric(x, 4, value_groups(x.shape[-1]))
+        return quantise_symmetric(x, 8, scale_dtype=SLOT_SCALE_DTYPE)
+    codes, scale = quantise_symmetric(x, 4, value_groups(x.shape[-1]), scale_dtype=SLOT_SCALE_DTYPE)
     return pack_int4(codes), scale
 
 
