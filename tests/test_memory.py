@@ -578,3 +578,25 @@ def test_reads_with_the_scales_folded_equal_dequantised_reads(fmt, d):
     key, value = packed.kv(torch.float32, unmix=False)
     torch.testing.assert_close(packed.key_scores(query), query @ key.transpose(1, 2), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(packed.weighted_values(weights), weights @ value, rtol=1e-4, atol=1e-4)
+
+
+def test_lazy_merging_keeps_near_duplicates_apart_while_the_pool_has_room():
+    """lazy: while a chunk's tokens fit in the free slots each takes its own, however close;
+    eager (lazy=False): a token above the threshold merges into its slot at once. Once the
+    pool is short of room, lazy writes merge as eager ones do."""
+    G, N, S, d = 2, 6, 16, 5
+    params = WriteParams(d, "similarity", "scalar", 0.98).double()
+    state = _filled_state(G, S, d, 4, nb=1)
+    keys = state.key[:, :1].repeat(1, N, 1) * 1.001  # every token nearly repeats slot 0
+    bucket = torch.zeros(G, N, dtype=torch.long)
+    valid = torch.ones(G, N, dtype=torch.bool)
+    lazy, _ = plan_writes(state, keys, bucket, valid, params, lazy=True)
+    eager, _ = plan_writes(state, keys, bucket, valid, params, lazy=False)
+    assert (eager.target == 0).all()  # all merged into the slot they repeat
+    for g in range(G):  # each in a slot of its own, none of the occupied ones
+        assert sorted(lazy.target[g].tolist()) == list(range(4, 4 + N))
+    full = _filled_state(G, S, d, S - 2, nb=1)  # room for 2 of the 6: lazy merges like eager
+    keys = full.key[:, :1].repeat(1, N, 1) * 1.001
+    lazy, _ = plan_writes(full, keys, bucket, valid, params, lazy=True)
+    eager, _ = plan_writes(full, keys, bucket, valid, params, lazy=False)
+    assert torch.equal(lazy.target, eager.target)

@@ -89,8 +89,9 @@ class ARMConfig:
     merge_threshold: float = 0.98  # initial cosine (pre-RoPE keys) above which a token merges into a slot
     merge_metric: str = "key"  # which pairs merge first when the pool is full: "key" (cosine of keys),
     # "kv" (the lower of the key and value cosines), "ward" (count-weighted squared distance of keys and values)
-    lazy_merge: bool = False  # merge only when the pool is short of room: while a chunk's tokens all fit
-    # in free slots, every one takes its own, near-duplicates included (docs/memory.md)
+    lazy_merge: bool = True  # merge only when the pool is short of room: while a chunk's tokens all fit
+    # in free slots, every one takes its own, near-duplicates included; False merges every token
+    # above merge_threshold into its slot at once (sessions 1-4; docs/memory.md)
     protect_recent: float = 0.0  # share of the occupied slots, the most recent, kept out of the merges
     # that make room (0: any slot may merge); the chunk's tokens give way only after the older pairs
     slot_format: str = "k4v4"  # how slots are stored between writes: "k4v4" (default) int4 keys and

@@ -36,6 +36,7 @@ ROWS = [
     ("slots-unmixed", "arm", {"slot_mixing": False}),
     ("merge-kv", "arm", {"merge_metric": "kv"}),
     ("merge-ward", "arm", {"merge_metric": "ward"}),
+    ("merge-eager", "arm", {"lazy_merge": False}),
 ]
 
 # RULER's needle-in-a-haystack tasks; the ones on the essay haystack need --haystack-file.

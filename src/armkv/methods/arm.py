@@ -421,7 +421,7 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
             arm = _load_adapter(str(Path(adapter).resolve()))
     arm.check_fits(info.num_layers, info.num_kv_heads, info.head_dim)
     tree = arm.config
-    # the storage format (and its mixing) is a run-time choice (it changes no parameter): the library's default
+    # the storage format (and its mixing) and lazy merging are run-time choices (they change no parameter): the library's default
     # unless asked, whatever the adapter was saved with
     split = fit(overrides.get("slot_format", ARMConfig.slot_format))
     runtime = dataclasses.replace(tree, sinks=split.sinks, window=split.window, sync=split.sync)
@@ -434,7 +434,10 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
         raise ArmkvError(
             f"budget {budget} is too small for arm: raise --budget to at least {split.sinks + split.window + split.sync + 2}"
         )
-    fields = {"slots": int(slots), "pool": pool, "slot_format": split.slot_format, "slot_mixing": ARMConfig.slot_mixing, **overrides}
+    fields = {
+        "slots": int(slots), "pool": pool, "slot_format": split.slot_format, "slot_mixing": ARMConfig.slot_mixing,
+        "lazy_merge": ARMConfig.lazy_merge, **overrides,
+    }  # fmt: skip
     fields.setdefault("chunk", min(tree.chunk, int(slots)))
     runtime = dataclasses.replace(runtime, **fields)
     return arm, runtime
