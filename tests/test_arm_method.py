@@ -165,3 +165,17 @@ def test_incremental_repack_equals_packing_every_slot(overrides, monkeypatch):
             token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
     assert len(checked) > 10 and max(checked) > 0
     assert cache.layers[1].state.count.max() > 1  # merges happened
+
+
+@pytest.mark.parametrize("slot_format", ["k4v4", "model"])
+def test_decoding_from_a_short_prompt_writes_nothing_without_failing(slot_format):
+    """A prompt shorter than the window: the first `sync` decode steps push out no token, so
+    the write every `sync` steps changes no slot (the incremental re-pack gets no rows)."""
+    model = tiny_model("llama").eval()
+    cache = make_cache(model, "arm", budget=96, chunk=16, arm_overrides={"slot_format": slot_format, "sync": 4})
+    token = torch.tensor([[5, 7]])
+    with torch.no_grad():
+        for _ in range(12):
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    layer = cache.layers[0]
+    assert layer.state.count.sum() == 0 and layer.seen == 13

@@ -262,7 +262,8 @@ class ARMLayer(CacheLayer):
                 old[rows // S, :, rows % S] = new[0].transpose(0, 1)
                 parts[name] = old
             else:
-                parts[name] = old.view(G * S, -1).index_copy_(0, rows, new.view(rows.numel(), -1)).view(old.shape)
+                row_shape = old.shape[2:]  # (explicit: a write may change no slot at all, rows empty)
+                parts[name] = old.view(G * S, *row_shape).index_copy_(0, rows, new.view(rows.numel(), *row_shape)).view(old.shape)
         return dataclasses.replace(
             packed, pos=after.pos, count=after.count, bucket=after.bucket.to(packed.bucket.dtype), **parts
         )
