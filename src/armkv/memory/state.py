@@ -148,14 +148,10 @@ class MemoryState:
             return torch.matmul(query, self.key.to(query.dtype).transpose(1, 2))
         G, R, _ = query.shape
         S = self.key.shape[-1]
-        halves = int4_halves(self.key) if self.key.dtype == torch.uint8 else (self.key,)  # [G, width, S] each
-        scale = self.key_scale.to(query.dtype).transpose(1, 2)  # [G, ng, S]
-        per_half = scale.shape[1] // len(halves) if scale.shape[1] % len(halves) == 0 else 0
-        width = halves[0].shape[1]
         total = None
-        for h, half in enumerate(halves):
-            sc = scale[:, h * per_half : (h + 1) * per_half] if per_half else scale  # [G, n, S]
-            n = sc.shape[1]
+        for h, half, sc in _code_halves(self.key, self.key_scale):  # half [G, width, S] (channel-major)
+            sc = sc.to(query.dtype).transpose(1, 2)  # [G, n, S]
+            n, width = sc.shape[1], half.shape[1]
             q = query[..., h * width : (h + 1) * width]
             if n == 1:  # one scale over the half: a [R, width] x [width, S] product per group
                 part = torch.matmul(q, half.to(query.dtype)) * sc
@@ -170,28 +166,27 @@ class MemoryState:
         weight the R x S weights instead of the S x d values."""
         if self.value_scale is None:
             return torch.matmul(weights, self.value.to(weights.dtype))
-        G, R, _ = weights.shape
+        G, R, S = weights.shape
         parts = []
-        for _, _, codes, scale in _code_groups(self.value, self.value_scale, weights.dtype):
-            scaled = weights.unsqueeze(1) * scale.to(weights.dtype).transpose(1, 2).unsqueeze(2)  # [G, ng, R, S]
+        for _, half, sc in _code_halves(self.value, self.value_scale):  # half [G, S, width]
+            n, width = sc.shape[-1], half.shape[-1]
+            codes = half.to(weights.dtype).view(G, S, n, width // n).transpose(1, 2)  # [G, n, S, dg]
+            scaled = weights.unsqueeze(1) * sc.to(weights.dtype).transpose(1, 2).unsqueeze(2)  # [G, n, R, S]
             parts.append(torch.matmul(scaled, codes).transpose(1, 2).reshape(G, R, -1))
         return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
 
 
-def _code_groups(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-    """Packed codes [G, S, d or d / 2] and scales [G, S, ng] as float code groups, without
-    applying the scales. Yields (first channel, end channel, codes [G, n, S, dg], scales
-    [G, S, n]) per stored half: int8 codes are one half; int4 bytes two (low nibbles: the
-    first d / 2 channels; high: the rest), each with its share of the groups (or, with one
-    group per vector, the same scale)."""
-    G, S = codes.shape[:2]
+def _code_halves(codes: torch.Tensor, scale: torch.Tensor):
+    """Packed codes and their scales [G, S, ng], per stored half of the channels, the scales
+    not applied. Yields (half index h, its integer codes, its scales [G, S, n]): int8 codes
+    are one half; int4 bytes two (low nibbles: the first d / 2 channels, high: the rest),
+    each with its share of the groups (or, with one group per vector, the same scale). The
+    halves keep the codes' layout (keys channel-major [G, width, S], values [G, S, width])."""
     halves = int4_halves(codes) if codes.dtype == torch.uint8 else (codes,)
-    ng, width = scale.shape[-1], halves[0].shape[-1]
+    ng = scale.shape[-1]
     per_half = ng // len(halves) if ng % len(halves) == 0 else 0
     for h, half in enumerate(halves):
-        sc = scale[..., h * per_half : (h + 1) * per_half] if per_half else scale
-        n = sc.shape[-1]
-        yield h * width, (h + 1) * width, half.to(dtype).view(G, S, n, width // n).transpose(1, 2), sc
+        yield h, half, scale[..., h * per_half : (h + 1) * per_half] if per_half else scale
 
 
 def _quantise(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

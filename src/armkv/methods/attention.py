@@ -23,7 +23,7 @@ def safe_softmax(scores: torch.Tensor) -> torch.Tensor:
     return weights / weights.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
 
 
-def _zero_invalid(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def zero_invalid(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """values [B, H, L, d], valid broadcastable to [B, H, L]: invalid rows set to 0.
 
     A zero attention weight times a NaN value is NaN, and unwritten state may hold anything.
@@ -59,7 +59,7 @@ def joint_attention_reference(
     chunk_ok = causal[None, None] & valid[:, None, None, :]  # [B, 1, G*T, T]
     chunk_scores = torch.matmul(q, key.transpose(-1, -2)) * scaling
     chunk_scores = chunk_scores.masked_fill(~chunk_ok, float("-inf"))
-    chunk_value = _zero_invalid(value, valid[:, None, :])
+    chunk_value = zero_invalid(value, valid[:, None, :])
 
     if state_key is None or state_key.shape[2] == 0:
         weights = safe_softmax(chunk_scores)
@@ -70,8 +70,8 @@ def joint_attention_reference(
             # unwritten entries may hold anything: a masked score's zero gradient times a NaN
             # key would still give the queries a NaN gradient
             valid_kv = state_valid if state_valid.dim() == 3 else state_valid[:, None]
-            state_key = _zero_invalid(state_key, valid_kv)
-            state_value = _zero_invalid(state_value, valid_kv)
+            state_key = zero_invalid(state_key, valid_kv)
+            state_value = zero_invalid(state_value, valid_kv)
         state_scores = torch.matmul(q, state_key.transpose(-1, -2)) * scaling  # [B, Hkv, G*T, L]
         if state_bias is not None:
             state_scores = state_scores + state_bias[:, :, None, :].to(state_scores.dtype)
@@ -97,8 +97,8 @@ def _readable(state_key, state_value, state_valid, state_mask, state_clean: bool
     if state_valid is not None:
         if not state_clean:
             valid_kv = state_valid if state_valid.dim() == 3 else state_valid[:, None]
-            state_key = _zero_invalid(state_key, valid_kv)
-            state_value = _zero_invalid(state_value, valid_kv)
+            state_key = zero_invalid(state_key, valid_kv)
+            state_value = zero_invalid(state_value, valid_kv)
         ok = _per_head(state_valid)
     if state_mask is not None:
         b, hkv, n = state_key.shape[0], state_key.shape[1], state_key.shape[2]
@@ -164,7 +164,7 @@ def joint_attention(
     q = query.reshape(b, hkv, g * t, d)
     causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril().repeat(g, 1)  # [G*T, T]
     chunk_mask = _additive(causal[None, None] & valid[:, None, None, :], None, dtype)  # [B, 1, G*T, T]
-    chunk_value = _zero_invalid(value, valid[:, None, :])
+    chunk_value = zero_invalid(value, valid[:, None, :])
     if state_key is None or state_key.shape[2] == 0:
         keys, values, mask = key, chunk_value, chunk_mask
     else:
@@ -210,7 +210,7 @@ def decode_values(weights: torch.Tensor, state_value: torch.Tensor, value: torch
     """The weighted sum of :func:`decode_scores`' softmax: weights [B, Hkv, G, L + 1],
     state_value [B, Hkv, L, d] (invalid entries zero), value [B, Hkv, 1, d] -> [B, Hkv, G, d]."""
     n = state_value.shape[2]
-    own = torch.where(valid[:, None, None, :], value, torch.zeros((), dtype=value.dtype, device=value.device))
+    own = zero_invalid(value, valid[:, None, :])
     return torch.matmul(weights[..., :n], state_value) + weights[..., n:] * own
 
 

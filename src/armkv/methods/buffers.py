@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from armkv.methods.attention import zero_invalid
+
 
 @dataclass
 class Overflow:
@@ -32,11 +34,6 @@ class Overflow:
     def size(self) -> int:
         """n: the longest row (0 when nothing overflowed)."""
         return self.valid.shape[1]
-
-
-def _zero_where_not(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """x [B, H, n, d] with the tokens where valid [B, n] is False set to zero."""
-    return torch.where(valid[:, None, :, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -127,8 +124,8 @@ class ExactBuffer:
         total = cand_valid.shape[1]
         keep = order[:, total - self.window :]
         kept = cand_valid.gather(1, keep)
-        self.win_k.copy_(_zero_where_not(gather_tokens(cand_k, keep), kept))
-        self.win_v.copy_(_zero_where_not(gather_tokens(cand_v, keep), kept))
+        self.win_k.copy_(zero_invalid(gather_tokens(cand_k, keep), kept[:, None]))
+        self.win_v.copy_(zero_invalid(gather_tokens(cand_v, keep), kept[:, None]))
         self.win_valid.copy_(kept)
         self.win_pos.copy_(cand_pos.gather(1, keep))
 
@@ -139,8 +136,8 @@ class ExactBuffer:
         out = order[:, total - self.window - n : total - self.window]  # [B, n]
         out_valid = cand_valid.gather(1, out)
         return Overflow(
-            key=_zero_where_not(gather_tokens(cand_k, out), out_valid),
-            value=_zero_where_not(gather_tokens(cand_v, out), out_valid),
+            key=zero_invalid(gather_tokens(cand_k, out), out_valid[:, None]),
+            value=zero_invalid(gather_tokens(cand_v, out), out_valid[:, None]),
             valid=out_valid,
             positions=cand_pos.gather(1, out),
         )
@@ -173,7 +170,7 @@ class ExactBuffer:
             self.sink_valid |= hot
             v = v & ~hot.any(1)
         if self.window == 0:
-            return Overflow(key=_zero_where_not(key, v[:, None]), value=_zero_where_not(value, v[:, None]), valid=v[:, None], positions=pos)
+            return Overflow(key=zero_invalid(key, v[:, None, None]), value=zero_invalid(value, v[:, None, None]), valid=v[:, None], positions=pos)
         # The ring's oldest entry leaves (O(1) in the window: no shift of the other entries).
         b, h, _, d = key.shape
         at = self.head[:, None]  # [B, 1]
@@ -182,7 +179,7 @@ class ExactBuffer:
         old_valid, old_pos = self.win_valid.gather(1, at), self.win_pos.gather(1, at)
         leaves = old_valid & v[:, None]
         lost = Overflow(
-            key=_zero_where_not(old_k, leaves), value=_zero_where_not(old_v, leaves), valid=leaves, positions=old_pos
+            key=zero_invalid(old_k, leaves[:, None]), value=zero_invalid(old_v, leaves[:, None]), valid=leaves, positions=old_pos
         )
         row = v[:, None, None, None]
         self.win_k.scatter_(2, at_kv, torch.where(row, key, old_k))
