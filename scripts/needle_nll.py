@@ -14,7 +14,9 @@ for this process only:
 - ``protect=true``: an oracle; the needle's tokens are never merged (tells what the write
   policy loses from what the read loses);
 - ``local=L``: merge scores minus L * |distance in positions| / 256 (merges kept local);
-- ``exact_nn=S``: pools up to S slots search nearest neighbours exactly (S x S).
+- ``exact_nn=S``: pools up to S slots search nearest neighbours exactly (S x S);
+- ``protect_layers=A-B``: with ``protect=true``, the oracle holds only in layers A to B
+  (which layers need the needle kept).
 
     python scripts/needle_nll.py --task niah_single_2 --length 2048 --samples 3 \\
         --haystack heldout.txt --configs "full;arm;arm:slot_format=model;arm:protect=true"
@@ -39,9 +41,14 @@ from armkv.hf.attach import make_cache
 from armkv.hf.model import load_model
 from armkv.hf.runner import Runner
 
-PATCH = {"needle": None, "local": 0.0, "pos": None}
+PATCH = {"needle": None, "local": 0.0, "pos": None, "layers": None, "seen": {}, "layer": 0}
 _room_similarity = arm_write.room_similarity
 _write = arm_module.ARMMemory.write
+
+
+def _protecting() -> bool:
+    layers = PATCH["layers"]
+    return PATCH["needle"] is not None and (layers is None or layers[0] <= PATCH["layer"] <= layers[1])
 
 
 def _patched_room_similarity(metric, state, keys, values, cos, slot_pairs=True):
@@ -51,7 +58,7 @@ def _patched_room_similarity(metric, state, keys, values, cos, slot_pairs=True):
         lam, sp = PATCH["local"], state.pos
         ss = None if ss is None else ss - lam * (sp.unsqueeze(2) - sp.unsqueeze(1)).abs() / 256
         ts = ts - lam * (tok.unsqueeze(2) - sp.unsqueeze(1)).abs() / 256
-    if PATCH["needle"] is not None:
+    if _protecting():
         lo, hi = PATCH["needle"]
         slot = (state.count == 1) & (state.pos >= lo) & (state.pos < hi)
         if ss is not None:
@@ -62,7 +69,7 @@ def _patched_room_similarity(metric, state, keys, values, cos, slot_pairs=True):
 
 def _patched_neighbours(metric, state, width=arm_write.BAND_WIDTH):
     sim, idx = _banded(metric, state, width)
-    if PATCH["needle"] is not None:
+    if _protecting():
         lo, hi = PATCH["needle"]
         slot = (state.count == 1) & (state.pos >= lo) & (state.pos < hi)
         sim = sim.masked_fill(slot | slot.gather(1, idx), -math.inf)
@@ -74,6 +81,7 @@ _banded = arm_write.banded_neighbours
 
 def _patched_write(self, state, keys, values, positions, valid, generator=None, config=None):
     B, H, N, _ = keys.shape
+    PATCH["layer"] = PATCH["seen"].setdefault(id(self), len(PATCH["seen"]))  # layers write in order
     PATCH["pos"] = positions.float().unsqueeze(1).expand(B, H, N).reshape(B * H, N)
     return _write(self, state, keys, values, positions, valid, generator, config)
 
@@ -111,6 +119,8 @@ def main() -> None:
             options[k] = option_value(v)
         protect, PATCH["local"] = options.pop("protect", False), float(options.pop("local", 0.0))
         arm_write.EXACT_NEIGHBOURS = int(options.pop("exact_nn", 640))
+        layers = str(options.pop("protect_layers", ""))
+        PATCH["layers"] = tuple(int(x) for x in layers.split("-")) if layers else None
         t0, rows = time.time(), []
         for s in samples:
             stages = runner.encode(s)
@@ -118,6 +128,7 @@ def main() -> None:
             ans = tok(" " + s["answers"][0], add_special_tokens=False)["input_ids"]
             at = find(ctx, ans)
             PATCH["needle"] = (at - 20, at + len(ans) + 2) if protect and at is not None else None
+            PATCH["seen"] = {}
             cache = make_cache(model, method, a.budget if method != "full" else None, 256, **options)
             with torch.inference_mode():
                 model(input_ids=torch.tensor([ctx]), past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -533,6 +533,23 @@ def test_pair_scores_equal_their_term_by_term_reference(scorer):
         torch.testing.assert_close(a, b)
 
 
+def test_pair_scores_of_a_cosine_only_scorer_take_the_short_path_and_agree():
+    """As initialised (and in the shipped adapters) only the cosine's weight is non-zero:
+    without gradients pair_scores returns the affine map of cos; it must equal the
+    reference, and a weight set afterwards must take the general path again."""
+    from armkv.memory.write import WriteParams
+
+    params = WriteParams(24, scorer="similarity").double()
+    slots, tokens = torch.randn(3, 11, 24, dtype=torch.float64), torch.randn(3, 7, 24, dtype=torch.float64)
+    with torch.no_grad():
+        assert params._cosine_only()
+        torch.testing.assert_close(params.pair_scores(slots, tokens)[0], params.pair_scores_reference(slots, tokens)[0])
+        params.score.weight[0, 5] = 0.7  # an update: the cached check must see it
+        assert not params._cosine_only()
+        torch.testing.assert_close(params.pair_scores(slots, tokens)[0], params.pair_scores_reference(slots, tokens)[0])
+    assert not params._cosine_only()  # gradients wanted: the general path
+
+
 @pytest.mark.parametrize("metric", ["key", "kv", "ward"])
 @pytest.mark.parametrize("S,width", [(37, 5), (130, 32), (3, 2)])
 def test_band_similarity_equals_the_pairwise_loop(metric, S, width):
@@ -600,3 +617,27 @@ def test_lazy_merging_keeps_near_duplicates_apart_while_the_pool_has_room():
     lazy, _ = plan_writes(full, keys, bucket, valid, params, lazy=True)
     eager, _ = plan_writes(full, keys, bucket, valid, params, lazy=False)
     assert torch.equal(lazy.target, eager.target)
+
+
+def test_lazy_plan_with_room_everywhere_equals_the_scored_plan():
+    """When every group's chunk fits in its free slots plan_writes skips the token-slot
+    scores; each group's plan must be the one the scored path gives it (forced here by a
+    second group that is short of room), padding included."""
+    G, N, S, d = 1, 7, 24, 5
+    params = WriteParams(d, "similarity", "scalar", 0.98).double()
+    roomy = _filled_state(G, S, d, 9, nb=4)
+    short = _filled_state(G, S, d, S - 3, nb=4)
+    keys = torch.randn(2, N, d, dtype=torch.float64)
+    keys[:, 3] = keys[:, 1] * 1.001  # a near-repeat inside the chunk
+    bucket = torch.randint(0, 4, (2, N))
+    valid = torch.ones(2, N, dtype=torch.bool)
+    valid[0, 5] = False
+    fast, state_fast = plan_writes(roomy, keys[:1], bucket[:1], valid[:1], params, lazy=True)
+    both = MemoryState(*(torch.cat([a, b]) for a, b in zip(
+        (roomy.key, roomy.value, roomy.pos, roomy.count, roomy.bucket),
+        (short.key, short.value, short.pos, short.count, short.bucket))))
+    scored, _ = plan_writes(both, keys, bucket, valid, params, lazy=True)
+    for name in ("target", "alpha", "cand", "count", "bucket"):
+        torch.testing.assert_close(getattr(fast, name), getattr(scored, name)[:1], rtol=0, atol=0)
+    assert torch.equal(state_fast.count, roomy.count)  # nothing merged
+    assert (fast.target[0, valid[0]] >= 9).all() and len(set(fast.target[0, valid[0]].tolist())) == N - 1

@@ -69,6 +69,8 @@ class WriteParams(nn.Module):
         d = self.head_dim
         cos = F.normalize(tokens, dim=-1) @ F.normalize(slot_keys, dim=-1).transpose(1, 2)
         w, b = self.score.weight[0], self.score.bias[0]
+        if self._cosine_only():
+            return w[3 * d] * cos + b, cos
         # the slot term, the token term and the bias ride in one matmul with the product term:
         # [k, k.w_k, 1] . [K * w_p, 1, K.w_K + b] (the chunk's hot path: N x S scores per group)
         ones_t = torch.ones_like(tokens[..., :1])
@@ -80,6 +82,19 @@ class WriteParams(nn.Module):
         if self.scorer_kind == "similarity":
             z = z + w[3 * d] * cos
         return z, cos
+
+    def _cosine_only(self) -> bool:
+        """True when the scorer's weights are zero but the cosine's (as initialised, and in
+        the shipped adapters) and no gradient is wanted: z is then an affine map of cos, and
+        the N x S product of the other terms is skipped. Checked once per weight update."""
+        weight = self.score.weight
+        if self.scorer_kind != "similarity" or (torch.is_grad_enabled() and weight.requires_grad):
+            return False
+        stamp = (weight._version, weight.data_ptr())
+        if getattr(self, "_cosine_stamp", None) != stamp:
+            self._cosine_stamp = stamp
+            self._cosine_flag = not bool(weight[0, : 3 * self.head_dim].any())
+        return self._cosine_flag
 
     def pair_scores_reference(self, slot_keys: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`pair_scores` term by term, per (token, slot) pair: the tests' oracle."""
@@ -232,50 +247,58 @@ def plan_writes(
         return _plan_fifo(state, keys, bucket, valid), state
 
     occ = state.count > 0
-    z, cos = params.pair_scores(state.key, keys)  # [G, N, S]
-    cand_mask = occ.unsqueeze(1) & (state.bucket.unsqueeze(1) == bucket.unsqueeze(2))
-    z = z.masked_fill(~cand_mask, -math.inf)
     similarity = params.scorer_kind == "similarity"
-    if training:
-        # options: the candidate slots, then (similarity scorer) "take a new slot" with logit 0
-        options = torch.cat([z, torch.zeros(G, N, 1, device=dev, dtype=z.dtype)], -1) if similarity else z
-        noisy = options + _gumbel_like(options, generator)
-        choice = noisy.argmax(-1)
-        probs = torch.softmax(noisy / tau, dim=-1)
-        probs = torch.nan_to_num(probs, nan=1.0)  # a token with no option at all: weight 1
-        alpha = probs.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
-        has_cand = cand_mask.any(-1)
-    else:
-        # the argmax over [slots | new (logit 0)] without building it: ties go to the slot
-        best_z, choice = z.max(-1)
-        if similarity:
-            choice = torch.where(best_z >= 0, choice, S)
+    lazy = lazy and similarity and slots_per_bucket == 0
+    roomy = ((~occ).sum(-1, keepdim=True) >= valid.sum(-1, keepdim=True)) if lazy else None  # [G, 1]
+    if lazy and not training and bool(roomy.all()):
+        # every group's chunk fits in its free slots: each token takes its own, and no
+        # token-slot score can change that (the general path below gives the same plan)
+        novel = leader = valid
+        best_slot = torch.zeros(G, N, dtype=torch.long, device=dev)
+        parent = t_idx
         alpha = torch.ones(G, N, dtype=keys.dtype, device=dev)
-        has_cand = best_z > -math.inf
-    best_slot = choice.clamp_max(S - 1)
-    if similarity:
-        novel = valid & ((choice == S) | ~has_cand)
     else:
-        novel = valid.clone()  # the paper's scorer cannot tell novelty: every token wants a free slot
-    roomy = None
-    if lazy and similarity and slots_per_bucket == 0:
-        roomy = (~occ).sum(-1, keepdim=True) >= valid.sum(-1, keepdim=True)  # [G, 1]
-        novel = torch.where(roomy, valid, novel)
-
-    # novel tokens that repeat an earlier novel token of their bucket join its new slot
-    zt, _ = params.pair_scores(keys, keys)  # zt[g, t, u]: token t against token u as a slot
-    same = (bucket.unsqueeze(2) == bucket.unsqueeze(1)) & novel.unsqueeze(2) & novel.unsqueeze(1)
-    earlier = t_idx.unsqueeze(2) > t_idx.unsqueeze(1)
-    parent = t_idx.clone()
-    if similarity:
-        passes = same & earlier & (zt >= 0)
+        z, cos = params.pair_scores(state.key, keys)  # [G, N, S]
+        cand_mask = occ.unsqueeze(1) & (state.bucket.unsqueeze(1) == bucket.unsqueeze(2))
+        z = z.masked_fill(~cand_mask, -math.inf)
+        if training:
+            # options: the candidate slots, then (similarity scorer) "take a new slot" with logit 0
+            options = torch.cat([z, torch.zeros(G, N, 1, device=dev, dtype=z.dtype)], -1) if similarity else z
+            noisy = options + _gumbel_like(options, generator)
+            choice = noisy.argmax(-1)
+            probs = torch.softmax(noisy / tau, dim=-1)
+            probs = torch.nan_to_num(probs, nan=1.0)  # a token with no option at all: weight 1
+            alpha = probs.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+            has_cand = cand_mask.any(-1)
+        else:
+            # the argmax over [slots | new (logit 0)] without building it: ties go to the slot
+            best_z, choice = z.max(-1)
+            if similarity:
+                choice = torch.where(best_z >= 0, choice, S)
+            alpha = torch.ones(G, N, dtype=keys.dtype, device=dev)
+            has_cand = best_z > -math.inf
+        best_slot = choice.clamp_max(S - 1)
+        if similarity:
+            novel = valid & ((choice == S) | ~has_cand)
+        else:
+            novel = valid.clone()  # the paper's scorer cannot tell novelty: every token wants a free slot
         if roomy is not None:
-            passes = passes & ~roomy.unsqueeze(-1)  # room for every token: repeats keep their own slots
-        first = torch.where(passes, t_idx.unsqueeze(1), N).min(-1).values
-        parent = torch.where(first < N, first, t_idx)
-        for _ in range(max(1, math.ceil(math.log2(max(N, 2))))):
-            parent = parent.gather(1, parent)
-    leader = novel & (parent == t_idx)
+            novel = torch.where(roomy, valid, novel)
+
+        # novel tokens that repeat an earlier novel token of their bucket join its new slot
+        zt, _ = params.pair_scores(keys, keys)  # zt[g, t, u]: token t against token u as a slot
+        same = (bucket.unsqueeze(2) == bucket.unsqueeze(1)) & novel.unsqueeze(2) & novel.unsqueeze(1)
+        earlier = t_idx.unsqueeze(2) > t_idx.unsqueeze(1)
+        parent = t_idx.clone()
+        if similarity:
+            passes = same & earlier & (zt >= 0)
+            if roomy is not None:
+                passes = passes & ~roomy.unsqueeze(-1)  # room for every token: repeats keep their own slots
+            first = torch.where(passes, t_idx.unsqueeze(1), N).min(-1).values
+            parent = torch.where(first < N, first, t_idx)
+            for _ in range(max(1, math.ceil(math.log2(max(N, 2))))):
+                parent = parent.gather(1, parent)
+        leader = novel & (parent == t_idx)
 
     src_of = torch.full((G, S), -1, dtype=torch.long, device=dev)
     demote_to = torch.full((G, N), -1, dtype=torch.long, device=dev)
