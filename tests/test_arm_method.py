@@ -179,3 +179,21 @@ def test_decoding_from_a_short_prompt_writes_nothing_without_failing(slot_format
             token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
     layer = cache.layers[0]
     assert layer.state.count.sum() == 0 and layer.seen == 13
+
+
+def test_layer_weights_share_the_model_budget_unevenly_within_its_total():
+    """layer_weights gives each layer a share of num_layers * budget: the weighted layers hold
+    more slots, the others fewer, and all of them together stay within the total in bytes."""
+    model = tiny_model("llama").eval()
+    L = model.config.num_hidden_layers
+    ids = torch.randint(0, 100, (1, 200))
+    weights = ",".join(["0.5"] + ["1.5"] * (L - 1)) if L > 1 else "1"
+    _, cache = _run(model, ids, budget=96, arm_overrides={"layer_weights": weights})
+    _, even = _run(model, ids, budget=96)
+    kv, d = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    total = L * 96 * 2 * kv * d * 4
+    assert sum(layer.peak_bytes for layer in cache.layers) <= total
+    if L > 1:
+        assert cache.layers[0].state.slots < even.layers[0].state.slots < cache.layers[1].state.slots
+    with pytest.raises(ArmkvError, match="layer_weights"):
+        _run(model, ids, budget=96, arm_overrides={"layer_weights": "1,2,3"})

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import re
 from pathlib import Path
 
 import torch
@@ -444,6 +446,43 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
     return arm, runtime
 
 
+def parse_layer_weights(spec, num_layers: int) -> list[float]:
+    """Relative per-layer budgets: a sequence of ``num_layers`` numbers, or a string of them
+    ("1,1,0.5,...") or of ranges ("0-9:0.5,10-29:1.25"; unlisted layers weigh 1), the items
+    separated by commas, slashes or spaces."""
+    def bad(why: str) -> ArmkvError:
+        return ArmkvError(f"layer_weights={spec!r}: {why} (e.g. '0-9:0.5,10-{num_layers - 1}:1.25' or {num_layers} numbers)")
+
+    ranges, weights = [], None
+    try:
+        if isinstance(spec, str) and ":" in spec:
+            for part in filter(None, re.split(r"[,/\s]+", spec)):
+                span, _, w = part.partition(":")
+                lo, _, hi = span.partition("-")
+                ranges.append((span, int(lo), int(hi or lo), float(w)))
+        else:
+            weights = [float(w) for w in (filter(None, re.split(r"[,/\s]+", spec)) if isinstance(spec, str) else spec)]
+    except ValueError:
+        raise bad("not numbers") from None
+    if weights is None:
+        weights = [1.0] * num_layers
+        for span, lo, hi, w in ranges:
+            if not 0 <= lo <= hi < num_layers:
+                raise bad(f"layers {span} are not within 0-{num_layers - 1}")
+            weights[lo : hi + 1] = [w] * (hi - lo + 1)
+    if len(weights) != num_layers:
+        raise bad(f"{len(weights)} weights for {num_layers} layers")
+    if min(weights) <= 0 or not all(math.isfinite(w) for w in weights):
+        raise bad("every weight must be a positive number")
+    return weights
+
+
+def layer_budget(budget: int, layer_idx: int, weights: list[float]) -> int:
+    """Layer ``layer_idx``'s token-equivalents when ``len(weights) * budget`` is shared in
+    proportion to ``weights`` (rounded down: the layers together never exceed the total)."""
+    return int(budget * len(weights) * weights[layer_idx] / sum(weights))
+
+
 @register_method("arm", "ARM: sinks + window exact, a tree-routed pool of merged slots for the rest")
 def make_arm(
     layer_idx: int,
@@ -459,6 +498,10 @@ def make_arm(
     budget = require_budget("arm", budget, 8, "sinks + window + slots")
     overrides = dict(arm_overrides or {})
     overrides.update(options)
+    weights = overrides.pop("layer_weights", None)
+    if weights is not None:
+        budget = require_budget("arm", layer_budget(budget, layer_idx, parse_layer_weights(weights, info.num_layers)), 8,
+                                f"layer {layer_idx}'s share under layer_weights")
     overrides.setdefault("chunk", chunk)
     arm_model, runtime = resolve_arm(info, budget, adapter, arm, overrides)
     return ARMLayer(layer_idx, info, rotary, arm_model.layers[layer_idx], runtime)
