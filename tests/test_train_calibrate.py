@@ -66,3 +66,62 @@ def test_bad_input(llama):
         collect_keys(llama, [torch.arange(4)], 0)
     with pytest.raises(ArmkvError, match="k_proj"):
         collect_keys(torch.nn.Linear(2, 2), [torch.arange(4)], 8)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_retrieval_scores_equal_a_per_head_loop_and_restore_the_model(arch):
+    """Each layer's score is the largest over heads of the mean weight a second-copy query puts
+    on the token after its first occurrence; written out here query by query."""
+    from armkv.train.calibrate import retrieval_scores
+
+    model = tiny_model(arch)
+    impl, was_training = model.config._attn_implementation, model.train().training
+    g = torch.Generator().manual_seed(3)
+    passages = [torch.randint(0, 100, (13,), generator=g), torch.randint(0, 100, (9,), generator=g)]
+    scores = retrieval_scores(model, passages)
+    assert model.training == was_training and model.config._attn_implementation == impl
+    model.eval().set_attn_implementation("eager")
+    expected = torch.zeros(model.config.num_hidden_layers)
+    with torch.no_grad():
+        for p in passages:
+            T = len(p)
+            att = model(input_ids=torch.cat([p, p])[None], output_attentions=True).attentions
+            for layer, a in enumerate(att):
+                per_head = [sum(float(a[0, h, T + i, i + 1]) for i in range(1, T)) / (T - 1) for h in range(a.shape[1])]
+                expected[layer] += max(per_head) / len(passages)
+    torch.testing.assert_close(torch.tensor(scores), expected, rtol=1e-5, atol=1e-6)
+    assert all(0 <= s <= 1 for s in scores)
+
+
+def test_retrieval_layer_weights_favour_copying_layers_and_average_one():
+    from armkv.train.calibrate import retrieval_layer_weights
+
+    w = retrieval_layer_weights([0.0, 0.01, 0.64, 0.16])
+    assert abs(sum(w) / len(w) - 1) < 1e-3
+    assert w[0] < w[1] < w[3] < w[2]
+    assert w[2] / w[0] == pytest.approx(2.5 / 0.5, rel=1e-3)  # (floor + spread) / floor at the top
+    assert retrieval_layer_weights([0.0, 0.0]) == [1.0, 1.0]
+
+
+def test_adapter_layer_weights_set_each_layers_budget_and_even_overrides(tmp_path):
+    """An adapter's layer_weights are the default shares of make_cache; layer_weights='even' undoes them."""
+    import dataclasses
+
+    from armkv.hf.attach import make_cache
+    from armkv.train.arm import new_arm
+
+    model = tiny_model("llama").eval()
+    L = model.config.num_hidden_layers
+    arm = new_arm(model, 96, None)
+    arm.config = dataclasses.replace(arm.config, layer_weights=[0.5] + [1.5] * (L - 1))
+    path = arm.save(tmp_path / "a")
+    ids = torch.randint(0, 100, (1, 150))
+
+    def slots(**options):
+        cache = make_cache(model, "arm", 96, 16, adapter=str(path), **options)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+        return [layer.state.slots for layer in cache.layers]
+
+    weighted, even = slots(), slots(layer_weights="even")
+    assert len(set(even)) == 1 and weighted[0] < even[0] < weighted[1]

@@ -110,6 +110,7 @@ class ARMConfig:
     balance_alpha: float = 0.01  # alpha: weight of the router balance loss
     budget_penalty: float = 0.01  # lambda: weight of the policy's read cost E[M] / N_b
     epsilon: float = 0.1  # epsilon-greedy exploration of the policy in training
+    layer_weights: list | None = None  # relative per-layer budgets (calibrated: retrieval_layer_weights); None = even
     meta: dict = field(default_factory=dict)  # free-form provenance (calibration data, training run)
 
     def __post_init__(self) -> None:

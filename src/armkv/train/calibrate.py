@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -110,6 +111,68 @@ def collect_keys(
     return kept
 
 
+@torch.no_grad()
+def retrieval_scores(model: torch.nn.Module, passages: Iterable[torch.Tensor]) -> list[float]:
+    """How strongly each layer copies from far back in the context, per layer.
+
+    Each passage P (LongTensor [T]) is fed twice, [P | P]; every query of the second copy
+    has, T tokens back, the token that follows its own earlier occurrence: the one an
+    induction ("retrieval") head attends to when it copies. A layer's score is the largest,
+    over its heads, of the mean attention weight on that token (Wu et al. 2024's retrieval
+    heads; RazorAttention's induction heads), averaged over the passages.
+
+    Returns a list over layers of scores in [0, 1].
+    """
+    was_training, impl = model.training, model.config._attn_implementation
+    device = next(model.parameters()).device
+    totals = None
+    n = 0
+    try:
+        model.eval()
+        model.set_attn_implementation("eager")  # the fused kernels return no attention weights
+        for p in passages:
+            p = p.reshape(-1)
+            T = p.numel()
+            if T < 8:
+                raise ArmkvError(f"a retrieval passage of {T} tokens is too short (at least 8)")
+            out = model(input_ids=torch.cat([p, p]).view(1, -1).to(device), output_attentions=True, use_cache=False)
+            q = torch.arange(T + 1, 2 * T, device=device)
+            scores = torch.stack([a[0][:, q, q - T + 1].float().mean(-1).max() for a in out.attentions])
+            totals = scores if totals is None else totals + scores
+            n += 1
+    finally:
+        model.set_attn_implementation(impl)
+        model.train(was_training)
+    if totals is None:
+        raise ArmkvError("no retrieval passages: the calibration data was empty")
+    return (totals / n).cpu().tolist()
+
+
+def retrieval_layer_weights(scores: list[float], floor: float = 0.5, spread: float = 2.0) -> list[float]:
+    """Relative per-layer budgets from :func:`retrieval_scores`: floor + spread * sqrt(score /
+    max score), scaled to mean 1. The layers that copy from far back get up to about
+    (floor + spread) / floor times the share of those that do not; every layer keeps some
+    memory (the floor). Measured in docs/memory.md (session 6)."""
+    top = max(scores)
+    if not top > 0:
+        return [1.0] * len(scores)
+    raw = [floor + spread * (max(s, 0.0) / top) ** 0.5 for s in scores]
+    mean = sum(raw) / len(raw)
+    return [round(w / mean, 4) for w in raw]
+
+
+def retrieval_passages(documents: Iterable[str], tokenize, length: int, count: int) -> list[torch.Tensor]:
+    """The first ``length`` tokens of the first ``count`` documents that have that many."""
+    found = []
+    for doc in documents:
+        ids = tokenize(doc)
+        if len(ids) >= length:
+            found.append(torch.tensor(ids[:length]))
+            if len(found) == count:
+                break
+    return found
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from armkv.train.data import add_data_arguments
 
@@ -122,19 +185,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-keys-per-head", type=int, default=8192, help="keys kept per layer and KV head for the tree")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget", type=int, default=512, help="memory budget the tree is sized for (token-equivalents)")
+    parser.add_argument("--retrieval-tokens", type=int, default=768,
+                        help="tokens per passage of the retrieval score that shares the budget over the layers (0: even shares)")
+    parser.add_argument("--retrieval-passages", type=int, default=3, help="passages of the retrieval score")
+    parser.add_argument("--layer-weights-only", action="store_true",
+                        help="only (re)compute the per-layer budget shares of the adapter already in --out")
     parser.add_argument("--out", required=True, help="adapter directory to write")
 
 
-def build_adapter(model: torch.nn.Module, keys: list[torch.Tensor], args: argparse.Namespace) -> Path:
+def build_adapter(
+    model: torch.nn.Module, keys: list[torch.Tensor], args: argparse.Namespace, layer_weights: list[float] | None = None
+) -> Path:
     """Build each layer's tree from its keys (hierarchical k-means) and save the adapter.
 
-    ``keys[layer]`` is [Hkv, N, d] pre-RoPE keys.
+    ``keys[layer]`` is [Hkv, N, d] pre-RoPE keys; ``layer_weights`` the per-layer budget
+    shares (:func:`retrieval_layer_weights`), None for even shares.
     """
     from armkv.train.arm import calibrate_arm
 
-    arm = calibrate_arm(model, keys, args.budget, seed=args.seed)
+    arm = calibrate_arm(model, keys, args.budget, seed=args.seed, layer_weights=layer_weights)
     extra = {"calibration_tokens": args.tokens, "seq_len": args.seq_len, "max_keys_per_head": args.max_keys_per_head}
     return arm.save(args.out, extra=extra)
+
+
+def update_layer_weights(directory: str | Path, layer_weights: list[float] | None, how: dict) -> None:
+    """Set an existing adapter's per-layer budget shares; its parameters are not touched."""
+    from armkv.memory.module import ADAPTER_CONFIG, ARMModel, _atomic_write
+
+    ARMModel.load(directory)  # a missing, foreign or corrupt adapter is a one-line error
+    path = Path(directory) / ADAPTER_CONFIG
+    meta = json.loads(path.read_text())
+    meta["arm_config"]["layer_weights"] = layer_weights
+    meta.setdefault("extra", {})["layer_weights"] = how
+    _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2)))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -145,6 +228,19 @@ def main(args: argparse.Namespace) -> int:
     if args.tokens < args.seq_len:
         raise ArmkvError(f"--tokens {args.tokens} is less than one sequence (--seq-len {args.seq_len})")
     model, tokenizer = load_model(args)
+    layer_weights = None
+    if args.retrieval_tokens > 0:
+        documents = source_from_args(args, args.seed).iter_epoch(0)
+        passages = retrieval_passages(documents, hf_tokenize(tokenizer), args.retrieval_tokens, args.retrieval_passages)
+        scores = retrieval_scores(model, passages)
+        layer_weights = retrieval_layer_weights(scores)
+        print("retrieval score per layer:", " ".join(f"{s:.3f}" for s in scores))
+        print("budget share per layer:", " ".join(f"{w:.2f}" for w in layer_weights))
+    if args.layer_weights_only:
+        update_layer_weights(args.out, layer_weights, {"retrieval_tokens": args.retrieval_tokens,
+                                                       "retrieval_passages": args.retrieval_passages})
+        print(f"ARM adapter: {args.out} (per-layer budget shares updated)")
+        return 0
     data = PackedSequences(source_from_args(args, args.seed), hf_tokenize(tokenizer), tokenizer.eos_token_id, args.seq_len, max_epochs=1)
     sequences = (s for _, s in zip(range(args.tokens // args.seq_len), data))
 
@@ -154,6 +250,6 @@ def main(args: argparse.Namespace) -> int:
                         args.max_keys_per_head, seed=args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = build_adapter(model, keys, args)
+    path = build_adapter(model, keys, args, layer_weights)
     print(f"ARM adapter: {path}")
     return 0
