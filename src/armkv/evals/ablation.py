@@ -37,6 +37,7 @@ ROWS = [
     ("merge-kv", "arm", {"merge_metric": "kv"}),
     ("merge-ward", "arm", {"merge_metric": "ward"}),
     ("merge-eager", "arm", {"lazy_merge": False}),
+    ("layers-even", "arm", {"layer_weights": "even"}),
 ]
 
 # RULER's needle-in-a-haystack tasks; the ones on the essay haystack need --haystack-file.
