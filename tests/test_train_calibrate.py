@@ -125,3 +125,14 @@ def test_adapter_layer_weights_set_each_layers_budget_and_even_overrides(tmp_pat
 
     weighted, even = slots(), slots(layer_weights="even")
     assert len(set(even)) == 1 and weighted[0] < even[0] < weighted[1]
+
+
+def test_retrieval_passages_are_cut_from_the_documents_in_order():
+    from armkv.train.calibrate import retrieval_passages
+
+    docs = ["a b c", "d e", "f g h i j k"]
+    tokenize = lambda text: [ord(c) for c in text.split()[0]] * len(text.split())  # noqa: E731
+    passages = retrieval_passages(docs, tokenize, 4, 2)
+    assert [p.tolist() for p in passages] == [[97, 97, 97, 100], [100, 102, 102, 102]]
+    short = retrieval_passages(["a b"], tokenize, 4, 2)  # the data runs out: one shorter passage
+    assert [p.tolist() for p in short] == [[97, 97]]

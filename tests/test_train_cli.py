@@ -127,6 +127,8 @@ def test_calibrate_builds_an_adapter(model_dir, corpus, tmp_path):
     assert main(args) == 0
     arm = ARMModel.load(tmp_path / "adapter")
     assert len(arm.layers) == 2 and arm.config.meta["init"] == "kmeans"
+    weights = arm.config.layer_weights  # budget shares from the retrieval score, mean 1
+    assert len(weights) == 2 and abs(sum(weights) / 2 - 1) < 1e-3
     # every router row is a centroid of real keys, not the random start
     w = arm.layers[0].router.weight
     assert torch.isfinite(w).all() and float(arm.layers[0].router.bias.abs().sum()) > 0

@@ -216,7 +216,7 @@ class Runner:
         per_layer = [layer.diagnostics(at) for layer in layers]
         report = {
             "slots_used": sum(d["slots_used"] for d in per_layer) / len(per_layer),
-            "slots": per_layer[0]["slots"],
+            "slots": sum(d["slots"] for d in per_layer) / len(per_layer),  # layers may hold different numbers
             "tokens_per_slot": sum(d["tokens_per_slot"] for d in per_layer) / len(per_layer),
         }
         if at is not None:

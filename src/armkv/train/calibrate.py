@@ -162,15 +162,15 @@ def retrieval_layer_weights(scores: list[float], floor: float = 0.5, spread: flo
 
 
 def retrieval_passages(documents: Iterable[str], tokenize, length: int, count: int) -> list[torch.Tensor]:
-    """The first ``length`` tokens of the first ``count`` documents that have that many."""
-    found = []
+    """``count`` passages of ``length`` tokens, cut from the documents' tokens one after the
+    other (fewer, or one shorter passage, when the data runs out first)."""
+    stream: list[int] = []
     for doc in documents:
-        ids = tokenize(doc)
-        if len(ids) >= length:
-            found.append(torch.tensor(ids[:length]))
-            if len(found) == count:
-                break
-    return found
+        stream.extend(tokenize(doc))
+        if len(stream) >= length * count:
+            break
+    found = [torch.tensor(stream[i : i + length]) for i in range(0, min(len(stream), length * count), length)]
+    return [p for p in found if len(p) == length] or found[:1]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
