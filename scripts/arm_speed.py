@@ -8,6 +8,7 @@ is warm-up. The median step mostly misses ARM's write steps; the mean counts the
 
     python scripts/arm_speed.py 2048 --formats k8v4,k4v4
     python scripts/arm_speed.py 2048 --formats k4v4 --methods sink,swa
+    python scripts/arm_speed.py 2048 --formats k4v4,k4v4:layer_weights=even   # a format with its own options
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from armkv.hf.attach import make_cache
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("length", type=int)
-    p.add_argument("--formats", default="k8v4,int8")
+    p.add_argument("--formats", default="k8v4,int8", help="slot formats, each optionally FORMAT:KEY=VALUE[:KEY=VALUE]")
     p.add_argument("--methods", default="", help="other methods to time beside, at the same budget (e.g. sink,swa)")
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--rounds", type=int, default=4)
@@ -48,7 +49,9 @@ def main() -> None:
             elif name in others:
                 cache, n = make_cache(model, name, a.budget, 256), a.length
             else:
-                cache, n = make_cache(model, "arm", a.budget, 256, slot_format=name, **extra), a.length
+                fmt, *own = name.split(":")
+                options = {**extra, **{k: (int(v) if v.isdigit() else v) for k, v in (o.split("=", 1) for o in own)}}
+                cache, n = make_cache(model, "arm", a.budget, 256, slot_format=fmt, **options), a.length
             token, seconds = session.prefill(cache, n)
             if name != "floor":
                 print(f"{label(name)}: prefill {n / seconds:.0f} tokens/s")
