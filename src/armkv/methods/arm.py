@@ -498,15 +498,15 @@ def make_arm(
     budget = require_budget("arm", budget, 8, "sinks + window + slots")
     overrides = dict(arm_overrides or {})
     overrides.update(options)
-    # the adapter's calibrated per-layer shares of the budget, unless asked otherwise ("even": none)
-    weights = overrides.pop("layer_weights", None)
-    if weights is None:
-        weights = resolve_arm(info, budget, adapter, arm, overrides)[0].config.layer_weights
-    if weights is not None and weights != "even":
-        budget = require_budget("arm", layer_budget(budget, layer_idx, parse_layer_weights(weights, info.num_layers)), 8,
-                                f"layer {layer_idx}'s share under layer_weights")
     overrides.setdefault("chunk", chunk)
+    weights = overrides.pop("layer_weights", None)
     arm_model, runtime = resolve_arm(info, budget, adapter, arm, overrides)
+    # the adapter's calibrated per-layer shares of the budget, unless asked otherwise ("even": none)
+    weights = arm_model.config.layer_weights if weights is None else weights
+    if weights is not None and weights != "even":
+        share = layer_budget(budget, layer_idx, parse_layer_weights(weights, info.num_layers))
+        require_budget("arm", share, 8, f"layer {layer_idx}'s share under layer_weights")
+        arm_model, runtime = resolve_arm(info, share, arm=arm_model, overrides=overrides)  # the same parameters, resized
     return ARMLayer(layer_idx, info, rotary, arm_model.layers[layer_idx], runtime)
 
 
