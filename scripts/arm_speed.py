@@ -9,11 +9,13 @@ is warm-up. The median step mostly misses ARM's write steps; the mean counts the
     python scripts/arm_speed.py 2048 --formats k8v4,k4v4
     python scripts/arm_speed.py 2048 --formats k4v4 --methods sink,swa
     python scripts/arm_speed.py 2048 --formats k4v4,k4v4:layer_weights=even   # a format with its own options
+    python scripts/arm_speed.py 2048 --formats k4v4,k4v4:kernels=0   # without the fused int4 read
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -41,7 +43,7 @@ def main() -> None:
     session = Session(model, DecodeBench(methods=["arm"], lengths=[a.length], budget=a.budget, clock="process"))
     others = [m for m in a.methods.split(",") if m]
     names = ["floor", *others, *[f for f in a.formats.split(",") if f]]
-    state, steps = {}, {n: [] for n in names}
+    state, steps, kernels = {}, {n: [] for n in names}, {}
     with torch.no_grad():
         for name in names:
             if name == "floor":
@@ -51,6 +53,7 @@ def main() -> None:
             else:
                 fmt, *own = name.split(":")
                 options = {**extra, **{k: (int(v) if v.isdigit() else v) for k, v in (o.split("=", 1) for o in own)}}
+                kernels[name] = str(options.pop("kernels", 1))  # ARMKV_KERNELS while this one decodes
                 cache, n = make_cache(model, "arm", a.budget, 256, slot_format=fmt, **options), a.length
             token, seconds = session.prefill(cache, n)
             if name != "floor":
@@ -59,6 +62,7 @@ def main() -> None:
         for r in range(a.rounds):
             for name in names:
                 cache, token, pos = state[name]
+                os.environ["ARMKV_KERNELS"] = kernels.get(name, "1")
                 times, token = session.decode(cache, token, pos, 32)
                 state[name] = [cache, token, pos + 32]
                 if r:

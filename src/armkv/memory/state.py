@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from armkv.config import QUANTISED_SLOTS, SLOT_SCALE_BYTES, value_groups
+from armkv.memory.kernels import fused_read
 from armkv.memory.quant import dequantise_symmetric, int4_halves, mixing_matrix, pack_int4, quantise_symmetric, unpack_int4
 
 
@@ -140,12 +141,17 @@ class MemoryState:
         return key, value
 
     # ------------------------------------------------------------------ reads without dequantising
-    def key_scores(self, query: torch.Tensor) -> torch.Tensor:
+    def key_scores(self, query: torch.Tensor, fused: bool = True) -> torch.Tensor:
         """query [G, R, d] . every slot key -> [G, R, S], in the stored basis (a mixed state
         wants a mixed query). The scales multiply the R x S scores instead of the S x d keys:
-        sum_c q_c s_g(c) k_c = sum_g s_g (q_g . k_g) over each scale's group of channels."""
+        sum_c q_c s_g(c) k_c = sum_g s_g (q_g . k_g) over each scale's group of channels.
+        int4 codes on a CPU go through the fused kernel (``armkv.memory.kernels``) unless
+        ``fused=False``; the PyTorch ops below are its reference."""
         if self.key_scale is None:
             return torch.matmul(query, self.key.to(query.dtype).transpose(1, 2))
+        kernel = fused_read(query, self.key) if fused else None
+        if kernel is not None:
+            return kernel.int4_key_scores(query, self.key, self.key_scale)
         G, R, _ = query.shape
         S = self.key.shape[-1]
         total = None
@@ -161,11 +167,15 @@ class MemoryState:
             total = part if total is None else total + part
         return total
 
-    def weighted_values(self, weights: torch.Tensor) -> torch.Tensor:
+    def weighted_values(self, weights: torch.Tensor, fused: bool = True) -> torch.Tensor:
         """weights [G, R, S] @ the slot values -> [G, R, d], in the stored basis; the scales
-        weight the R x S weights instead of the S x d values."""
+        weight the R x S weights instead of the S x d values (int4 codes on a CPU: the fused
+        kernel, as :meth:`key_scores`)."""
         if self.value_scale is None:
             return torch.matmul(weights, self.value.to(weights.dtype))
+        kernel = fused_read(weights, self.value) if fused else None
+        if kernel is not None:
+            return kernel.int4_weighted_values(weights, self.value, self.value_scale)
         G, R, S = weights.shape
         parts = []
         for _, half, sc in _code_halves(self.value, self.value_scale):  # half [G, S, width]

@@ -1,0 +1,72 @@
+"""Fused CPU kernels for the decode step's read of int4 slots (``csrc/int4_read.cpp``).
+
+The decode step reads every slot of a layer: its keys against the new query, its values
+under the softmax weights. :meth:`MemoryState.key_scores` and
+:meth:`MemoryState.weighted_values` do it in PyTorch (the reference, and the path for
+GPUs, gradients and other dtypes); on a CPU the eager ops split the nibbles, convert them to
+floats and multiply, a dozen passes over the state. The kernel reads each byte once and
+decodes it in registers (AVX2 where the CPU has it, plain loops elsewhere).
+
+It is compiled with ``torch.utils.cpp_extension`` on first use (a C++ compiler is needed;
+about a minute, once per machine and source version, kept in torch's extension cache).
+Where it cannot be built, a warning says why, once, and the PyTorch path serves.
+``ARMKV_KERNELS=0`` skips it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).parent / "csrc" / "int4_read.cpp"
+_NAME = "armkv_int4_read"
+_lock = threading.Lock()
+_module = None
+_tried = False
+
+
+def enabled() -> bool:
+    """Whether the fused kernels may be used (``ARMKV_KERNELS`` unset or not 0/false/off/no)."""
+    return os.environ.get("ARMKV_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def int4_read():
+    """The built extension module, or None (turned off, or the build failed: warned once)."""
+    global _module, _tried
+    if _tried or not enabled():
+        return _module if enabled() else None
+    with _lock:
+        if _tried:
+            return _module
+        _tried = True
+        try:
+            from torch.utils.cpp_extension import _get_build_directory, load
+
+            build = Path(_get_build_directory(_NAME, verbose=False))
+            if not any(build.glob(f"{_NAME}*.so")):
+                print("armkv: building the fused int4 read kernel (once per machine, about a minute)", file=sys.stderr)
+            _module = load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O3", "-std=c++17"], verbose=False)
+        except Exception as e:  # no compiler, no headers, a failed build: the PyTorch path serves
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            warnings.warn(
+                f"armkv: the fused int4 read kernel could not be built ({why}); reading slots with PyTorch "
+                "ops instead (slower on CPU). Set ARMKV_KERNELS=0 to skip the attempt.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return _module
+
+
+def fused_read(x: torch.Tensor, codes: torch.Tensor):
+    """The kernel module where it serves this read, else None: int4 codes (uint8), float32
+    queries or weights on the CPU, and no gradient wanted."""
+    if codes.dtype != torch.uint8 or x.dtype != torch.float32 or x.device.type != "cpu" or codes.device.type != "cpu":
+        return None
+    if torch.is_grad_enabled() and x.requires_grad:
+        return None
+    return int4_read()

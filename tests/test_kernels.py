@@ -1,0 +1,100 @@
+"""The fused int4 read (armkv.memory.kernels) against its PyTorch reference
+(MemoryState.key_scores / weighted_values with fused=False): outputs at odd sizes, with free
+slots and zero weights, on the vector and the scalar loops; gradients still flow where
+wanted (the kernel stands aside); ARMKV_KERNELS=0 turns it off."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from armkv.memory import kernels
+from armkv.memory.state import MemoryState
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = kernels.int4_read()
+    if module is None:
+        if os.environ.get("ARMKV_REQUIRE_KERNELS") == "1":  # CI: the build must work there
+            pytest.fail("the fused int4 read kernel did not build (see the warning above)")
+        pytest.skip("the fused int4 read kernel could not be built here (no C++ compiler?)")
+    return module
+
+
+def _packed(groups: int, slots: int, d: int, free: int, seed: int) -> MemoryState:
+    g = torch.Generator().manual_seed(seed)
+    st = MemoryState.empty(groups, slots, d)
+    st.key.copy_(torch.randn(groups, slots, d, generator=g) * 3)
+    st.value.copy_(torch.randn(groups, slots, d, generator=g))
+    st.count.fill_(1)
+    if free:  # free slots are stored zero (codes and scales)
+        st.key[:, -free:], st.value[:, -free:], st.count[:, -free:] = 0, 0, 0
+    return st.pack("k4v4", mix=True)
+
+
+# d = 64: 2 scale groups (the default model); 128: 4; 48 and 40: one (40's 20 bytes a vector
+# do not split into 8-byte blocks, so the scalar loops serve); slot counts around the 8-slot blocks
+@pytest.mark.parametrize("d", [64, 128, 48, 40])
+@pytest.mark.parametrize("slots,rep,groups", [(1, 1, 1), (7, 3, 2), (8, 5, 1), (37, 3, 4), (301, 2, 3)])
+def test_fused_int4_read_equals_the_pytorch_read(kernel, d, slots, rep, groups):
+    st = _packed(groups, slots, d, free=slots // 5, seed=slots * d + rep)
+    g = torch.Generator().manual_seed(rep)
+    query = torch.randn(groups, rep, d, generator=g)
+    weights = torch.softmax(torch.randn(groups, rep, slots, generator=g), -1)
+    weights[:, :, : slots // 3] = 0  # slots no query reads: skipped by nothing, still exact
+    torch.testing.assert_close(st.key_scores(query), st.key_scores(query, fused=False), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(st.weighted_values(weights), st.weighted_values(weights, fused=False), rtol=1e-5, atol=1e-5)
+    # non-contiguous inputs read as their contiguous copies
+    q_t = query.transpose(0, 1).contiguous().transpose(0, 1)
+    torch.testing.assert_close(st.key_scores(q_t), st.key_scores(query, fused=False), rtol=1e-5, atol=1e-4)
+
+
+def test_vector_loops_serve_the_default_model_here(kernel):
+    """The default model (3 query heads a KV head, d = 64, 2 scale groups) takes the AVX2
+    loops on a CPU that has them; the scalar loops serve elsewhere (tested equal above)."""
+    import platform
+
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    has = platform.machine() in ("x86_64", "AMD64") and " avx2" in flags and " fma" in flags
+    assert kernel.int4_vectorised(3, 64, 2) == has
+    assert not kernel.int4_vectorised(3, 40, 1)  # 20-byte vectors: scalar
+
+
+def test_gradients_take_the_pytorch_path(kernel):
+    st = _packed(2, 19, 64, free=0, seed=3)
+    query = torch.randn(2, 3, 64, requires_grad=True)
+    weights = torch.rand(2, 3, 19, requires_grad=True)
+    (st.key_scores(query).sum() + st.weighted_values(weights).square().sum()).backward()
+    ref_q, ref_w = query.detach().clone().requires_grad_(), weights.detach().clone().requires_grad_()
+    (st.key_scores(ref_q, fused=False).sum() + st.weighted_values(ref_w, fused=False).square().sum()).backward()
+    torch.testing.assert_close(query.grad, ref_q.grad)
+    torch.testing.assert_close(weights.grad, ref_w.grad)
+
+
+def test_only_int4_float32_cpu_reads_are_fused_and_the_switch_turns_it_off(kernel, monkeypatch):
+    codes = torch.zeros(1, 4, 8, dtype=torch.uint8)
+    assert kernels.fused_read(torch.zeros(1, 1, 8), codes) is kernel
+    assert kernels.fused_read(torch.zeros(1, 1, 8, dtype=torch.float64), codes) is None
+    assert kernels.fused_read(torch.zeros(1, 1, 8), codes.to(torch.int8)) is None  # int8 keys
+    monkeypatch.setenv("ARMKV_KERNELS", "0")
+    assert kernels.fused_read(torch.zeros(1, 1, 8), codes) is None
+
+
+def test_a_failed_build_warns_once_and_the_pytorch_path_serves(monkeypatch):
+    import torch.utils.cpp_extension as ext
+
+    def broken(**_):
+        raise RuntimeError("Error building extension 'armkv_int4_read'\nmore lines")
+
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(ext, "load", broken)
+    with pytest.warns(RuntimeWarning, match="could not be built .Error building extension 'armkv_int4_read'.; reading"):
+        assert kernels.int4_read() is None
+    assert kernels.int4_read() is None  # not tried again
+    st = _packed(1, 9, 64, free=2, seed=1)
+    q = torch.randn(1, 3, 64)
+    torch.testing.assert_close(st.key_scores(q), st.key_scores(q, fused=False))
