@@ -5,7 +5,7 @@ import torch
 
 from armkv.errors import ArmkvError
 from armkv.memory.rope import Rotary
-from armkv.methods.attention import joint_attention, joint_attention_reference
+from armkv.methods.attention import joint_attention, joint_attention_reference, safe_softmax, safe_softmax_reference
 from armkv.methods.base import METHODS, ModelInfo, _load_builtin_methods, get_method
 from armkv.methods.kivi import pack, quantise, unpack
 
@@ -105,6 +105,25 @@ def test_joint_attention_fused_equals_reference_outputs_and_gradients(case):
         torch.testing.assert_close(got, want)
     if case == "chunk_only":
         assert (grads["fused"][0][0, 0] == 0).all()  # a padding query that sees no key: zeros
+
+
+@pytest.mark.parametrize("spread", [1.0, 40.0, 400.0])  # 400: most logits underflow exp
+def test_safe_softmax_fast_path_equals_the_written_out_one(spread):
+    """torch's fused softmax (no gradient wanted) against the written-out form: the same
+    weights, -inf entries 0, a row with every entry excluded all zeros (not NaN), at odd sizes."""
+    g = torch.Generator().manual_seed(int(spread))
+    scores = torch.randn(2, 3, 5, 37, generator=g) * spread
+    scores[..., 30:] = float("-inf")
+    scores[0, 1, 2] = float("-inf")  # a row with nothing to read
+    fast, ref = safe_softmax(scores), safe_softmax_reference(scores)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-7)
+    assert (fast[0, 1, 2] == 0).all() and (fast[..., 30:] == 0).all()
+    # with gradients the written-out form serves: finite gradients through the empty row
+    leaf = scores.clone().requires_grad_()
+    out = safe_softmax(leaf.masked_fill(torch.isinf(scores), float("-inf")))
+    out.square().sum().backward()
+    assert torch.isfinite(leaf.grad).all()
+
 
 
 @pytest.mark.parametrize("bits", [2, 4])

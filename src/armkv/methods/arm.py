@@ -137,8 +137,7 @@ class ARMLayer(CacheLayer):
         S, R = st.slots, Hq // H
         q = query.reshape(B, H, R, d)  # the query heads of a KV head share its keys
         mix = mixing_matrix(d, query.dtype, query.device) if st.mixed else None
-        count = st.count.view(B, H, S)
-        bias = torch.where(count > 0, self._slot_bias(count), -torch.inf).to(query.dtype)
+        bias = self._decode_bias(query.dtype)
         q_slots = (q if mix is None else q @ mix).reshape(B * H, R, d)
         scores = torch.cat(
             [
@@ -153,6 +152,19 @@ class ARMLayer(CacheLayer):
             from_slots = from_slots @ mix.T
         out = from_slots + decode_values(w[..., S:], exact_v, value, valid)
         return out.reshape(B, Hq, 1, d).transpose(1, 2)
+
+    def _decode_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """Each slot's logit bias for the decode read, -inf for free slots [B, H, S]: it changes
+        only when the slots are written, so it is kept until the state is replaced."""
+        st = self.state
+        cached = getattr(self, "_bias_for", None)
+        if cached is not None and cached[0] is st and cached[1].dtype == dtype:
+            return cached[1]
+        B, H = self.buffer.sink_k.shape[:2]
+        count = st.count.view(B, H, st.slots)
+        bias = torch.where(count > 0, self._slot_bias(count), -torch.inf).to(dtype)
+        self._bias_for = (st, bias)
+        return bias
 
     def _chunk_read(self, query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all) -> torch.Tensor:
         """A chunk's read: one joint softmax over [exact | slots of the top-M buckets | the

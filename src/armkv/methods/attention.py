@@ -16,7 +16,20 @@ def safe_softmax(scores: torch.Tensor) -> torch.Tensor:
 
     Padding queries may have no key at all; a plain softmax would give NaN there, and the
     NaN would reach valid rows through the value products of later layers' padding tokens.
+
+    Without gradients this is torch's fused softmax with such rows' NaNs zeroed: one pass,
+    and 2-15x faster on CPU than the written-out form, whose exp slows down on logits far
+    under the peak (float32 underflow; a decode step's read over thousands of slots has
+    many). With gradients the written-out form serves, whose empty rows stay finite in the
+    backward pass too. ``tests/test_methods.py`` checks that the two agree.
     """
+    if not (scores.requires_grad and torch.is_grad_enabled()):
+        return torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    return safe_softmax_reference(scores)
+
+
+def safe_softmax_reference(scores: torch.Tensor) -> torch.Tensor:
+    """:func:`safe_softmax` written out (max, exp, sum), differentiable everywhere."""
     peak = scores.amax(dim=-1, keepdim=True)
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     weights = torch.exp(scores - peak)

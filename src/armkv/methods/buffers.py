@@ -83,6 +83,9 @@ class ExactBuffer:
         # (the next one replaced). A chunk push puts it back in time order first.
         self.head = torch.zeros(batch, dtype=torch.long, device=device)
         self._ring = False  # head may be nonzero
+        # every row's sinks hold a token (known after a chunk push, which syncs anyway): a
+        # decode push then skips the sink update, a dozen ops that would change nothing
+        self._sinks_full = sinks == 0
 
     @property
     def capacity(self) -> int:
@@ -131,6 +134,8 @@ class ExactBuffer:
 
         lost = (cand_valid.sum(1) - self.window).clamp(min=0)  # [B]
         n = int(lost.max()) if lost.numel() else 0
+        if not self._sinks_full:
+            self._sinks_full = bool(self.sink_valid.all())
         # Valid entries of the sorted order end at `total`; the window took the last W, so a
         # row's lost tokens sit just before it and anything earlier in the slice is invalid.
         out = order[:, total - self.window - n : total - self.window]  # [B, n]
@@ -161,7 +166,7 @@ class ExactBuffer:
         padding token changes nothing."""
         v = valid[:, 0]  # [B]
         pos = positions.to(torch.long)  # [B, 1]
-        if self.sinks:
+        if not self._sinks_full:
             filled = self.sink_valid.sum(1, keepdim=True)  # [B, 1]
             hot = (torch.arange(self.sinks, device=v.device)[None, :] == filled) & v[:, None]  # [B, S]
             self.sink_k.copy_(torch.where(hot[:, None, :, None], key, self.sink_k))
@@ -232,6 +237,7 @@ class ExactBuffer:
         for name in ("k", "v", "valid", "pos", "head"):
             t = getattr(self, name)
             t.copy_(t.index_select(0, index.to(t.device)))
+        self._sinks_full = self.sinks == 0 or bool(self.sink_valid.all())
 
     def state_bytes(self) -> int:
         """Bytes of the exact keys and values: (sinks + window) token-equivalents per row.
