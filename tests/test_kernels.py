@@ -79,8 +79,10 @@ def test_only_int4_float32_cpu_reads_are_fused_and_the_switch_turns_it_off(kerne
     assert kernels.fused_read(torch.zeros(1, 1, 8), codes) is kernel
     assert kernels.fused_read(torch.zeros(1, 1, 8, dtype=torch.float64), codes) is None
     assert kernels.fused_read(torch.zeros(1, 1, 8), codes.to(torch.int8)) is None  # int8 keys
+    assert kernels.describe() == "fused kernel"  # what `armkv bench` reports
     monkeypatch.setenv("ARMKV_KERNELS", "0")
     assert kernels.fused_read(torch.zeros(1, 1, 8), codes) is None
+    assert kernels.describe() == "pytorch (ARMKV_KERNELS=0)"
 
 
 def test_a_failed_build_warns_once_and_the_pytorch_path_serves(monkeypatch):
@@ -95,6 +97,7 @@ def test_a_failed_build_warns_once_and_the_pytorch_path_serves(monkeypatch):
     with pytest.warns(RuntimeWarning, match="could not be built .Error building extension 'armkv_int4_read'.; reading"):
         assert kernels.int4_read() is None
     assert kernels.int4_read() is None  # not tried again
+    assert kernels.describe() == "pytorch (kernel not built)"
     st = _packed(1, 9, 64, free=2, seed=1)
     q = torch.randn(1, 3, 64)
     torch.testing.assert_close(st.key_scores(q), st.key_scores(q, fused=False))

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from armkv.errors import ArmkvError
+from armkv.memory.kernels import describe as describe_int4_read
 
 DEFAULT_METHODS = "full,swa,sink,kivi,arm"
 DEFAULT_LENGTHS = "1024,2048,4096,8192,16384,32768"
@@ -385,6 +386,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
     finally:
         config.max_position_embeddings = old_limit
         bar.close()
+    result["int4_read"] = describe_int4_read()  # ARM's slot read: the fused CPU kernel or PyTorch ops
     return result
 
 
@@ -439,7 +441,7 @@ def markdown(result: dict) -> str:
     out.append(
         f"model {s['model']} ({s['dtype']}), budget {s['budget']}, chunk {s['chunk']}, device {result['device']}, "
         f"{result['threads']} torch threads; medians of {s['repeats']} steps after {s['warmup']} warm-up steps, "
-        f"{s.get('clock', 'wall')} clock"
+        f"{s.get('clock', 'wall')} clock" + (f"; int4 slot read: {result['int4_read']}" if result.get("int4_read") else "")
     )
     out.append("")
     out.append(f"Floor (full cache, {s['floor_context']}-token context): {result['floor_ms_per_token']:.2f} ms/token")

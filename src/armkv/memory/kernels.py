@@ -62,6 +62,16 @@ def int4_read():
         return _module
 
 
+def describe() -> str:
+    """How int4 slots have been read in this process, for benchmark reports: "fused kernel",
+    "pytorch" (off, not built, or not a CPU read) or "unused" (no int4 CPU read yet)."""
+    if not enabled():
+        return "pytorch (ARMKV_KERNELS=0)"
+    if _module is not None:
+        return "fused kernel"
+    return "pytorch (kernel not built)" if _tried else "unused"
+
+
 def fused_read(x: torch.Tensor, codes: torch.Tensor):
     """The kernel module where it serves this read, else None: int4 codes (uint8), float32
     queries or weights on the CPU, and no gradient wanted."""
