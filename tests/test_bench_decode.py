@@ -201,3 +201,21 @@ def test_ops_missing_or_present(capsys):
         assert "not available" in capsys.readouterr().err
     else:
         assert "ops" in cli.BENCHES
+
+
+def test_bench_ops_times_the_int4_read_against_pytorch(capsys, one_thread):
+    """`armkv bench ops` end to end at toy sizes: its last line is JSON, and the int4 read's
+    two paths agree where the kernel is built."""
+    import json
+
+    from armkv.memory.kernels import int4_read
+
+    assert cli_main(["bench", "ops", "--tokens", "64", "--chunk", "32", "--slots", "16", "--buckets", "16",
+                     "--queries", "4", "--int4-slots", "37,8", "--repeats", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    int4 = result["int4_read_us_per_layer"]
+    if int4_read() is None:
+        assert int4 == {}
+    else:
+        assert set(int4) == {"37", "8"}
+        assert all(r["max_abs_diff"] < 1e-3 and r["fused_us"] > 0 for r in int4.values())

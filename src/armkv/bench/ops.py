@@ -6,6 +6,9 @@
 - read: time per query of the top-M read (route + slot mask + attention over the pool)
   as the tree grows from 256 to 16,384 buckets at fixed M: beam search costs D * M * C,
   not N_b, so it should stay flat.
+- int4 read: the decode step's read of one layer's k4v4 slots (key scores, then the
+  weighted values) by the fused CPU kernel (``armkv.memory.kernels``) against the PyTorch
+  ops it replaces, at each ``--int4-slots`` pool size, with the largest difference.
 
 The last stdout line is one JSON document.
 """
@@ -35,6 +38,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--buckets", default="256,1024,4096,16384", help="tree sizes for the read timing (powers of 4)")
     parser.add_argument("--m", type=int, default=16, help="fixed M for the read timing")
     parser.add_argument("--queries", type=int, default=64)
+    parser.add_argument("--int4-slots", default="2706,8295",
+                        help="pool sizes for the int4 read timing (2706: budget 512, d = 64; 8295: the largest calibrated share)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
@@ -133,6 +138,36 @@ def bench_read(buckets: list[int], m: int, slots: int, kv_heads: int, head_dim: 
     return out
 
 
+def bench_int4_read(slots: list[int], kv_heads: int, head_dim: int, repeats: int, rep: int = 3) -> dict:
+    """One decode step's slot read of one layer (keys against a query per head, then the
+    values under softmax weights), fused kernel against PyTorch ops: microseconds per layer."""
+    from armkv.memory.kernels import int4_read
+    from armkv.memory.state import MemoryState
+
+    if int4_read() is None:
+        return {}
+    out = {}
+    for n in slots:
+        g = torch.Generator().manual_seed(n)
+        st = MemoryState.empty(kv_heads, n, head_dim)
+        st.key.copy_(torch.randn(kv_heads, n, head_dim, generator=g))
+        st.value.copy_(torch.randn(kv_heads, n, head_dim, generator=g))
+        st.count.fill_(1)
+        st = st.pack("k4v4", mix=True)
+        q = torch.randn(kv_heads, rep, head_dim, generator=g)
+        w = torch.softmax(torch.randn(kv_heads, rep, n, generator=g), -1)
+
+        def read(fused: bool):
+            return st.key_scores(q, fused=fused), st.weighted_values(w, fused=fused)
+
+        with torch.no_grad():
+            diff = max((a - b).abs().max().item() for a, b in zip(read(True), read(False)))
+            fused = _time(lambda: read(True), max(repeats, 20))
+            eager = _time(lambda: read(False), max(repeats, 20))
+        out[str(n)] = {"fused_us": 1e6 * fused, "pytorch_us": 1e6 * eager, "speedup": eager / fused, "max_abs_diff": diff}
+    return out
+
+
 def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -152,6 +187,13 @@ def main(args) -> int:
     log("| buckets | read us/query (M = %d) |\n|---:|---:|" % args.m)
     for nb, us in read.items():
         log(f"| {nb} | {us:.2f} |")
-    result = {**scan, "read_us_per_query": read, "m": args.m, "threads": torch.get_num_threads()}
+    int4 = bench_int4_read([int(n) for n in args.int4_slots.split(",") if n], args.kv_heads, args.head_dim, args.repeats)
+    if int4:
+        log("| int4 slots | fused read us/layer | PyTorch ops us/layer | speedup |\n|---:|---:|---:|---:|")
+        for n, r in int4.items():
+            log(f"| {n} | {r['fused_us']:.0f} | {r['pytorch_us']:.0f} | {r['speedup']:.1f}x |")
+    else:
+        log("int4 read: the fused kernel is not available here (see the warning); not timed")
+    result = {**scan, "read_us_per_query": read, "int4_read_us_per_layer": int4, "m": args.m, "threads": torch.get_num_threads()}
     print(json.dumps(result))
     return 0
