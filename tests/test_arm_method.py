@@ -197,3 +197,62 @@ def test_layer_weights_share_the_model_budget_unevenly_within_its_total():
         assert cache.layers[0].state.slots < even.layers[0].state.slots < cache.layers[1].state.slots
     with pytest.raises(ArmkvError, match="layer_weights"):
         _run(model, ids, budget=96, arm_overrides={"layer_weights": "1,2,3"})
+
+
+def test_layer_budgets_water_fill_to_what_the_context_can_use():
+    """With a known number of tokens, no layer's share exceeds what holds them all apart
+    (max(need, budget)); what the capped layers leave goes to the others by weight; the total
+    never exceeds num_layers * budget; with need <= budget every layer gets the budget."""
+    from armkv.methods.arm import layer_budget, layer_budgets
+
+    weights = (0.5, 0.6, 3.0, 2.5, 0.7, 0.7)
+    L, budget = len(weights), 100
+    plain = layer_budgets(budget, weights)
+    assert plain == [layer_budget(budget, i, weights) for i in range(L)]
+    got = layer_budgets(budget, weights, need=150)
+    assert got[2] == got[3] == 150 and sum(got) <= L * budget
+    rest, w = L * budget - 300, [0.5, 0.6, 0.7, 0.7]
+    assert [got[i] for i in (0, 1, 4, 5)] == [int(rest * x / sum(w)) for x in w]
+    assert all(got[i] > plain[i] for i in (0, 1, 4, 5))  # the small shares grow
+    assert layer_budgets(budget, weights, need=90) == [budget] * L  # the budget holds everything: even
+    assert layer_budgets(budget, weights, need=10_000) == plain  # no share can hold them all: as calibrated
+    # a cap that the first round of redistribution pushes another layer over
+    assert layer_budgets(budget, (4.0, 3.0, 0.1), need=130) == [130, 130, 40]  # 169, 127, 4 -> 130, 164, 5 -> ...
+
+
+def test_budget_for_tokens_is_the_smallest_share_that_holds_them():
+    from armkv.config import ARMConfig
+    from armkv.methods.arm import budget_for_tokens
+
+    for tokens in (40, 333, 4032):
+        b = budget_for_tokens(tokens, 64, 4, "k4v4")
+        held = lambda x: (lambda c: c.sinks + c.window + c.slots)(ARMConfig.for_budget(x, 64, 4, slot_format="k4v4"))  # noqa: E731
+        assert held(b) >= tokens and held(b - 1) < tokens
+
+
+def test_a_horizon_refits_the_shares_and_other_methods_ignore_it():
+    """make_cache(horizon=N) with fit_shares_to_length: arm's weighted layers get no more room
+    than N tokens need (the total bytes within num_layers * budget); by default the calibrated
+    shares stay; a method that does not plan by length takes the same horizon without complaint."""
+    from armkv.methods.arm import budget_for_tokens, layer_budgets
+
+    model = tiny_model("llama").eval()
+    L = model.config.num_hidden_layers
+    weights = ",".join(["3"] + ["0.5"] * (L - 1))
+    kv, d = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    short = make_cache(model, "arm", budget=96, chunk=16, horizon=120,
+                       arm_overrides={"layer_weights": weights, "fit_shares_to_length": "true"})
+    static = make_cache(model, "arm", budget=96, chunk=16, horizon=120, arm_overrides={"layer_weights": weights})
+    ids = torch.randint(0, 100, (1, 120))
+    with torch.no_grad():
+        for cache in (short, static):
+            model(ids, past_key_values=cache, use_cache=True)
+    need = budget_for_tokens(120, d, 4, "k4v4")
+    shares = layer_budgets(96, tuple([3.0] + [0.5] * (L - 1)), need)
+    assert shares[0] == max(need, 96) and sum(shares) <= 96 * L
+    assert short.layers[0].state.slots < static.layers[0].state.slots  # the big share no longer holds empty room
+    assert all(a.state.slots > b.state.slots for a, b in zip(short.layers[1:], static.layers[1:]))
+    assert sum(layer.peak_bytes for layer in short.layers) <= L * 96 * 2 * kv * d * 4
+    make_cache(model, "sink", budget=96, chunk=16, horizon=120)  # no error: sink does not plan by length
+    with pytest.raises(ArmkvError, match="fit_shares_to_length"):
+        make_cache(model, "arm", budget=96, chunk=16, fit_shares_to_length="maybe")

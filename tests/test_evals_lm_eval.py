@@ -50,10 +50,10 @@ def test_local_tasks_run_end_to_end(model_dir):
 
     from armkv.evals.lm_eval_model import ArmkvLM
 
-    calls = []
+    calls, horizons = [], []
     lm = ArmkvLM(method="swa", budget=32, chunk=16, pretrained=str(model_dir))
     new_cache = lm.new_cache
-    lm.new_cache = lambda: calls.append(1) or new_cache()
+    lm.new_cache = lambda horizon=None: calls.append(1) or horizons.append(horizon) or new_cache(horizon)
     results = lm_eval.simple_evaluate(
         model=lm,
         tasks=["armkv_tiny_mc", "armkv_tiny_gen"],
@@ -64,6 +64,7 @@ def test_local_tasks_run_end_to_end(model_dir):
     assert 0.0 <= results["armkv_tiny_gen"]["exact_match,none"] <= 1.0
     # 4 loglikelihood batches of 3 choices (one cache per model call) and 4 generations
     assert len(calls) >= 8
+    assert all(h is not None and h > 0 for h in horizons)  # each cache is told the tokens it will see
 
 
 def test_registered_under_its_name():

@@ -38,6 +38,7 @@ ROWS = [
     ("merge-ward", "arm", {"merge_metric": "ward"}),
     ("merge-eager", "arm", {"lazy_merge": False}),
     ("layers-even", "arm", {"layer_weights": "even"}),
+    ("shares-fit-to-length", "arm", {"fit_shares_to_length": True}),
 ]
 
 # RULER's needle-in-a-haystack tasks; the ones on the essay haystack need --haystack-file.

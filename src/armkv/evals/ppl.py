@@ -37,7 +37,8 @@ def perplexity(model, ids: torch.Tensor, method: str, budget: int | None, chunk:
     """Mean next-token NLL of ``ids`` [1, T] fed chunk by chunk through one cache of ``method``."""
     from armkv.hf.attach import make_cache
 
-    cache = make_cache(model, method, budget=budget, chunk=chunk, **options)
+    # the text's length is known: a method that plans by length (arm's budget shares) sees it
+    cache = make_cache(model, method, budget=budget, chunk=chunk, horizon=ids.shape[1], **options)
     total, count = 0.0, 0
     previous = None  # the logits of the last token of the previous chunk predict this chunk's first
     with torch.inference_mode():

@@ -83,7 +83,12 @@ def model_rotary(model: torch.nn.Module) -> Rotary:
 
 
 def make_cache(
-    model: torch.nn.Module, method: str, budget: int | None = None, chunk: int = 256, **options
+    model: torch.nn.Module,
+    method: str,
+    budget: int | None = None,
+    chunk: int = 256,
+    horizon: int | None = None,
+    **options,
 ) -> ArmkvCache:
     """A fresh cache of ``method`` for ``model``, attaching the model if it is not yet.
 
@@ -92,6 +97,9 @@ def make_cache(
     method : a registered method name (``armkv.methods.base.METHODS``)
     budget : token-equivalents of KV bytes per layer and sequence (None: unbounded methods only)
     chunk : P, the prefill chunk (the sync point of the budgeted chunked prefill)
+    horizon : the tokens the cache will see (prompt + new tokens), where the caller knows
+        them: a method that can plan its memory by length takes it (arm, with
+        ``fit_shares_to_length``: no layer's share gets room for more), the others ignore it
     options : method options (e.g. ``bits=4`` for kivi, ``adapter=`` for arm)
 
     Raises
@@ -106,6 +114,9 @@ def make_cache(
     info = model_info(model)
     rotary = model_rotary(model)
     attach(model)
+
+    if horizon is not None and spec.takes_horizon:
+        options = {**options, "horizon": int(horizon)}
 
     def make_layer(layer_idx: int):
         return spec.make_layer(layer_idx, info, rotary, budget, chunk, **options)

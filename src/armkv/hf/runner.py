@@ -63,8 +63,9 @@ class Runner:
             eos.append(tokenizer.eos_token_id)
         self.eos = set(eos)
 
-    def new_cache(self):
-        return make_cache(self.model, self.method, self.budget, self.chunk, **self.method_options)
+    def new_cache(self, horizon: int | None = None):
+        """A fresh cache; ``horizon``: the tokens it will see, for methods that plan by length."""
+        return make_cache(self.model, self.method, self.budget, self.chunk, horizon=horizon, **self.method_options)
 
     # ------------------------------------------------------------------ prompts
     def encode(self, request: dict) -> list[list[int]]:
@@ -168,7 +169,7 @@ class Runner:
                 f"model's limit of {limit} positions"
             )
         device = self.model.device
-        cache = self.new_cache()
+        cache = self.new_cache(horizon=prompt_tokens + max_new_tokens)
         pick = self._sampler(do_sample, temperature, top_k, top_p)
         start = time.perf_counter()
         position = 0

@@ -126,6 +126,13 @@ class Method:
     description: str
     bounded: bool = True  # False: memory grows with the sequence (full, offload, kivi without budget)
 
+    @property
+    def takes_horizon(self) -> bool:
+        """Whether the factory plans by the tokens a cache will see (a ``horizon`` parameter)."""
+        import inspect
+
+        return "horizon" in inspect.signature(self.make_layer).parameters
+
 
 METHODS: dict[str, Method] = {}
 
