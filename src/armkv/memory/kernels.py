@@ -38,8 +38,10 @@ def enabled() -> bool:
 def int4_read():
     """The built extension module, or None (turned off, or the build failed: warned once)."""
     global _module, _tried
-    if _tried or not enabled():
-        return _module if enabled() else None
+    if not enabled():
+        return None
+    if _tried:
+        return _module
     with _lock:
         if _tried:
             return _module

@@ -63,6 +63,7 @@ class ARMLayer(CacheLayer):
         self.mix: torch.Tensor | None = None  # [B] soft-cascade weight of Top(M + 1) (training)
         self.aux: dict[str, torch.Tensor] = {}
         self.generator: torch.Generator | None = None
+        self._bias_for: tuple[MemoryState, torch.Tensor] | None = None  # (state, its decode-read bias)
 
     # ------------------------------------------------------------------ state
     def _lazy_init(self, key: torch.Tensor) -> None:
@@ -157,9 +158,8 @@ class ARMLayer(CacheLayer):
         """Each slot's logit bias for the decode read, -inf for free slots [B, H, S]: it changes
         only when the slots are written, so it is kept until the state is replaced."""
         st = self.state
-        cached = getattr(self, "_bias_for", None)
-        if cached is not None and cached[0] is st and cached[1].dtype == dtype:
-            return cached[1]
+        if self._bias_for is not None and self._bias_for[0] is st and self._bias_for[1].dtype == dtype:
+            return self._bias_for[1]
         B, H = self.buffer.sink_k.shape[:2]
         count = st.count.view(B, H, st.slots)
         bias = torch.where(count > 0, self._slot_bias(count), -torch.inf).to(dtype)

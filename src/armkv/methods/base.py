@@ -10,6 +10,7 @@ prefill of DESIGN.md: each layer's state after chunk c depends only on chunks <=
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
@@ -129,8 +130,6 @@ class Method:
     @property
     def takes_horizon(self) -> bool:
         """Whether the factory plans by the tokens a cache will see (a ``horizon`` parameter)."""
-        import inspect
-
         return "horizon" in inspect.signature(self.make_layer).parameters
 
 
