@@ -105,11 +105,14 @@ def main() -> None:
     p.add_argument("--haystack-kind", default="task", choices=("task", "noise", "essay"))
     p.add_argument("--configs", default="full;arm")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--indices", default="", help="only these of the --samples samples, e.g. 5,8 (the ones an eval missed)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     model, tok = load_model(None)
     gen = RulerGenerator(tok, haystack_words=load_essay(a.haystack), haystack=None if a.haystack_kind == "task" else a.haystack_kind)
     samples = gen.samples(a.task, a.length, a.samples)
+    if a.indices:
+        samples = [samples[int(i)] for i in a.indices.split(",")]
     runner = Runner(model, tok, "full")
     for cfg in a.configs.split(";"):
         method, _, opts = cfg.partition(":")
@@ -145,8 +148,9 @@ def main() -> None:
         nll = sum(r[0] for r in rows) / len(rows)
         em = sum(r[1] for r in rows) / len(rows)
         print(f"{cfg:50s} nll {nll:.3f} em {em:.2f} per-sample {[round(r[0], 2) for r in rows]} ({time.time() - t0:.0f}s)", flush=True)
-        if rows[0][2] is not None:
-            print("   needle tokens held exactly, per layer (sample 0):", rows[0][2], flush=True)
+        for i, row in enumerate(rows):
+            if row[2] is not None:
+                print(f"   needle tokens held exactly, per layer (sample {i}):", row[2], flush=True)
         print(json.dumps({"config": cfg, "nll": nll, "em": em, "per_sample": [r[0] for r in rows]}), flush=True)
 
 

@@ -641,3 +641,33 @@ def test_lazy_plan_with_room_everywhere_equals_the_scored_plan():
         torch.testing.assert_close(getattr(fast, name), getattr(scored, name)[:1], rtol=0, atol=0)
     assert torch.equal(state_fast.count, roomy.count)  # nothing merged
     assert (fast.target[0, valid[0]] >= 9).all() and len(set(fast.target[0, valid[0]].tolist())) == N - 1
+
+
+@pytest.mark.parametrize("G,S,pairs", [(3, 37, 5), (1, 9, 0), (2, 64, 30)])
+def test_row_wise_merges_equal_the_whole_pool_reference(G, S, pairs):
+    """``_merge_pairs`` computes only the merged rows: equal to the reference over every
+    slot in keys, values, positions, counts, buckets and gradients (disjoint pairs, some
+    slots free, odd sizes)."""
+    from armkv.memory.write import _merge_pairs, merge_pairs_reference
+
+    g = torch.Generator().manual_seed(3)
+    d = 7
+    base = _filled_state(G, S, d, S - 3, seed=5)
+    src_of = torch.full((G, S), -1, dtype=torch.long)
+    for row in range(G):  # disjoint pairs among the occupied slots: dst < src
+        perm = torch.randperm(S - 3, generator=g)[: 2 * pairs].view(-1, 2).sort(-1).values
+        src_of[row, perm[:, 0]] = perm[:, 1]
+    key = base.key.clone().requires_grad_(True)
+    value = base.value.clone().requires_grad_(True)
+    outs = []
+    for fn in (_merge_pairs, merge_pairs_reference):
+        st = MemoryState(key=key, value=value, pos=base.pos, count=base.count, bucket=base.bucket)
+        out = fn(st, src_of)
+        grads = torch.autograd.grad((out.key * 1.3).sum() + (out.value ** 2).sum(), (key, value))
+        outs.append((out, grads))
+    (got, got_g), (want, want_g) = outs
+    for name in ("key", "value", "pos", "count", "bucket"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert int((got.count > 0).sum()) == G * (S - 3) - G * pairs

@@ -146,34 +146,57 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.reshape(G * S, *x.shape[2:]).index_select(0, flat).view(G, index.shape[1], *x.shape[2:])
 
 
-def _merge_pairs(state: MemoryState, src_of: torch.Tensor) -> MemoryState:
-    """Merge slot src_of[g, s] into slot s (count-weighted), freeing the source slot.
-
-    src_of : [G, S] long, -1 where slot s absorbs nothing.
-    """
+def _merge_terms(state: MemoryState, src_of: torch.Tensor):
+    """What a merge of slot src_of[g, s] into slot s changes, shared by :func:`_merge_pairs`
+    and its reference: (has [G, S]: s absorbs a slot, src [G, S], the count weights w_dst and
+    w_src, keep: 0 on the freed source slots, count and bucket after the merges)."""
     has = src_of >= 0
     src = src_of.clamp_min(0)
     n_dst, n_src = state.count, state.count.gather(1, src) * has
     total = (n_dst + n_src).clamp_min(1e-12)
-    w_dst, w_src = (n_dst / total), (n_src / total)
+    freed = _scatter_where(torch.zeros_like(has), src, has, has)  # the sources become free
+    keep = (~freed).to(state.key.dtype)
+    bucket = torch.where(has & (n_src > n_dst), state.bucket.gather(1, src), state.bucket)
+    bucket = torch.where(freed, torch.full_like(bucket, -1), bucket)
+    return has, src, n_dst / total, n_src / total, keep, (n_dst + n_src) * keep, bucket
+
+
+def _merge_pairs(state: MemoryState, src_of: torch.Tensor) -> MemoryState:
+    """Merge slot src_of[g, s] into slot s (count-weighted), freeing the source slot.
+
+    src_of : [G, S] long, -1 where slot s absorbs nothing. The pairs are disjoint (no slot
+    both absorbs and is absorbed, as :func:`_make_room` picks them). Only the rows of the
+    merged slots are computed: a full pool merges about ``sync`` pairs per write among
+    thousands of slots. Equal to :func:`merge_pairs_reference` (tests/test_memory.py).
+    """
+    G, S, d = state.key.shape
+    has, src, w_dst, w_src, keep, count, bucket = _merge_terms(state, src_of)
+    dst_rows = has.view(-1).nonzero().squeeze(1)  # flat g * S + s
+    src_rows = (dst_rows // S) * S + src.view(-1).index_select(0, dst_rows)
+    wd = w_dst.view(-1).index_select(0, dst_rows).unsqueeze(-1)
+    ws = w_src.view(-1).index_select(0, dst_rows).unsqueeze(-1)
+
+    def blend_rows(a: torch.Tensor) -> torch.Tensor:  # [G, S, d]: the merged rows blended, the freed zeroed
+        flat = a.reshape(G * S, d)
+        mixed = wd.to(a.dtype) * flat.index_select(0, dst_rows) + ws.to(a.dtype) * flat.index_select(0, src_rows)
+        return flat.index_copy(0, dst_rows, mixed).index_fill_(0, src_rows, 0.0).view(G, S, d)
+
+    pos = torch.where(has, w_dst * state.pos + w_src * state.pos.gather(1, src), state.pos) * keep
+    return MemoryState(key=blend_rows(state.key), value=blend_rows(state.value), pos=pos, count=count, bucket=bucket)
+
+
+def merge_pairs_reference(state: MemoryState, src_of: torch.Tensor) -> MemoryState:
+    """:func:`_merge_pairs` computed over every slot (the tests' oracle)."""
+    has, src, w_dst, w_src, keep, count, bucket = _merge_terms(state, src_of)
 
     def blend(a: torch.Tensor) -> torch.Tensor:
         if a.ndim == 3:
             other = gather_rows(a, src)
-            return torch.where(has.unsqueeze(-1), w_dst.unsqueeze(-1).to(a.dtype) * a + w_src.unsqueeze(-1).to(a.dtype) * other, a)
-        return torch.where(has, w_dst * a + w_src * a.gather(1, src), a)
+            mixed = w_dst.unsqueeze(-1).to(a.dtype) * a + w_src.unsqueeze(-1).to(a.dtype) * other
+            return torch.where(has.unsqueeze(-1), mixed, a) * keep.unsqueeze(-1)
+        return torch.where(has, w_dst * a + w_src * a.gather(1, src), a) * keep
 
-    freed = _scatter_where(torch.zeros_like(has), src, has, has)  # the sources become free
-    keep = (~freed).to(state.key.dtype)
-    bigger_src = n_src > n_dst
-    bucket = torch.where(has & bigger_src, state.bucket.gather(1, src), state.bucket)
-    return MemoryState(
-        key=blend(state.key) * keep.unsqueeze(-1),
-        value=blend(state.value) * keep.unsqueeze(-1),
-        pos=blend(state.pos) * keep,
-        count=(n_dst + n_src) * keep,
-        bucket=torch.where(freed, torch.full_like(bucket, -1), bucket),
-    )
+    return MemoryState(key=blend(state.key), value=blend(state.value), pos=blend(state.pos), count=count, bucket=bucket)
 
 
 def _scatter_where(base: torch.Tensor, index: torch.Tensor, src: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
