@@ -167,6 +167,43 @@ def test_incremental_repack_equals_packing_every_slot(overrides, monkeypatch):
     assert cache.layers[1].state.count.max() > 1  # merges happened
 
 
+@pytest.mark.parametrize("overrides", [{}, {"position_mode": "fixed"}, {"slot_mixing": False, "merge_metric": "kv"}])
+def test_fused_write_passes_equal_their_pytorch_forms(overrides, monkeypatch):
+    """At every write of a prefill and of decoding (k4v4 slots, merges, a padded row), the
+    pool as the write reads it (ARMLayer._write_form) from the fused kernel equals the
+    PyTorch form (dequantise, unmix, un-rotate), and so do the neighbour searches of the full
+    pool (write.banded_neighbours, tested on its own in tests/test_kernels.py)."""
+    from armkv.memory import kernels
+    from armkv.methods.arm import ARMLayer
+
+    if kernels.int4_read() is None:
+        pytest.skip("the fused kernels could not be built here")
+    checked = []
+    write_form = ARMLayer._write_form
+
+    def both(self, packed, dtype, fused=True):
+        got, want = write_form(self, packed, dtype), write_form(self, packed, dtype, fused=False)
+        for name in ("key", "value", "pos", "count", "bucket"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5)
+        assert got.key_scale is None and not got.mixed and got.bucket.dtype == torch.long
+        checked.append(int((packed.count > 0).sum()))
+        return got
+
+    monkeypatch.setattr(ARMLayer, "_write_form", both)
+    model = tiny_model("llama").eval()
+    torch.manual_seed(3)
+    ids = torch.randint(0, 100, (2, 157))
+    mask = torch.ones_like(ids)
+    mask[1, :100] = 0
+    cache = make_cache(model, "arm", budget=48, chunk=16, arm_overrides={"slot_format": "k4v4", **overrides})
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(20):
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    assert len(checked) > 10 and max(checked) > 0
+
+
 @pytest.mark.parametrize("slot_format", ["k4v4", "model"])
 def test_decoding_from_a_short_prompt_writes_nothing_without_failing(slot_format):
     """A prompt shorter than the window: the first `sync` decode steps push out no token, so

@@ -101,3 +101,54 @@ def test_a_failed_build_warns_once_and_the_pytorch_path_serves(monkeypatch):
     st = _packed(1, 9, 64, free=2, seed=1)
     q = torch.randn(1, 3, 64)
     torch.testing.assert_close(st.key_scores(q), st.key_scores(q, fused=False))
+
+
+@pytest.mark.parametrize("metric", ["key", "kv"])
+@pytest.mark.parametrize("slots,d,width", [(1, 64, 32), (2, 64, 32), (37, 64, 12), (301, 40, 32), (300, 64, 2)])
+def test_fused_band_neighbours_equal_the_pytorch_band(kernel, metric, slots, d, width):
+    """The write's neighbour search (write.banded_neighbours) by the kernel and by PyTorch
+    ops: the same partner for every slot that has one, the same similarity, -inf for the
+    others; exact duplicates (ties) resolved alike (the nearest in bucket order)."""
+    from armkv.memory.write import banded_neighbours
+
+    g = torch.Generator().manual_seed(slots + d + width)
+    G = 3
+    st = MemoryState.empty(G, slots, d)
+    st.key.copy_(torch.randn(G, slots, d, generator=g))
+    st.value.copy_(torch.randn(G, slots, d, generator=g))
+    if slots > 10:  # duplicated slots: equal similarities on both sides
+        st.key[:, 7], st.value[:, 7] = st.key[:, 3], st.value[:, 3]
+        st.key[:, 9], st.value[:, 9] = st.key[:, 3], st.value[:, 3]
+    st.count = (torch.rand(G, slots, generator=g) * 4).floor()  # about a quarter free
+    st.bucket = torch.where(st.count > 0, torch.randint(0, 5, (G, slots), generator=g), -1)
+    if slots > 10:
+        st.count[:, [3, 7, 9]], st.bucket[:, [3, 7, 9]] = 1.0, 0
+    got_sim, got_idx = banded_neighbours(metric, st, width)
+    want_sim, want_idx = banded_neighbours(metric, st, width, fused=False)
+    has = torch.isfinite(want_sim)
+    assert torch.equal(torch.isfinite(got_sim), has)
+    torch.testing.assert_close(got_sim[has], want_sim[has], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_idx[has], want_idx[has])
+    assert has.any() or slots < 3
+
+
+@pytest.mark.parametrize("d,groups", [(64, 2), (16, 1), (128, 4)])
+@pytest.mark.parametrize("mixed", [True, False])
+def test_fused_unpack_to_pre_rope_equals_dequantise_then_unrotate(kernel, d, groups, mixed):
+    """int4 slots to the floats a write uses (ARMLayer._write_form): dequantised, unmixed
+    and un-rotated in one pass, against MemoryState.unpack then Rotary.unrotate; free slots
+    (stored zero) stay zero."""
+    from armkv.memory.rope import Rotary
+
+    st = _packed(groups, 53, d, free=6, seed=d)
+    if not mixed:
+        st = MemoryState.empty(groups, 53, d)
+        st.key.normal_(), st.value.normal_(), st.count.fill_(1)
+        st = st.pack("k4v4", mix=False)
+    st.pos = torch.rand(groups, 53) * 5000
+    rotary = Rotary(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), attention_scaling=1.25)
+    cos, sin = (t.expand(groups, 53, -1) for t in rotary.half_cos_sin(st.pos, torch.float32))
+    key, value = kernel.int4_unpack_pre_rope(st.key, st.key_scale, st.value, st.value_scale, cos, sin, st.mixed, rotary.scaling)
+    ref = st.unpack(torch.float32)
+    torch.testing.assert_close(value, ref.value, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(key, rotary.unrotate(ref.key, st.pos), rtol=1e-5, atol=1e-5)

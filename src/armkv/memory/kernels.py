@@ -1,4 +1,5 @@
-"""Fused CPU kernels for the decode step's read of int4 slots (``csrc/int4_read.cpp``).
+"""Fused CPU kernels for ARM's decode step (``csrc/int4_read.cpp``): the read of int4 slots,
+and the two passes over the pool that a write makes.
 
 The decode step reads every slot of a layer: its keys against the new query, its values
 under the softmax weights. :meth:`MemoryState.key_scores` and
@@ -11,6 +12,12 @@ It is compiled with ``torch.utils.cpp_extension`` on first use (a C++ compiler i
 about a minute, once per machine and source version, kept in torch's extension cache).
 Where it cannot be built, a warning says why, once, and the PyTorch path serves.
 ``ARMKV_KERNELS=0`` skips it.
+
+The write (``ARMLayer._flush``, every ``sync`` decoded tokens) un-packs the whole pool to
+pre-RoPE floats and, once the pool is full, finds each slot's nearest neighbour in a band
+of the bucket order (``write.banded_neighbours``): with PyTorch ops about 30 passes over
+the state, 20-50 ms per write in a layer of 3k-7k slots. ``int4_unpack_pre_rope`` and
+``band_neighbours`` make one pass each; the PyTorch forms stay as their references.
 """
 
 from __future__ import annotations
@@ -80,5 +87,13 @@ def fused_read(x: torch.Tensor, codes: torch.Tensor):
     if codes.dtype != torch.uint8 or x.dtype != torch.float32 or x.device.type != "cpu" or codes.device.type != "cpu":
         return None
     if torch.is_grad_enabled() and x.requires_grad:
+        return None
+    return int4_read()
+
+
+def fused_cpu(x: torch.Tensor):
+    """The kernel module where it serves an operation on ``x``: float32 on the CPU with no
+    gradient wanted (the writes' kernels), else None."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
         return None
     return int4_read()

@@ -26,10 +26,14 @@ class Rotary:
         self.inv_freq = inv_freq.detach().float()
         self.scaling = float(attention_scaling)
 
+    def half_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [...] -> cos, sin [..., d/2]: one per frequency (unscaled)."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] -> cos, sin [..., d] (unscaled)."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
-        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)  # each frequency once, then both halves
+        cos, sin = self.half_cos_sin(positions, dtype)  # each frequency once, then both halves
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from armkv.memory import kernels
 from armkv.memory.state import MemoryState
 
 SCORE_SHARPNESS = 20.0  # initial weight of cos(slot, token) in the similarity scorer
@@ -464,10 +465,15 @@ def _masked_neighbours(ss: torch.Tensor, state: MemoryState) -> tuple[torch.Tens
     return ss.masked_fill(eye | ~occ.unsqueeze(1) | ~occ.unsqueeze(2), -math.inf).max(-1)
 
 
-def banded_neighbours(metric: str, state: MemoryState, width: int = BAND_WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
+def banded_neighbours(
+    metric: str, state: MemoryState, width: int = BAND_WIDTH, fused: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each slot's nearest occupied slot among the ``width`` slots on either side of it in
     bucket order: the same bucket's slots, which the tree filed together because their keys
     are close. Exact within any bucket of at most ``width + 1`` slots; costs S * width, not S^2.
+    The "key" and "kv" metrics on float32 CPU states without gradients go through the fused
+    kernel (``armkv.memory.kernels``: one pass) unless ``fused=False``; the PyTorch ops
+    below are its reference (tests/test_kernels.py).
 
     Returns (sim [G, S], -inf where none; index [G, S]) under ``metric`` (see :func:`room_similarity`).
     """
@@ -476,6 +482,11 @@ def banded_neighbours(metric: str, state: MemoryState, width: int = BAND_WIDTH) 
     bucket = torch.where(occ, state.bucket, -1)
     order = torch.sort(bucket, dim=1, stable=True).indices  # [G, S]: free slots first, then by bucket
     w = min(width, S - 1)
+    module = kernels.fused_cpu(state.key) if fused and metric in ("key", "kv") and w >= 1 else None
+    if module is not None:
+        value = state.value if metric == "kv" else state.key.new_empty(0)
+        nn_sim, nn_idx = module.band_neighbours(state.key, value, order, bucket, w)
+        return nn_sim, nn_idx
     pos = torch.arange(S, device=order.device)
     if w < 1:
         return torch.full((G, S), -math.inf, device=state.key.device), torch.zeros(G, S, dtype=torch.long, device=state.key.device)

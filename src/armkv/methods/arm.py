@@ -19,6 +19,7 @@ import torch
 
 from armkv.config import ARMConfig
 from armkv.errors import ArmkvError
+from armkv.memory import kernels
 from armkv.memory.module import ARMModel
 from armkv.memory.read import bucket_slot_mask
 from armkv.memory.rope import Rotary
@@ -243,10 +244,34 @@ class ARMLayer(CacheLayer):
         if mem.training and c.write != "fifo":
             self.aux["balance"] = self.aux.get("balance", 0) + mem.router.balance_loss(k_pre, valid)
         packed = self.state
-        stored = packed.unpack(keys.dtype)
-        state = dataclasses.replace(stored, key=self.rotary.unrotate(stored.key, self._read_positions(stored)))
+        state = self._write_form(packed, keys.dtype)
         written = mem.write(state, k_pre, values, positions, valid, self.generator, c)
         self.state = self._stored(written) if mem.training else self._restored(packed, state, written)
+
+    def _write_form(self, packed: MemoryState, dtype: torch.dtype, fused: bool = True) -> MemoryState:
+        """The stored state as writes use it: float keys un-rotated to pre-RoPE, float values,
+        int64 buckets. Mixed int4 slots (k4v4, the default) of float32 on a CPU go through the
+        fused kernel (``armkv.memory.kernels``: one pass for dequantising, unmixing and
+        un-rotating) unless ``fused=False``; the PyTorch ops are its reference."""
+        positions = self._read_positions(packed)
+        d = packed.value.shape[-1] * 2
+        module = None
+        if (
+            fused and packed.key.dtype == torch.uint8 and packed.value.dtype == torch.uint8 and dtype == torch.float32
+            and packed.key.device.type == "cpu" and (not packed.mixed or d & (d - 1) == 0)  # Hadamard mixing only
+        ):
+            module = kernels.int4_read()  # (codes carry no gradient)
+        if module is None:
+            stored = packed.unpack(dtype)
+            return dataclasses.replace(stored, key=self.rotary.unrotate(stored.key, positions))
+        G, S = packed.count.shape
+        cos, sin = (t.expand(G, S, -1) for t in self.rotary.half_cos_sin(positions, dtype))
+        key, value = module.int4_unpack_pre_rope(
+            packed.key, packed.key_scale, packed.value, packed.value_scale, cos, sin, packed.mixed, self.rotary.scaling
+        )
+        return dataclasses.replace(
+            packed, key=key, value=value, bucket=packed.bucket.long(), key_scale=None, value_scale=None, mixed=False
+        )
 
     def _restored(self, packed: MemoryState, before: MemoryState, after: MemoryState) -> MemoryState:
         """:meth:`_stored` of ``after`` that re-rotates and re-packs only the slots the write

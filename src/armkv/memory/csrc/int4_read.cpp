@@ -13,7 +13,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -165,6 +168,166 @@ inline void weighted_values(const float* w, const uint8_t* codes, const float* s
   weighted_values_scalar(w, codes, scale, out, R, d, S, ng);
 }
 
+// ---------------------------------------------------------------- the write's passes over the pool
+// A write (ARMLayer._flush) needs every slot as pre-RoPE floats and, when the pool is full,
+// each slot's nearest neighbour among the `width` slots on either side in bucket order. In
+// PyTorch each is a dozen passes over the state; here one.
+
+inline float dot_scalar(const float* a, const float* b, int64_t d) {
+  float s = 0.0f;
+  for (int64_t c = 0; c < d; ++c) s += a[c] * b[c];
+  return s;
+}
+
+// out[o - 1] = rows[order[i]] . rows[order[i + o]] for o = 1..n (the rows of one group, [S, d])
+inline void band_row_scalar(const float* rows, const int64_t* order, int64_t i, int64_t n, int64_t d, float* out) {
+  const float* a = rows + order[i] * d;
+  for (int64_t o = 1; o <= n; ++o) out[o - 1] = dot_scalar(a, rows + order[i + o] * d, d);
+}
+
+#ifdef ARMKV_AVX2
+__attribute__((target("avx2,fma"))) inline void band_row_avx2(const float* rows, const int64_t* order, int64_t i, int64_t n,
+                                                              int64_t d, float* out) {
+  const float* a = rows + order[i] * d;
+  for (int64_t o = 1; o <= n; ++o) {
+    const float* b = rows + order[i + o] * d;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_hadd_ps(h, h);
+    h = _mm_hadd_ps(h, h);
+    float s = _mm_cvtss_f32(h);
+    for (; c < d; ++c) s += a[c] * b[c];
+    out[o - 1] = s;
+  }
+}
+#endif
+
+inline void band_row(const float* rows, const int64_t* order, int64_t i, int64_t n, int64_t d, float* out) {
+#ifdef ARMKV_AVX2
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return band_row_avx2(rows, order, i, n, d, out);
+#endif
+  band_row_scalar(rows, order, i, n, d, out);
+}
+
+// One group of write.banded_neighbours ("key": cosine of the keys; with values, "kv": the
+// lower of the key and value cosines). order [S]: the slots in bucket order; bucket [S]: each
+// slot's bucket, -1 where free. Place i's candidates are places i +- o, o = 1..width, that
+// hold an occupied slot of the same bucket; the nearest place wins a tie, the later side
+// only when strictly better (as the PyTorch reference's max over the band). Writes each
+// slot's best similarity (-inf: none) and partner slot, in slot indexing.
+inline void band_neighbours_group(const float* key, const float* value, const int64_t* order, const int64_t* bucket,
+                                  int64_t S, int64_t d, int64_t width, float* nn_sim, int64_t* nn_idx) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  std::vector<float> inv_k(S), inv_v(value ? S : 0), fwd(S, ninf), back(S, ninf), dots(width), vdots(width);
+  std::vector<int64_t> fwd_o(S, 1), back_o(S, 1);
+  for (int64_t s = 0; s < S; ++s) {
+    inv_k[s] = 1.0f / std::max(std::sqrt(dot_scalar(key + s * d, key + s * d, d)), 1e-12f);
+    if (value) inv_v[s] = 1.0f / std::max(std::sqrt(dot_scalar(value + s * d, value + s * d, d)), 1e-12f);
+  }
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t a = order[i], ba = bucket[a];
+    if (ba < 0) continue;
+    int64_t n = std::min(width, S - 1 - i);
+    while (n > 0 && bucket[order[i + n]] != ba) --n;  // bucket order: the same bucket is one run
+    if (n == 0) continue;
+    band_row(key, order, i, n, d, dots.data());
+    if (value) band_row(value, order, i, n, d, vdots.data());
+    for (int64_t o = 1; o <= n; ++o) {
+      const int64_t b = order[i + o];
+      if (bucket[b] != ba) continue;
+      float sim = dots[o - 1] * inv_k[a] * inv_k[b];
+      if (value) sim = std::min(sim, vdots[o - 1] * inv_v[a] * inv_v[b]);
+      if (sim > fwd[i]) fwd[i] = sim, fwd_o[i] = o;                   // the nearest of equals: first seen
+      if (sim >= back[i + o] || back[i + o] == ninf) back[i + o] = sim, back_o[i + o] = o;  // seen farthest first
+    }
+  }
+  for (int64_t i = 0; i < S; ++i) {
+    const bool use_back = back[i] > fwd[i];
+    const int64_t place = std::min(std::max<int64_t>(use_back ? i - back_o[i] : i + fwd_o[i], 0), S - 1);
+    nn_sim[order[i]] = use_back ? back[i] : fwd[i];
+    nn_idx[order[i]] = order[place];
+  }
+}
+
+// In-place fast Walsh-Hadamard transform of x [d] (d a power of two), Sylvester order:
+// x H, H the +-1 matrix of quant.mixing_matrix before its 1 / sqrt(d)
+__attribute__((always_inline)) inline void fwht(float* x, int64_t d) {
+  for (int64_t h = 1; h < d; h *= 2)
+    for (int64_t i = 0; i < d; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+}
+
+// Slots [s0, s1) of one group from int4 codes to the floats a write uses: keys dequantised,
+// unmixed (x Q^T with Q = H / sqrt(d), symmetric) and un-rotated (RoPE at the slot's read
+// position: cos, sin [S, d/2] per frequency; out = (x cos - rotate_half(x) sin) / scaling),
+// values dequantised and unmixed.
+__attribute__((always_inline)) inline void unpack_slots_body(const uint8_t* kc, const float* ks, const uint8_t* vc, const float* vs, const float* cs,
+                         const float* sn, int64_t S, int64_t d, int64_t ngk, int64_t ngv, bool mixed, float inv_scaling,
+                         float* key, float* value) {
+  const int64_t half = d / 2;
+  const float norm = mixed ? 1.0f / std::sqrt(static_cast<float>(d)) : 1.0f;
+  std::vector<int64_t> gk(d), gv(d);  // each channel's scale group (no division in the loops)
+  for (int64_t c = 0; c < d; ++c) gk[c] = c / (d / ngk), gv[c] = c / (d / ngv);
+  constexpr int64_t kBlock = 16;  // slots decoded together: the channel-major key bytes are read in runs
+  std::vector<float> x(kBlock * d);
+  for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
+    const int64_t n = std::min(kBlock, S - s0);
+    for (int64_t c = 0; c < half; ++c) {
+      const uint8_t* row = kc + c * S + s0;
+      for (int64_t j = 0; j < n; ++j) {
+        x[j * d + c] = low_nibble(row[j]);
+        x[j * d + c + half] = high_nibble(row[j]);
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t s = s0 + j;
+      float* xs = x.data() + j * d;
+      const float* sc = ks + s * ngk;
+      for (int64_t c = 0; c < d; ++c) xs[c] *= sc[gk[c]];
+      if (mixed) fwht(xs, d);
+      float* k = key + s * d;
+      for (int64_t c = 0; c < half; ++c) {
+        const float x1 = xs[c] * norm, x2 = xs[c + half] * norm, co = cs[s * half + c], si = sn[s * half + c];
+        k[c] = (x1 * co + x2 * si) * inv_scaling;
+        k[c + half] = (x2 * co - x1 * si) * inv_scaling;
+      }
+      float* v = value + s * d;
+      const uint8_t* vb = vc + s * half;
+      const float* vsc = vs + s * ngv;
+      for (int64_t c = 0; c < half; ++c) {
+        v[c] = low_nibble(vb[c]) * vsc[gv[c]];
+        v[c + half] = high_nibble(vb[c]) * vsc[gv[c + half]];
+      }
+      if (mixed) {
+        fwht(v, d);
+        for (int64_t c = 0; c < d; ++c) v[c] *= norm;
+      }
+    }
+  }
+}
+
+// the same loops compiled for AVX2 where the CPU has it (the compiler vectorises them), else baseline
+#define ARMKV_UNPACK_ARGS                                                                                          \
+  const uint8_t *kc, const float *ks, const uint8_t *vc, const float *vs, const float *cs, const float *sn, int64_t S, \
+      int64_t d, int64_t ngk, int64_t ngv, bool mixed, float inv_scaling, float *key, float *value
+#define ARMKV_UNPACK_CALL kc, ks, vc, vs, cs, sn, S, d, ngk, ngv, mixed, inv_scaling, key, value
+#ifdef ARMKV_AVX2
+__attribute__((target("avx2,fma"))) void unpack_slots_avx2(ARMKV_UNPACK_ARGS) { unpack_slots_body(ARMKV_UNPACK_CALL); }
+#endif
+void unpack_slots_baseline(ARMKV_UNPACK_ARGS) { unpack_slots_body(ARMKV_UNPACK_CALL); }
+inline void unpack_slots(ARMKV_UNPACK_ARGS) {
+#ifdef ARMKV_AVX2
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return unpack_slots_avx2(ARMKV_UNPACK_CALL);
+#endif
+  unpack_slots_baseline(ARMKV_UNPACK_CALL);
+}
+
 }  // namespace armkv
 
 // ---------------------------------------------------------------- PyTorch bindings
@@ -224,8 +387,64 @@ torch::Tensor int4_weighted_values(torch::Tensor weights, torch::Tensor codes, t
 
 bool int4_vectorised(int64_t rep, int64_t head_dim, int64_t groups) { return armkv::use_avx2(rep, head_dim, groups); }
 
+// key, value [G, S, d] float32 (value empty for "key"), order [G, S] int64 (bucket order),
+// bucket [G, S] int64 (-1: free), width -> (nn_sim [G, S] float32, nn_idx [G, S] int64)
+std::vector<torch::Tensor> band_neighbours(torch::Tensor key, torch::Tensor value, torch::Tensor order, torch::Tensor bucket,
+                                           int64_t width) {
+  TORCH_CHECK(key.device().is_cpu() && key.scalar_type() == torch::kFloat32 && key.dim() == 3, "float32 CPU keys [G, S, d]");
+  auto k = key.contiguous();
+  const bool kv = value.numel() > 0;
+  auto v = kv ? value.contiguous() : value;
+  auto o = order.to(torch::kInt64).contiguous();
+  auto b = bucket.to(torch::kInt64).contiguous();
+  const int64_t G = k.size(0), S = k.size(1), d = k.size(2);
+  TORCH_CHECK(!kv || v.sizes() == k.sizes(), "values must match the keys' shape");
+  TORCH_CHECK(o.size(0) == G && o.size(1) == S && b.size(0) == G && b.size(1) == S, "order and bucket must be [G, S]");
+  auto sim = torch::empty({G, S}, k.options());
+  auto idx = torch::empty({G, S}, o.options());
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      armkv::band_neighbours_group(k.data_ptr<float>() + g * S * d, kv ? v.data_ptr<float>() + g * S * d : nullptr,
+                                   o.data_ptr<int64_t>() + g * S, b.data_ptr<int64_t>() + g * S, S, d, width,
+                                   sim.data_ptr<float>() + g * S, idx.data_ptr<int64_t>() + g * S);
+  });
+  return {sim, idx};
+}
+
+// key codes [G, d/2, S] uint8 (channel-major), key scale [G, S, ngk], value codes [G, S, d/2],
+// value scale [G, S, ngv], cos and sin [G, S, d/2] -> (pre-RoPE keys, values) [G, S, d] float32
+std::vector<torch::Tensor> int4_unpack_pre_rope(torch::Tensor key_codes, torch::Tensor key_scale, torch::Tensor value_codes,
+                                                torch::Tensor value_scale, torch::Tensor cos, torch::Tensor sin, bool mixed,
+                                                double scaling) {
+  auto kc = key_codes.contiguous();
+  auto vc = value_codes.contiguous();
+  auto ks = key_scale.to(torch::kFloat32).contiguous();
+  auto vs = value_scale.to(torch::kFloat32).contiguous();
+  auto cs = cos.to(torch::kFloat32).contiguous();
+  auto sn = sin.to(torch::kFloat32).contiguous();
+  TORCH_CHECK(kc.scalar_type() == torch::kUInt8 && vc.scalar_type() == torch::kUInt8, "uint8 int4 codes only");
+  const int64_t G = kc.size(0), half = kc.size(1), S = kc.size(2), d = 2 * half, ngk = ks.size(2), ngv = vs.size(2);
+  TORCH_CHECK(vc.size(0) == G && vc.size(1) == S && vc.size(2) == half && ks.size(1) == S && vs.size(1) == S &&
+                  d % ngk == 0 && d % ngv == 0 && cs.size(1) == S && cs.size(2) == half && sn.sizes() == cs.sizes(),
+              "shapes do not match: key codes [G, d/2, S], value codes [G, S, d/2], scales [G, S, n], cos/sin [G, S, d/2]");
+  TORCH_CHECK(!mixed || (d & (d - 1)) == 0, "mixed slots need a power-of-two head dim (the Hadamard mixing)");
+  auto key = torch::empty({G, S, d}, ks.options());
+  auto value = torch::empty({G, S, d}, ks.options());
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      armkv::unpack_slots(kc.data_ptr<uint8_t>() + g * half * S, ks.data_ptr<float>() + g * S * ngk,
+                          vc.data_ptr<uint8_t>() + g * S * half, vs.data_ptr<float>() + g * S * ngv,
+                          cs.data_ptr<float>() + g * S * half, sn.data_ptr<float>() + g * S * half, S, d, ngk, ngv, mixed,
+                          static_cast<float>(1.0 / scaling), key.data_ptr<float>() + g * S * d,
+                          value.data_ptr<float>() + g * S * d);
+  });
+  return {key, value};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_key_scores", &int4_key_scores, "query . int4 slot keys (channel-major codes), each group's scale applied");
   m.def("int4_weighted_values", &int4_weighted_values, "weights @ int4 slot values, each group's scale applied");
   m.def("int4_vectorised", &int4_vectorised, "whether the AVX2 loops serve these sizes on this CPU");
+  m.def("band_neighbours", &band_neighbours, "each slot's nearest same-bucket slot within a band in bucket order");
+  m.def("int4_unpack_pre_rope", &int4_unpack_pre_rope, "int4 slots to pre-RoPE float keys and float values");
 }
