@@ -31,7 +31,8 @@ def test_large_memory_reads_equal_exact_attention():
                                        {"log_count_bias": False}, {"pool": "paper"}, {"merge_metric": "kv"},
                                        {"merge_metric": "ward"}, {"slot_format": "bfloat16"},
                                        {"slot_format": "int8"}, {"slot_format": "k8v4"}, {"slot_format": "k4v4"},
-                                       {"protect_recent": 0.5}, {"lazy_merge": False}])
+                                       {"protect_recent": 0.5}, {"lazy_merge": False},
+                                       {"slot_ladder": "k8v4"}, {"slot_ladder": "bfloat16,int8,k8v4"}])
 def test_ablation_switches_run_within_budget(overrides):
     model = tiny_model("llama").eval()
     ids = torch.randint(0, 100, (1, 200))
@@ -57,6 +58,63 @@ def test_packed_slots_buy_more_slots_and_read_close_to_exact(slot_format, tol):
     assert layer.peak_bytes <= 2 * 512 * 2 * kv * d * 4  # two sequences within the budget in bytes
 
 
+def test_slot_ladder_keeps_precise_codes_until_a_write_would_merge(monkeypatch):
+    """slot_ladder="int8,k8v4": the pool starts as int8 slots (fewer in the same bytes) and
+    climbs to k8v4 and then k4v4 (the configured format) only when a write would otherwise
+    have to merge; every climb re-packs every slot (the same tokens, positions and counts,
+    the codes of the coarser format) and keeps the state within the bytes of the budget.
+    While a context fits the first rung the cache reads exactly as an int8 pool of that size."""
+    from armkv.methods.arm import ARMLayer
+    from armkv.memory.state import MemoryState
+
+    model = tiny_model("llama").eval()
+    kv, d = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    bound = 2 * 96 * 2 * kv * d * 4  # two sequences, budget 96
+    climbs, writes = [], []
+    make_room, write_form = ARMLayer._make_room, ARMLayer._write_form
+
+    def checked_room(self, packed, valid, dtype):
+        rung = self.rung
+        out = make_room(self, packed, valid, dtype)
+        if self.rung != rung:
+            # the climb keeps every slot: floats of the new codes equal the old floats re-packed
+            old = packed.unpack(torch.float32)
+            G, S, _ = old.key.shape
+            new = out.unpack(torch.float32)
+            assert out.slots == self.rungs[self.rung][1] > S
+            assert torch.equal(new.count[:, :S], old.count) and torch.equal(new.pos[:, :S], old.pos)
+            assert torch.equal(new.bucket[:, :S], old.bucket) and (new.count[:, S:] == 0).all()
+            assert (new.bucket[:, S:] == -1).all() and (new.key[:, S:] == 0).all()
+            want = MemoryState(old.key, old.value, old.pos, old.count, old.bucket).pack(self.slot_format, mix=True)
+            torch.testing.assert_close(out.unpack(torch.float32).key[:, :S], want.unpack(torch.float32).key, rtol=0, atol=1e-6)
+            climbs.append((self.layer_idx, self.rung))
+        writes.append((self.rung, len(self.rungs) - 1, int((out.count == 0).sum(1).min()), int(valid.sum(1).max())))
+        return out
+
+    monkeypatch.setattr(ARMLayer, "_make_room", checked_room)
+    monkeypatch.setattr(ARMLayer, "_write_form", lambda self, packed, dtype, fused=True: write_form(self, packed, dtype, fused))
+    torch.manual_seed(4)
+    ids = torch.stack([torch.randperm(100)[:90] for _ in range(2)] * 1)  # distinct tokens
+    ladder = make_cache(model, "arm", budget=96, chunk=16, arm_overrides={"slot_ladder": "int8,k8v4"})
+    layer = ladder.layers[0]
+    assert [f for f, _ in layer.rungs] == ["int8", "k8v4", "k4v4"]
+    assert layer.rungs[0][1] < layer.rungs[1][1] < layer.rungs[2][1]
+    with torch.no_grad():
+        short = model(ids[:, :60], past_key_values=ladder, use_cache=True).logits
+    assert not climbs and layer.rung == 0 and layer.state.key.dtype == torch.int8 and layer.state.count.max() == 1
+    # the same reads as a plain int8 pool with the first rung's slots
+    plain = make_cache(model, "arm", budget=96, chunk=16, arm_overrides={"slot_format": "int8", "slots": layer.rungs[0][1]})
+    with torch.no_grad():
+        torch.testing.assert_close(short, model(ids[:, :60], past_key_values=plain, use_cache=True).logits)
+        model(ids[:, 60:], past_key_values=ladder, use_cache=True)
+        long = torch.randint(0, 100, (2, 300))
+        model(long, past_key_values=ladder, use_cache=True)
+    assert climbs and all(lyr.rung == 2 and lyr.state.key.dtype == torch.uint8 for lyr in ladder.layers)
+    # no rung but the last ever wrote with fewer free slots than tokens (which would merge)
+    assert all(free >= need for rung, last, free, need in writes if rung < last)
+    assert all(lyr.peak_bytes <= bound for lyr in ladder.layers)
+
+
 def test_diagnostics_report_exact_tokens():
     model = tiny_model("llama").eval()
     ids = torch.randint(0, 100, (1, 200))
@@ -71,6 +129,10 @@ def test_adapter_options_are_checked(tmp_path):
         make_cache(model, "arm", budget=64, adapter=str(tmp_path / "nope"))
     with pytest.raises(ArmkvError, match="change the adapter"):
         make_cache(model, "arm", budget=64, arm_overrides={"depth": 5})
+    with pytest.raises(ArmkvError, match="slot_ladder.*'int3' is not one of"):
+        make_cache(model, "arm", budget=64, arm_overrides={"slot_ladder": "k8v4,int3"})
+    with pytest.raises(ArmkvError, match="slot_ladder grows the shared pool"):
+        make_cache(model, "arm", budget=64, arm_overrides={"slot_ladder": "k8v4", "pool": "paper"})
 
 
 def test_shipped_adapters_load_for_the_default_model_shape():
@@ -90,7 +152,7 @@ def test_shipped_adapters_load_for_the_default_model_shape():
 @pytest.mark.parametrize(
     "overrides",
     [{"slot_format": "k8v4"}, {"slot_format": "k8v4", "slot_mixing": False}, {"slot_format": "model"},
-     {"slot_format": "k4v4", "log_count_bias": False}],
+     {"slot_format": "k4v4", "log_count_bias": False}, {"slot_ladder": "int8,k8v4"}],
 )
 def test_decode_read_equals_the_chunk_read(overrides):
     """The decode step's own read (one query, nothing the size of the state copied, mixed
@@ -123,7 +185,8 @@ def test_decode_read_equals_the_chunk_read(overrides):
 @pytest.mark.parametrize(
     "overrides",
     [{"slot_format": "k4v4"}, {"slot_format": "k8v4", "slot_mixing": False}, {"slot_format": "int8"},
-     {"slot_format": "bfloat16"}, {"slot_format": "model", "position_mode": "fixed"}, {"slot_format": "k4v4", "sync": 1}],
+     {"slot_format": "bfloat16"}, {"slot_format": "model", "position_mode": "fixed"}, {"slot_format": "k4v4", "sync": 1},
+     {"slot_ladder": "int8,k8v4"}],
 )
 def test_incremental_repack_equals_packing_every_slot(overrides, monkeypatch):
     """A write re-packs only the slots it changed (ARMLayer._restored); at every write of a

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from armkv.config import ARMConfig
+from armkv.config import ARMConfig, slot_bytes
 from armkv.errors import ArmkvError
 from armkv.memory import kernels
 from armkv.memory.module import ARMModel
@@ -33,7 +33,7 @@ from armkv.methods.buffers import ExactBuffer
 # a parameter's shape (the tree, scorer, gate and policy come with the adapter).
 RUNTIME_FIELDS = {
     "sinks", "window", "sync", "slots", "pool", "chunk", "position_mode", "write", "empty_slot_rule",
-    "log_count_bias", "merge_metric", "protect_recent", "lazy_merge", "slot_format", "slot_mixing", "tau", "top_m", "m_fixed", "epsilon",
+    "log_count_bias", "merge_metric", "protect_recent", "lazy_merge", "slot_format", "slot_ladder", "slot_mixing", "tau", "top_m", "m_fixed", "epsilon",
 }  # fmt: skip
 
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
@@ -65,13 +65,35 @@ class ARMLayer(CacheLayer):
         self.aux: dict[str, torch.Tensor] = {}
         self.generator: torch.Generator | None = None
         self._bias_for: tuple[MemoryState, torch.Tensor] | None = None  # (state, its decode-read bias)
+        self.rungs = self._ladder_rungs()  # (slot format, slots) the pool goes through, the last config's own
+        self.rung = 0
+
+    def _ladder_rungs(self) -> list[tuple[str, int]]:
+        """``slot_ladder``'s formats with the slots each holds in the bytes of the pool as
+        configured (``slots`` of ``slot_format``), most precise first; a format that would hold
+        no more slots than the one before it is skipped. The last rung is ``slot_format``."""
+        c, info = self.config, self.info
+        pool_bytes = c.pool_slots * slot_bytes(c.slot_format, info.head_dim, info.dtype_bytes)
+        rungs: list[tuple[str, int]] = []
+        for fmt in c.ladder:
+            slots = pool_bytes // slot_bytes(fmt, info.head_dim, info.dtype_bytes)
+            if 1 <= slots < c.pool_slots and (not rungs or slots > rungs[-1][1]):
+                rungs.append((fmt, slots))
+        return rungs + [(c.slot_format, c.pool_slots)]
+
+    @property
+    def slot_format(self) -> str:
+        """The format the slots are stored in now (``slot_format`` unless a ladder's earlier rung)."""
+        return self.rungs[self.rung][0]
 
     # ------------------------------------------------------------------ state
     def _lazy_init(self, key: torch.Tensor) -> None:
         B, H, _, d = key.shape
         c = self.config
         self.buffer = ExactBuffer(c.sinks, c.window, B, H, d, key.dtype, key.device)
-        self.state = self._stored(self.memory.init_state(B, key.dtype, key.device, c))
+        self.rung = len(self.rungs) - 1 if self.memory.training else 0  # (training keeps the model's dtype)
+        slots = dataclasses.replace(c, slots=self.rungs[self.rung][1])
+        self.state = self._stored(self.memory.init_state(B, key.dtype, key.device, slots))
 
     def state_bytes(self) -> int:
         if self.buffer is None:
@@ -244,9 +266,34 @@ class ARMLayer(CacheLayer):
         if mem.training and c.write != "fifo":
             self.aux["balance"] = self.aux.get("balance", 0) + mem.router.balance_loss(k_pre, valid)
         packed = self.state
+        if self.rung < len(self.rungs) - 1:
+            packed = self._make_room(packed, valid, keys.dtype)
         state = self._write_form(packed, keys.dtype)
         written = mem.write(state, k_pre, values, positions, valid, self.generator, c)
         self.state = self._stored(written) if mem.training else self._restored(packed, state, written)
+
+    def _make_room(self, packed: MemoryState, valid: torch.Tensor, dtype: torch.dtype) -> MemoryState:
+        """Climb ``slot_ladder`` while a write of these tokens would have to merge (some row of
+        the pool has fewer free slots than it has tokens to write): every slot is re-packed in
+        the next rung's format and the pool grows to the slots that format holds in the same
+        bytes, the new ones free. Nothing merges while a cheaper format still has room, so a
+        context that fits keeps the more precise codes throughout."""
+        need = int(valid.sum(1).max())
+        while self.rung < len(self.rungs) - 1 and int((packed.count == 0).sum(1).min()) < need:
+            self.rung += 1
+            fmt, slots = self.rungs[self.rung]
+            floats = packed.unpack(dtype)  # the read form: keys rotated, free slots zero
+            G, S, d = floats.key.shape
+            extra = slots - S
+
+            def grow(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+                return torch.cat([t, t.new_full((G, extra, *t.shape[2:]), fill)], 1)
+
+            packed = MemoryState(
+                key=grow(floats.key), value=grow(floats.value), pos=grow(floats.pos), count=grow(floats.count),
+                bucket=grow(floats.bucket, -1),
+            ).pack(fmt, mix=self.config.slot_mixing)
+        return packed
 
     def _write_form(self, packed: MemoryState, dtype: torch.dtype, fused: bool = True) -> MemoryState:
         """The stored state as writes use it: float keys un-rotated to pre-RoPE, float values,
@@ -317,7 +364,7 @@ class ARMLayer(CacheLayer):
         state = dataclasses.replace(state, key=key, value=state.value.masked_fill(~occupied, 0.0))
         if self.memory.training:
             return state.pack("model")
-        return state.pack(self.config.slot_format, mix=self.config.slot_mixing)
+        return state.pack(self.slot_format, mix=self.config.slot_mixing)
 
     def _masks_for(self, q_pre: torch.Tensor, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
         mem = self.memory
@@ -476,7 +523,7 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
         )
     fields = {
         "slots": int(slots), "pool": pool, "slot_format": split.slot_format, "slot_mixing": ARMConfig.slot_mixing,
-        "lazy_merge": ARMConfig.lazy_merge, **overrides,
+        "slot_ladder": ARMConfig.slot_ladder, "lazy_merge": ARMConfig.lazy_merge, **overrides,
     }  # fmt: skip
     fields.setdefault("chunk", min(tree.chunk, int(slots)))
     runtime = dataclasses.replace(runtime, **fields)
