@@ -52,6 +52,25 @@ def test_fused_int4_read_equals_the_pytorch_read(kernel, d, slots, rep, groups):
     torch.testing.assert_close(st.key_scores(q_t), st.key_scores(query, fused=False), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["k8v4", "int8"])
+@pytest.mark.parametrize("d,slots,rep,groups", [(64, 1, 1, 1), (64, 7, 3, 2), (40, 37, 5, 3), (128, 301, 2, 1), (64, 8, 17, 1)])
+def test_fused_int8_key_scores_equal_the_pytorch_read(kernel, fmt, d, slots, rep, groups):
+    """int8 keys (k8v4 and int8 slots, one scale a slot): the vector loops for whole blocks
+    of 8 slots, the scalar loop for the rest and for more than 16 query heads a KV head."""
+    g = torch.Generator().manual_seed(slots + d)
+    st = MemoryState.empty(groups, slots, d)
+    st.key.copy_(torch.randn(groups, slots, d, generator=g) * 3)
+    st.value.copy_(torch.randn(groups, slots, d, generator=g))
+    st.count.fill_(1)
+    st.key[:, slots - slots // 5 :] = 0  # free slots: zero codes and scales
+    st = st.pack(fmt, mix=True)
+    assert st.key.dtype == torch.int8
+    query = torch.randn(groups, rep, d, generator=g)
+    torch.testing.assert_close(st.key_scores(query), st.key_scores(query, fused=False), rtol=1e-5, atol=1e-4)
+    weights = torch.softmax(torch.randn(groups, rep, slots, generator=g), -1)
+    torch.testing.assert_close(st.weighted_values(weights), st.weighted_values(weights, fused=False), rtol=1e-5, atol=1e-5)
+
+
 def test_vector_loops_serve_the_default_model_here(kernel):
     """The default model (3 query heads a KV head, d = 64, 2 scale groups) takes the AVX2
     loops on a CPU that has them; the scalar loops serve elsewhere (tested equal above)."""
@@ -78,7 +97,8 @@ def test_only_int4_float32_cpu_reads_are_fused_and_the_switch_turns_it_off(kerne
     codes = torch.zeros(1, 4, 8, dtype=torch.uint8)
     assert kernels.fused_read(torch.zeros(1, 1, 8), codes) is kernel
     assert kernels.fused_read(torch.zeros(1, 1, 8, dtype=torch.float64), codes) is None
-    assert kernels.fused_read(torch.zeros(1, 1, 8), codes.to(torch.int8)) is None  # int8 keys
+    assert kernels.fused_read(torch.zeros(1, 1, 8), codes.to(torch.int8)) is None  # int8 values: no kernel
+    assert kernels.fused_read(torch.zeros(1, 1, 8), codes.to(torch.int8), int8=True) is kernel  # int8 keys
     assert kernels.describe() == "fused kernel"  # what `armkv bench` reports
     monkeypatch.setenv("ARMKV_KERNELS", "0")
     assert kernels.fused_read(torch.zeros(1, 1, 8), codes) is None

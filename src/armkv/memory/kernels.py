@@ -81,10 +81,11 @@ def describe() -> str:
     return "pytorch (kernel not built)" if _tried else "unused"
 
 
-def fused_read(x: torch.Tensor, codes: torch.Tensor):
-    """The kernel module where it serves this read, else None: int4 codes (uint8), float32
-    queries or weights on the CPU, and no gradient wanted."""
-    if codes.dtype != torch.uint8 or x.dtype != torch.float32 or x.device.type != "cpu" or codes.device.type != "cpu":
+def fused_read(x: torch.Tensor, codes: torch.Tensor, int8: bool = False):
+    """The kernel module where it serves this read, else None: int4 codes (uint8; with
+    ``int8`` also int8 codes: the key scores of k8v4 and int8 slots), float32 queries or
+    weights on the CPU, and no gradient wanted."""
+    if codes.dtype not in ((torch.uint8, torch.int8) if int8 else (torch.uint8,)) or x.dtype != torch.float32 or x.device.type != "cpu" or codes.device.type != "cpu":
         return None
     if torch.is_grad_enabled() and x.requires_grad:
         return None

@@ -145,13 +145,14 @@ class MemoryState:
         """query [G, R, d] . every slot key -> [G, R, S], in the stored basis (a mixed state
         wants a mixed query). The scales multiply the R x S scores instead of the S x d keys:
         sum_c q_c s_g(c) k_c = sum_g s_g (q_g . k_g) over each scale's group of channels.
-        int4 codes on a CPU go through the fused kernel (``armkv.memory.kernels``) unless
-        ``fused=False``; the PyTorch ops below are its reference."""
+        int4 and int8 codes on a CPU go through the fused kernels (``armkv.memory.kernels``)
+        unless ``fused=False``; the PyTorch ops below are their reference."""
         if self.key_scale is None:
             return torch.matmul(query, self.key.to(query.dtype).transpose(1, 2))
-        kernel = fused_read(query, self.key) if fused else None
+        kernel = fused_read(query, self.key, int8=True) if fused else None
         if kernel is not None:
-            return kernel.int4_key_scores(query, self.key, self.key_scale)
+            read = kernel.int4_key_scores if self.key.dtype == torch.uint8 else kernel.int8_key_scores
+            return read(query, self.key, self.key_scale)
         G, R, _ = query.shape
         S = self.key.shape[-1]
         total = None

@@ -168,6 +168,63 @@ inline void weighted_values(const float* w, const uint8_t* codes, const float* s
   weighted_values_scalar(w, codes, scale, out, R, d, S, ng);
 }
 
+// ---------------------------------------------------------------- int8 keys (k8v4, int8 slots)
+// scores [R, S] = (q . codes[:, s]) * scale[s], codes [d, S] int8 channel-major, one scale a slot;
+// slots from `first` on
+inline void int8_key_scores_scalar(const float* q, const int8_t* codes, const float* scale, float* out, int64_t R,
+                                   int64_t d, int64_t S, int64_t first = 0) {
+  for (int64_t s = first; s < S; ++s)
+    for (int64_t r = 0; r < R; ++r) {
+      float total = 0.0f;
+      for (int64_t c = 0; c < d; ++c) total += q[r * d + c] * static_cast<float>(codes[c * S + s]);
+      out[r * S + s] = total * scale[s];
+    }
+}
+
+#ifdef ARMKV_AVX2
+// blocks of 16 slots: one 16-byte load per channel row feeds two accumulators per query head
+__attribute__((target("avx2,fma"))) inline void int8_key_scores_avx2(const float* q, const int8_t* codes, const float* scale,
+                                                                     float* out, int64_t R, int64_t d, int64_t S) {
+  const int64_t full = S / 16 * 16;
+  for (int64_t s0 = 0; s0 < full; s0 += 16) {
+    __m256 lo[kMaxRep], hi[kMaxRep];
+    for (int64_t r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; ++c) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + c * S + s0));
+      const __m256 k0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+      const __m256 k1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+      for (int64_t r = 0; r < R; ++r) {
+        const __m256 qc = _mm256_set1_ps(q[r * d + c]);
+        lo[r] = _mm256_fmadd_ps(qc, k0, lo[r]);
+        hi[r] = _mm256_fmadd_ps(qc, k1, hi[r]);
+      }
+    }
+    const __m256 s_lo = _mm256_loadu_ps(scale + s0), s_hi = _mm256_loadu_ps(scale + s0 + 8);
+    for (int64_t r = 0; r < R; ++r) {
+      _mm256_storeu_ps(out + r * S + s0, _mm256_mul_ps(lo[r], s_lo));
+      _mm256_storeu_ps(out + r * S + s0 + 8, _mm256_mul_ps(hi[r], s_hi));
+    }
+  }
+  int8_key_scores_scalar(q, codes, scale, out, R, d, S, full);  // the last S % 16 slots
+}
+#endif
+
+inline bool int8_use_avx2(int64_t R) {
+#ifdef ARMKV_AVX2
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && R <= kMaxRep;
+#else
+  return false;
+#endif
+}
+
+inline void int8_key_scores(const float* q, const int8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
+                            int64_t S) {
+#ifdef ARMKV_AVX2
+  if (int8_use_avx2(R)) return int8_key_scores_avx2(q, codes, scale, out, R, d, S);
+#endif
+  int8_key_scores_scalar(q, codes, scale, out, R, d, S);
+}
+
 // ---------------------------------------------------------------- the write's passes over the pool
 // A write (ARMLayer._flush) needs every slot as pre-RoPE floats and, when the pool is full,
 // each slot's nearest neighbour among the `width` slots on either side in bucket order. In
@@ -365,6 +422,29 @@ torch::Tensor int4_key_scores(torch::Tensor query, torch::Tensor codes, torch::T
   return out;
 }
 
+// query [G, R, d] float32, codes [G, d, S] int8 (channel-major), scale [G, S, 1] -> [G, R, S]
+torch::Tensor int8_key_scores(torch::Tensor query, torch::Tensor codes, torch::Tensor scale) {
+  TORCH_CHECK(query.device().is_cpu() && codes.device().is_cpu() && scale.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "float32 queries only");
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8, "int8 codes only");
+  TORCH_CHECK(query.dim() == 3 && codes.dim() == 3 && scale.dim() == 3, "3-d tensors expected");
+  auto q = query.contiguous();
+  auto k = codes.contiguous();
+  auto sc = scale.to(torch::kFloat32).contiguous();
+  const int64_t G = q.size(0), R = q.size(1), d = q.size(2), S = k.size(2);
+  TORCH_CHECK(k.size(0) == G && k.size(1) == d && sc.size(0) == G && sc.size(1) == S && sc.size(2) == 1,
+              "shapes do not match: query [G, R, d], codes [G, d, S], scale [G, S, 1]");
+  auto out = torch::empty({G, R, S}, q.options());
+  const float* Q = q.data_ptr<float>();
+  const int8_t* K = k.data_ptr<int8_t>();
+  const float* SC = sc.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) armkv::int8_key_scores(Q + g * R * d, K + g * d * S, SC + g * S, O + g * R * S, R, d, S);
+  });
+  return out;
+}
+
 // weights [G, R, S] float32, codes [G, S, d/2] uint8, scale [G, S, ng] -> [G, R, d]
 torch::Tensor int4_weighted_values(torch::Tensor weights, torch::Tensor codes, torch::Tensor scale) {
   check(weights, codes, scale);
@@ -443,6 +523,7 @@ std::vector<torch::Tensor> int4_unpack_pre_rope(torch::Tensor key_codes, torch::
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_key_scores", &int4_key_scores, "query . int4 slot keys (channel-major codes), each group's scale applied");
+  m.def("int8_key_scores", &int8_key_scores, "query . int8 slot keys (channel-major codes), each slot's scale applied");
   m.def("int4_weighted_values", &int4_weighted_values, "weights @ int4 slot values, each group's scale applied");
   m.def("int4_vectorised", &int4_vectorised, "whether the AVX2 loops serve these sizes on this CPU");
   m.def("band_neighbours", &band_neighbours, "each slot's nearest same-bucket slot within a band in bucket order");
