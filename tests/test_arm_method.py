@@ -131,8 +131,8 @@ def test_adapter_options_are_checked(tmp_path):
         make_cache(model, "arm", budget=64, arm_overrides={"depth": 5})
     with pytest.raises(ArmkvError, match="slot_ladder.*'int3' is not one of"):
         make_cache(model, "arm", budget=64, arm_overrides={"slot_ladder": "k8v4,int3"})
-    with pytest.raises(ArmkvError, match="slot_ladder grows the shared pool"):
-        make_cache(model, "arm", budget=64, arm_overrides={"slot_ladder": "k8v4", "pool": "paper"})
+    paper = make_cache(model, "arm", budget=64, arm_overrides={"slot_ladder": "k8v4", "pool": "paper"})
+    assert [len(layer.rungs) for layer in paper.layers] == [1] * len(paper.layers)  # fixed slots a bucket: no ladder
 
 
 def test_shipped_adapters_load_for_the_default_model_shape():

@@ -98,10 +98,12 @@ class ARMConfig:
     # values with a scale per 32 channels (5.7x the slots of fp32 at equal bytes), "k8v4" int8 keys
     # (4.4x), "int8" keys and values (3.5x), "bfloat16", or the model's dtype ("model"); the budget
     # buys correspondingly more slots (docs/memory.md)
-    slot_ladder: str = ""  # formats, most precise first and comma-separated, that the pool is stored in
-    # before slot_format while its bytes hold fewer slots: each gives way to the next (every slot
-    # re-packed, the pool grown to the slots the same bytes hold) when a write would have to merge;
-    # "k8v4": int8 keys until the pool is full, then k4v4's more slots (inference only; docs/memory.md)
+    slot_ladder: str = "k8v4"  # formats, most precise first and comma-separated, that the pool is stored
+    # in before slot_format while its bytes hold fewer slots: each gives way to the next (every slot
+    # re-packed, the pool grown to the slots the same bytes hold) when a write would have to merge.
+    # "k8v4" (default): int8 keys until the pool is full, then k4v4's 36% more slots; "" : k4v4
+    # throughout (inference and the shared pool only: the paper's pool keeps its slots per bucket;
+    # docs/memory.md, "Session 9")
     slot_mixing: bool = True  # quantised slots store x Q (Q orthogonal: Hadamard) so that outlier
     # channels do not waste the absmax scale; no bytes, reads mix the query instead (docs/memory.md)
     log_count_bias: bool = True  # add log(n) to a merged slot's attention logit (it stands for n keys)
@@ -162,8 +164,6 @@ class ARMConfig:
                 raise ArmkvError(
                     f"ARMConfig.slot_ladder={self.slot_ladder!r}: {rung!r} is not one of {', '.join(CHOICES['slot_format'])}"
                 )
-        if self.ladder and self.pool != "shared":
-            raise ArmkvError("ARMConfig.slot_ladder grows the shared pool; pool='paper' has fixed slots per bucket")
         if self.policy_hidden < 1 or self.policy_tokens < 1:
             raise ArmkvError("ARMConfig.policy_hidden and policy_tokens must be >= 1")
 

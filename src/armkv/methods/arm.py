@@ -75,7 +75,7 @@ class ARMLayer(CacheLayer):
         c, info = self.config, self.info
         pool_bytes = c.pool_slots * slot_bytes(c.slot_format, info.head_dim, info.dtype_bytes)
         rungs: list[tuple[str, int]] = []
-        for fmt in c.ladder:
+        for fmt in c.ladder if c.pool == "shared" else ():  # (the paper's pool: Y slots a bucket throughout)
             slots = pool_bytes // slot_bytes(fmt, info.head_dim, info.dtype_bytes)
             if 1 <= slots < c.pool_slots and (not rungs or slots > rungs[-1][1]):
                 rungs.append((fmt, slots))
