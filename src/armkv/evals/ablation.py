@@ -34,6 +34,8 @@ ROWS = [
     ("slots-k8v4", "arm", {"slot_format": "k8v4"}),
     ("slots-k4v4", "arm", {"slot_format": "k4v4"}),
     ("slots-unmixed", "arm", {"slot_mixing": False}),
+    ("no-ladder", "arm", {"slot_ladder": ""}),
+    ("ladder-int8-k8v4", "arm", {"slot_ladder": "int8,k8v4"}),
     ("merge-kv", "arm", {"merge_metric": "kv"}),
     ("merge-ward", "arm", {"merge_metric": "ward"}),
     ("merge-eager", "arm", {"lazy_merge": False}),
