@@ -295,8 +295,26 @@ def test_layer_weights_share_the_model_budget_unevenly_within_its_total():
     assert sum(layer.peak_bytes for layer in cache.layers) <= total
     if L > 1:
         assert cache.layers[0].state.slots < even.layers[0].state.slots < cache.layers[1].state.slots
+    # every layer writes at the same decode steps: the whole budget's sync, whatever its share
+    assert {layer.config.sync for layer in cache.layers} == {even.layers[0].config.sync}
     with pytest.raises(ArmkvError, match="layer_weights"):
         _run(model, ids, budget=96, arm_overrides={"layer_weights": "1,2,3"})
+
+
+def test_a_larger_sync_or_window_is_paid_for_with_slots():
+    """sinks, window and sync given as options are held within the same bytes: the pool
+    shrinks by what the exact part grows."""
+    from armkv.config import slot_bytes
+
+    model = tiny_model("llama").eval()
+    base = make_cache(model, "arm", budget=96, arm_overrides={"layer_weights": "even", "slot_ladder": ""}).layers[0]
+    more = make_cache(model, "arm", budget=96, arm_overrides={"layer_weights": "even", "slot_ladder": "", "sync": 20, "window": 30}).layers[0]
+    c0, c1 = base.config, more.config
+    assert (c1.sync, c1.window) == (20, 30)
+    d = model.config.hidden_size // model.config.num_attention_heads
+    token = 2 * d * 4
+    assert c1.slots == (96 - c1.sinks - c1.window - c1.sync) * token // slot_bytes(c1.slot_format, d, 4) < c0.slots
+    assert c1.state_bytes(d) <= 96 * 2 * d * 4
 
 
 def test_layer_budgets_water_fill_to_what_the_context_can_use():

@@ -484,8 +484,9 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
             f"(run-time options: {', '.join(sorted(RUNTIME_FIELDS))})"
         )
 
-    def fit(slot_format: str) -> ARMConfig:  # sinks, window, sync and slots that fit the budget
-        return ARMConfig.for_budget(budget, info.head_dim, info.dtype_bytes, slot_format=slot_format)
+    def fit(slot_format: str) -> ARMConfig:  # sinks, window, sync (as given, or split off) and slots that fit the budget
+        given = {k: int(overrides[k]) for k in ("sinks", "window", "sync") if k in overrides}
+        return ARMConfig.for_budget(budget, info.head_dim, info.dtype_bytes, slot_format=slot_format, **given)
 
     if arm is None:
         if adapter is None:
@@ -658,6 +659,11 @@ def make_arm(
             need = budget_for_tokens(int(horizon), info.head_dim, info.dtype_bytes, runtime.slot_format)
         share = layer_budgets(budget, tuple(parse_layer_weights(weights, info.num_layers)), need)[layer_idx]
         require_budget("arm", share, 8, f"layer {layer_idx}'s share under layer_weights")
+        if "sync" not in overrides:
+            # every layer writes at the same decode steps (the whole budget's sync), so that the
+            # steps between are free of writes; the window stays what the layer's share gives it
+            own = ARMConfig.for_budget(share, info.head_dim, info.dtype_bytes, slot_format=runtime.slot_format)
+            overrides = {"window": own.window, **overrides, "sync": runtime.sync}
         arm_model, runtime = resolve_arm(info, share, arm=arm_model, overrides=overrides)  # the same parameters, resized
     return ARMLayer(layer_idx, info, rotary, arm_model.layers[layer_idx], runtime)
 
