@@ -107,6 +107,41 @@ def test_joint_attention_fused_equals_reference_outputs_and_gradients(case):
         assert (grads["fused"][0][0, 0] == 0).all()  # a padding query that sees no key: zeros
 
 
+@pytest.mark.parametrize("rows", [False, True])
+@pytest.mark.parametrize("t,n", [(11, 9), (3, 40), (17, 1)])
+def test_split_attention_equals_the_one_softmax_path(rows, t, n, monkeypatch):
+    """A chunk's read without gradients on a CPU (the prefill): two flash attentions, over
+    the state with its mask as one broadcast row and over the chunk causally, merged by
+    their log-sum-exps, against one softmax over [state | chunk] and the naive loop; with
+    padding, unwritten state entries (NaN), per-key biases, a batch row whose state is all
+    unwritten and a query that sees no key at all (zeros)."""
+    import armkv.methods.attention as attention
+
+    if attention._flash_with_lse() is None:
+        pytest.skip("this torch has no CPU flash attention with log-sum-exp")
+    g = torch.Generator().manual_seed(t * n)
+    b, hq, hkv, d = 3, 6, 2, 7
+    q = torch.randn(b, hq, t, d, generator=g)
+    k, v = torch.randn(b, hkv, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g)
+    valid = torch.rand(b, t, generator=g) > 0.3
+    valid[0, 0] = False  # a padding query: with row 0's state all unwritten it sees no key
+    sk, sv = torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
+    svalid = torch.rand(b, n, generator=g) > 0.4 if rows else torch.rand(b, hkv, n, generator=g) > 0.4
+    svalid[0] = False
+    mask_kv = svalid if svalid.dim() == 3 else svalid[:, None].expand(b, hkv, n)
+    sk[~mask_kv], sv[~mask_kv] = float("nan"), float("nan")
+    kwargs = dict(state_key=sk, state_value=sv, state_valid=svalid)
+    if not rows:
+        kwargs["state_bias"] = torch.rand(b, hkv, n, generator=g)
+    with torch.no_grad():
+        split = attention.joint_attention(q, k, v, valid, 0.37, **kwargs)
+        monkeypatch.setattr(attention, "SPLIT_ATTENTION", False)
+        one = attention.joint_attention(q, k, v, valid, 0.37, **kwargs)
+    assert not split.isnan().any() and (split[0, 0] == 0).all()
+    torch.testing.assert_close(split, one, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(split.double(), naive_attention(q, k, v, valid, 0.37, **kwargs), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("spread", [1.0, 40.0, 400.0])  # 400: most logits underflow exp
 def test_safe_softmax_fast_path_equals_the_written_out_one(spread):
     """torch's fused softmax (no gradient wanted) against the written-out form: the same

@@ -127,6 +127,45 @@ def _additive(ok: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -
     return torch.where(ok, kept, blocked)
 
 
+def _flash_with_lse():
+    """CPU flash attention that also returns each query's log-sum-exp (an ATen op, not a
+    public API: absent in a torch without it, and the one-softmax path serves)."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _split_serves(q: torch.Tensor) -> bool:
+    """Whether :func:`_split_attention` serves: a CPU float32 read with no gradient wanted."""
+    return (
+        q.device.type == "cpu" and q.dtype == torch.float32 and not (torch.is_grad_enabled() and q.requires_grad)
+        and _flash_with_lse() is not None and SPLIT_ATTENTION
+    )
+
+
+SPLIT_ATTENTION = True  # tests switch it off to compare with the one-softmax path
+
+
+def _split_attention(q, state_key, state_value, state_mask, key, value, chunk_mask, scaling) -> torch.Tensor:
+    """The joint softmax over [state | chunk] as two flash attentions, one over the state
+    with its mask as a single broadcast row (bias where readable, -inf elsewhere), one over
+    the chunk with the causal mask, merged by their log-sum-exps. The one-call path builds a
+    float mask of [queries, state + chunk] per KV head (78 MB a layer for 8,192 slots and a
+    chunk of 256) and concatenates the state with the chunk; this one copies neither.
+    q [B, Hkv, R, d]; state_mask [B, 1 or Hkv, 1, L]; chunk_mask [B, 1, R, T]. Rows with no
+    key at all give zeros, as in :func:`joint_attention_reference`."""
+    flash = _flash_with_lse()
+    out_s, lse_s = flash(q, state_key, state_value, 0.0, False, attn_mask=state_mask, scale=scaling)
+    out_c, lse_c = flash(q, key, value, 0.0, False, attn_mask=chunk_mask, scale=scaling)
+    # a row with no key to read comes back as zeros with a log-sum-exp of 0: make it -inf
+    gone = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
+    lse_s = torch.where(torch.isfinite(state_mask).any(-1), lse_s, gone)
+    lse_c = torch.where(torch.isfinite(chunk_mask).any(-1), lse_c, gone)
+    peak = torch.maximum(lse_s, lse_c)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    w_s, w_c = torch.exp(lse_s - peak).unsqueeze(-1), torch.exp(lse_c - peak).unsqueeze(-1)
+    total = (w_s + w_c).clamp_min(torch.finfo(q.dtype).tiny)
+    return (out_s.nan_to_num(0.0) * w_s + out_c.nan_to_num(0.0) * w_c) / total
+
+
 def joint_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -187,6 +226,10 @@ def joint_attention(
             ok = torch.ones(1, 1, 1, n, dtype=torch.bool, device=query.device)
         bias = None if state_bias is None else state_bias[:, :, None, :]
         state_part = _additive(ok, bias, dtype)
+        if state_mask is None and _split_serves(q):
+            # every query reads the same state keys: the state's mask is one row, broadcast
+            out = _split_attention(q, state_key, state_value, state_part, key, chunk_value, chunk_mask, scaling)
+            return out.reshape(b, hq, t, d).transpose(1, 2)
         heads = max(state_part.shape[1], 1)
         mask = torch.cat(
             [state_part.expand(b, heads, g * t, n), chunk_mask.expand(b, heads, g * t, t)], dim=-1
