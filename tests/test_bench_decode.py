@@ -219,3 +219,6 @@ def test_bench_ops_times_the_int4_read_against_pytorch(capsys, one_thread):
     else:
         assert set(int4) == {"37", "8"}
         assert all(r["max_abs_diff"] < 1e-3 and r["fused_us"] > 0 for r in int4.values())
+    chunk = result["chunk_read_ms_per_layer"]
+    assert set(chunk) == {"37", "8"}  # this torch has the CPU flash op (test_methods checks the split form)
+    assert all(r["max_abs_diff"] < 1e-4 and r["split_ms"] > 0 and r["one_call_ms"] > 0 for r in chunk.values())

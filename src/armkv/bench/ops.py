@@ -9,6 +9,9 @@
 - int4 read: the decode step's read of one layer's k4v4 slots (key scores, then the
   weighted values) by the fused CPU kernel (``armkv.memory.kernels``) against the PyTorch
   ops it replaces, at each ``--int4-slots`` pool size, with the largest difference.
+- chunk read: one prefill chunk's attention over a state of each ``--int4-slots`` size and
+  itself (``joint_attention``): the split form (two flash attentions merged by their
+  log-sum-exps) against one SDPA call over [state | chunk] with the full float mask.
 
 The last stdout line is one JSON document.
 """
@@ -168,6 +171,38 @@ def bench_int4_read(slots: list[int], kv_heads: int, head_dim: int, repeats: int
     return out
 
 
+def bench_chunk_read(states: list[int], chunk: int, kv_heads: int, head_dim: int, repeats: int, rep: int = 3) -> dict:
+    """One prefill chunk's read of one layer (``joint_attention``, no gradients), split into
+    two flash attentions against the one-call SDPA: milliseconds per layer and chunk."""
+    import armkv.methods.attention as attention
+
+    if attention._flash_with_lse() is None:
+        return {}
+    out = {}
+    for n in states:
+        g = torch.Generator().manual_seed(n)
+        q = torch.randn(1, kv_heads * rep, chunk, head_dim, generator=g)
+        k, v = torch.randn(1, kv_heads, chunk, head_dim, generator=g), torch.randn(1, kv_heads, chunk, head_dim, generator=g)
+        sk, sv = torch.randn(1, kv_heads, n, head_dim, generator=g), torch.randn(1, kv_heads, n, head_dim, generator=g)
+        state = dict(state_key=sk, state_value=sv, state_valid=torch.ones(1, kv_heads, n, dtype=torch.bool),
+                     state_bias=torch.rand(1, kv_heads, n, generator=g), state_clean=True)
+        valid = torch.ones(1, chunk, dtype=torch.bool)
+
+        def read(split: bool):
+            attention.SPLIT_ATTENTION = split
+            try:
+                return attention.joint_attention(q, k, v, valid, head_dim**-0.5, **state)
+            finally:
+                attention.SPLIT_ATTENTION = True
+
+        with torch.no_grad():
+            diff = (read(True) - read(False)).abs().max().item()
+            split = _time(lambda: read(True), repeats)
+            one = _time(lambda: read(False), repeats)
+        out[str(n)] = {"split_ms": 1e3 * split, "one_call_ms": 1e3 * one, "speedup": one / split, "max_abs_diff": diff}
+    return out
+
+
 def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -194,6 +229,12 @@ def main(args) -> int:
             log(f"| {n} | {r['fused_us']:.0f} | {r['pytorch_us']:.0f} | {r['speedup']:.1f}x |")
     else:
         log("int4 read: the fused kernel is not available here (see the warning); not timed")
-    result = {**scan, "read_us_per_query": read, "int4_read_us_per_layer": int4, "m": args.m, "threads": torch.get_num_threads()}
+    chunk_read = bench_chunk_read([int(n) for n in args.int4_slots.split(",") if n], args.chunk, args.kv_heads, args.head_dim, args.repeats)
+    if chunk_read:
+        log(f"| state keys | chunk read ms/layer, split | one SDPA call | speedup |  (chunk of {args.chunk})\n|---:|---:|---:|---:|")
+        for n, r in chunk_read.items():
+            log(f"| {n} | {r['split_ms']:.1f} | {r['one_call_ms']:.1f} | {r['speedup']:.1f}x |")
+    result = {**scan, "read_us_per_query": read, "int4_read_us_per_layer": int4, "chunk_read_ms_per_layer": chunk_read,
+              "m": args.m, "threads": torch.get_num_threads()}
     print(json.dumps(result))
     return 0
