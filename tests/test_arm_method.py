@@ -115,6 +115,40 @@ def test_slot_ladder_keeps_precise_codes_until_a_write_would_merge(monkeypatch):
     assert all(lyr.peak_bytes <= bound for lyr in ladder.layers)
 
 
+@pytest.mark.parametrize("overrides", [{}, {"slot_format": "model"}, {"top_m": "fixed", "m_fixed": 2}])
+def test_reads_stop_at_the_last_slot_any_row_holds(overrides, monkeypatch):
+    """Writes fill the lowest free slots first, so reads (prefill chunks and decode steps)
+    take only the first ``reach`` slots; the free ones past it would take no weight. The
+    logits equal those of reading every slot, with rows of different lengths (padding)."""
+    from armkv.methods.arm import ARMLayer
+
+    model = tiny_model("llama").eval()
+    torch.manual_seed(5)
+    ids = torch.randint(0, 100, (2, 70))
+    mask = torch.ones_like(ids)
+    mask[1, :25] = 0
+
+    def run():
+        cache = make_cache(model, "arm", budget=160, chunk=16, arm_overrides=dict(overrides))
+        with torch.no_grad():
+            out = [model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits]
+            token = out[0][:, -1:].argmax(-1)
+            for _ in range(20):
+                mask_step = torch.cat([mask, torch.ones(2, len(out), dtype=mask.dtype)], 1)
+                out.append(model(token, attention_mask=mask_step, past_key_values=cache, use_cache=True).logits)
+                token = out[-1][:, -1:].argmax(-1)
+        return out, cache
+
+    got, cache = run()
+    layer = cache.layers[0]
+    assert 0 < layer.reach < layer.state.slots  # the pool is part-filled: reads skip its tail
+    assert (layer.state.count[:, layer.reach :] == 0).all()
+    monkeypatch.setattr(ARMLayer, "_readable", lambda self: self.state)
+    want, _ = run()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_diagnostics_report_exact_tokens():
     model = tiny_model("llama").eval()
     ids = torch.randint(0, 100, (1, 200))
@@ -180,6 +214,8 @@ def test_decode_read_equals_the_chunk_read(overrides):
     fast = layer._decode_read(query, key, value, valid, 0.3, *exact)
     ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    # the fused kernel (quantised slots on a CPU) against the PyTorch ops it replaces
+    torch.testing.assert_close(fast, layer._decode_read(query, key, value, valid, 0.3, *exact, fused=False), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -172,3 +172,48 @@ def test_fused_unpack_to_pre_rope_equals_dequantise_then_unrotate(kernel, d, gro
     ref = st.unpack(torch.float32)
     torch.testing.assert_close(value, ref.value, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(key, rotary.unrotate(ref.key, st.pos), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
+@pytest.mark.parametrize("d,slots,rep,exact,mixed", [(64, 1, 1, 3, True), (64, 37, 3, 68, True), (40, 301, 5, 9, False),
+                                                      (64, 8, 2, 1, False), (128, 19, 3, 12, True)])
+@pytest.mark.parametrize("vectorised", [True, False])
+def test_fused_decode_read_equals_the_pytorch_ops(kernel, fmt, d, slots, rep, exact, mixed, vectorised):
+    """One layer's decode read in one call (ARMLayer._decode_read's fused path) against the
+    PyTorch ops it replaces: free slots, invalid exact entries, a padding token, and a group
+    with nothing to read at all (zeros); the AVX2 and the portable loops."""
+    from armkv.memory.quant import mixing_matrix
+    from armkv.methods.attention import safe_softmax
+
+    groups = 4
+    g = torch.Generator().manual_seed(slots * d + rep + exact)
+    st = MemoryState.empty(groups, slots, d)
+    st.key.copy_(torch.randn(groups, slots, d, generator=g) * 2)
+    st.value.copy_(torch.randn(groups, slots, d, generator=g))
+    st.count.copy_(torch.randint(1, 4, (groups, slots), generator=g).float())
+    free = torch.rand(groups, slots, generator=g) < 0.3
+    free[3] = True  # group 3: no slot
+    st.key[free], st.value[free], st.count[free] = 0, 0, 0
+    st = st.pack(fmt, mix=mixed)
+    bias = torch.where(st.count > 0, st.count.clamp_min(1).log(), -torch.inf)
+    q = torch.randn(groups, rep, d, generator=g)
+    own_k, own_v = torch.randn(groups, d, generator=g), torch.randn(groups, d, generator=g)
+    own_ok = torch.tensor([True, False, True, False])  # group 3: a padding token
+    exact_k, exact_v = torch.randn(groups, exact, d, generator=g), torch.randn(groups, exact, d, generator=g)
+    exact_ok = torch.rand(groups, exact, generator=g) > 0.3
+    exact_ok[3] = False
+    exact_k[~exact_ok], exact_v[~exact_ok] = 0, 0  # the buffer keeps entries without a token zero
+    mix = mixing_matrix(d) if mixed else None
+    got = kernel.arm_decode_read(q, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, st.key, st.key_scale, st.value,
+                                 st.value_scale, bias, mix if mixed else torch.empty(0), 0.3, vectorised=vectorised)
+    # the reference: the same steps in PyTorch ops
+    slot_scores = st.key_scores(q if mix is None else q @ mix, fused=False) * 0.3 + bias.unsqueeze(1)
+    exact_scores = (q @ exact_k.transpose(1, 2) * 0.3).masked_fill(~exact_ok[:, None, :], -torch.inf)
+    own = ((q * own_k[:, None]).sum(-1, keepdim=True) * 0.3).masked_fill(~own_ok[:, None, None], -torch.inf)
+    w = safe_softmax(torch.cat([slot_scores, exact_scores, own], -1))
+    from_slots = st.weighted_values(w[..., :slots].contiguous(), fused=False)
+    if mix is not None:
+        from_slots = from_slots @ mix.T
+    want = from_slots + w[..., slots : slots + exact] @ exact_v + w[..., -1:] * torch.where(own_ok[:, None, None], own_v[:, None], 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got[3] == 0).all()

@@ -65,6 +65,8 @@ class ARMLayer(CacheLayer):
         self.aux: dict[str, torch.Tensor] = {}
         self.generator: torch.Generator | None = None
         self._bias_for: tuple[MemoryState, torch.Tensor] | None = None  # (state, its decode-read bias)
+        self.reach = 0  # slots from index `reach` on are free in every row: reads stop there
+        self._read_view: tuple[MemoryState, MemoryState] | None = None  # (state, its first `reach` slots)
         self.rungs = self._ladder_rungs()  # (slot format, slots) the pool goes through, the last config's own
         self.rung = 0
 
@@ -94,6 +96,7 @@ class ARMLayer(CacheLayer):
         self.rung = len(self.rungs) - 1 if self.memory.training else 0  # (training keeps the model's dtype)
         slots = dataclasses.replace(c, slots=self.rungs[self.rung][1])
         self.state = self._stored(self.memory.init_state(B, key.dtype, key.device, slots))
+        self.reach = 0
 
     def state_bytes(self) -> int:
         if self.buffer is None:
@@ -144,7 +147,7 @@ class ARMLayer(CacheLayer):
             exact_valid = torch.cat([exact_valid, self.pending[2]], 1)
         return exact_k, exact_v, exact_valid
 
-    def _decode_read(self, query, key, value, valid, scaling, exact_k, exact_v, exact_valid) -> torch.Tensor:
+    def _decode_read(self, query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused: bool = True) -> torch.Tensor:
         """The decode step's read when every bucket is read (one token, stored positions): the
         same softmax as :meth:`_chunk_read`, written for one query so that nothing the size of
         the state is copied. Slots, exact entries and the token itself are scored apart and
@@ -152,16 +155,29 @@ class ARMLayer(CacheLayer):
         the scores and weights (``MemoryState.key_scores`` / ``weighted_values``), and mixed
         slots (``slot_mixing``) with the mixed query, (q Q).(k Q) = q.k, their weighted values
         unmixed once, (w V Q) Q^T = w V.
-        ``tests/test_arm_method.py`` checks it against the chunk read.
+        ``tests/test_arm_method.py`` checks it against the chunk read. Quantised slots with int4
+        values read on a CPU go through one fused kernel call per layer
+        (``armkv.memory.kernels``: these twenty-odd small ops, each dispatched from Python,
+        were a third of the step) unless ``fused=False``; the PyTorch ops below are its reference.
 
         Returns [B, 1, Hq, d]."""
         B, Hq, _, d = query.shape
         H = key.shape[1]
-        st = self.state
+        st = self._readable()
         S, R = st.slots, Hq // H
-        q = query.reshape(B, H, R, d)  # the query heads of a KV head share its keys
         mix = mixing_matrix(d, query.dtype, query.device) if st.mixed else None
         bias = self._decode_bias(query.dtype)
+        kernel = kernels.fused_read(query, st.value) if fused and st.key_scale is not None else None
+        if kernel is not None:
+            G, L = B * H, exact_k.shape[2]
+            out = kernel.arm_decode_read(
+                query.reshape(G, R, d), key.reshape(G, d), value.reshape(G, d), valid[:, :1].expand(B, H).reshape(G),
+                exact_k.reshape(G, L, d), exact_v.reshape(G, L, d), exact_valid[:, None, :].expand(B, H, L).reshape(G, L),
+                st.key, st.key_scale, st.value, st.value_scale, bias.reshape(G, S),
+                mix if mix is not None else query.new_empty(0), float(scaling),
+            )
+            return out.reshape(B, Hq, 1, d).transpose(1, 2)
+        q = query.reshape(B, H, R, d)  # the query heads of a KV head share its keys
         q_slots = (q if mix is None else q @ mix).reshape(B * H, R, d)
         scores = torch.cat(
             [
@@ -180,13 +196,13 @@ class ARMLayer(CacheLayer):
     def _decode_bias(self, dtype: torch.dtype) -> torch.Tensor:
         """Each slot's logit bias for the decode read, -inf for free slots [B, H, S]: it changes
         only when the slots are written, so it is kept until the state is replaced."""
-        st = self.state
-        if self._bias_for is not None and self._bias_for[0] is st and self._bias_for[1].dtype == dtype:
+        if self._bias_for is not None and self._bias_for[0] is self.state and self._bias_for[1].dtype == dtype:
             return self._bias_for[1]
+        st = self._readable()
         B, H = self.buffer.sink_k.shape[:2]
-        count = st.count.view(B, H, st.slots)
+        count = st.count.reshape(B, H, st.slots)
         bias = torch.where(count > 0, self._slot_bias(count), -torch.inf).to(dtype)
-        self._bias_for = (st, bias)
+        self._bias_for = (self.state, bias)
         return bias
 
     def _chunk_read(self, query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all) -> torch.Tensor:
@@ -234,11 +250,11 @@ class ARMLayer(CacheLayer):
         The state is stored in this read form (see :meth:`_stored`), so a read only
         dequantises it: a transient copy for this layer's attention, as KIVI's is, and
         nothing kept beside the budgeted state between steps."""
-        c, st = self.config, self.state
+        c, st = self.config, self._readable()
         B, H = self.buffer.sink_k.shape[:2]
         S = st.slots
-        key, value = (t.view(B, H, S, -1) for t in st.kv(self.buffer.sink_k.dtype))
-        count = st.count.view(B, H, S)
+        key, value = (t.reshape(B, H, S, -1) for t in st.kv(self.buffer.sink_k.dtype))
+        count = st.count.reshape(B, H, S)
         if c.position_mode != "stored":
             # every slot stands just before the window and scores with the pre-RoPE query (the
             # second half of the joint dot product, see attend_chunk)
@@ -271,6 +287,26 @@ class ARMLayer(CacheLayer):
         state = self._write_form(packed, keys.dtype)
         written = mem.write(state, k_pre, values, positions, valid, self.generator, c)
         self.state = self._stored(written) if mem.training else self._restored(packed, state, written)
+        # writes fill the lowest free slots first, so the occupied slots stay (mostly) a prefix
+        occupied = (written.count > 0).any(0).nonzero()
+        self.reach = int(occupied[-1, 0]) + 1 if occupied.numel() else 0
+
+    def _readable(self) -> MemoryState:
+        """The state's first ``reach`` slots (at least one), the only ones any row may hold
+        (views where they are contiguous): a read over them equals a read over all, the free
+        slots past them taking no weight. Kept until the state is replaced."""
+        st = self.state
+        if self._read_view is not None and self._read_view[0] is st:
+            return self._read_view[1]
+        n = max(self.reach, 1)
+        view = st if n >= st.slots else MemoryState(
+            key=st.key[..., :n] if st.key_scale is not None else st.key[:, :n],  # (quantised keys are channel-major)
+            value=st.value[:, :n], pos=st.pos[:, :n], count=st.count[:, :n], bucket=st.bucket[:, :n],
+            key_scale=None if st.key_scale is None else st.key_scale[:, :n],
+            value_scale=None if st.value_scale is None else st.value_scale[:, :n], mixed=st.mixed,
+        )
+        self._read_view = (st, view)
+        return view
 
     def _make_room(self, packed: MemoryState, valid: torch.Tensor, dtype: torch.dtype) -> MemoryState:
         """Climb ``slot_ladder`` while a write of these tokens would have to merge (some row of
@@ -372,7 +408,8 @@ class ARMLayer(CacheLayer):
         extra = 0 if self.mix is None else 1
         k = min(int(self.m.max()) + extra, mem.router.num_buckets)
         buckets = mem.route_queries(q_pre, k)
-        slot_bucket = self.state.bucket.long().view(B, -1, self.state.slots).repeat_interleave(rep, 1)
+        readable = self._readable()
+        slot_bucket = readable.bucket.long().reshape(B, -1, readable.slots).repeat_interleave(rep, 1)
         occ = occupied.repeat_interleave(rep, 1).unsqueeze(2)
         ms = [self.m] if self.mix is None else [self.m, (self.m + 1).clamp_max(mem.router.num_buckets)]
         return [bucket_slot_mask(buckets, m, slot_bucket, mem.router.num_buckets) & occ for m in ms]

@@ -225,6 +225,191 @@ inline void int8_key_scores(const float* q, const int8_t* codes, const float* sc
   int8_key_scores_scalar(q, codes, scale, out, R, d, S);
 }
 
+// ---------------------------------------------------------------- the whole decode-step read
+// One new token of one KV head group (ARMLayer._decode_read): its R query heads over the
+// slots (int4 or int8 key codes, int4 value codes; mixed slots read with the mixed query),
+// the exact entries and the token itself, in one softmax. In PyTorch this is some twenty
+// small ops per layer, each dispatched from Python; here one call per layer.
+
+#ifdef ARMKV_AVX2
+// exp of 8 floats (Cephes' polynomial, relative error about 1e-7); inputs under -87 give 0
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  const __m256 gone = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(gone, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+// x[i] = exp(x[i] - peak) in place; returns their sum
+__attribute__((target("avx2,fma"))) inline float exp_shift_sum_avx2(float* x, int64_t n, float peak) {
+  const __m256 p = _mm256_set1_ps(peak);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), p));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float part[8];
+  _mm256_store_ps(part, acc);
+  float total = part[0] + part[1] + part[2] + part[3] + part[4] + part[5] + part[6] + part[7];
+  for (; i < n; ++i) total += (x[i] = std::exp(x[i] - peak));
+  return total;
+}
+#endif
+
+#ifdef ARMKV_AVX2
+__attribute__((target("avx2,fma"))) inline float dot_avx2(const float* a, const float* b, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
+  alignas(32) float part[8];
+  _mm256_store_ps(part, acc);
+  float total = part[0] + part[1] + part[2] + part[3] + part[4] + part[5] + part[6] + part[7];
+  for (; c < d; ++c) total += a[c] * b[c];
+  return total;
+}
+#endif
+
+inline float exp_shift_sum_scalar(float* x, int64_t n, float peak) {
+  float total = 0.0f;
+  for (int64_t i = 0; i < n; ++i) total += (x[i] = std::exp(x[i] - peak));
+  return total;
+}
+
+struct DecodeGroup {  // one group's inputs and outputs (pointers into contiguous tensors)
+  const float* q;         // [R, d]
+  const float* own_k;     // [d]
+  const float* own_v;     // [d]
+  bool own_ok;
+  const float* exact_k;   // [L, d]
+  const float* exact_v;   // [L, d]
+  const bool* exact_ok;   // [L]
+  const void* key_codes;  // uint8 [d/2, S] or int8 [d, S]
+  const float* key_scale; // [S, ngk]
+  const uint8_t* value_codes;  // [S, d/2]
+  const float* value_scale;    // [S, ngv]
+  const float* bias;      // [S] (-inf: free)
+  float* out;             // [R, d]
+};
+
+template <bool AVX>
+__attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t d) {
+#ifdef ARMKV_AVX2
+  if constexpr (AVX) return dot_avx2(a, b, d);
+#endif
+  float total = 0.0f;
+  for (int64_t c = 0; c < d; ++c) total += a[c] * b[c];
+  return total;
+}
+
+// mix [d, d] (Q) and mix_t (Q^T), both row-major: rows times them as axpy loops over
+// contiguous rows, which the compiler vectorises
+template <bool AVX>
+__attribute__((always_inline)) inline void decode_group_body(const DecodeGroup& a, const float* mix, const float* mix_t,
+                                                           bool int8_keys, int64_t R, int64_t d, int64_t L, int64_t S,
+                                                           int64_t ngk, int64_t ngv, float scaling, float* qm, float* slot_w,
+                                                           float* exact_w, float* tmp) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  // the query in the slots' basis: q Q where the slots are mixed
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = qm + r * d;
+    if (!mix) {
+      std::copy(a.q + r * d, a.q + (r + 1) * d, row);
+      continue;
+    }
+    std::fill(row, row + d, 0.0f);
+    for (int64_t c = 0; c < d; ++c) {
+      const float x = a.q[r * d + c];
+      const float* m = mix + c * d;
+      for (int64_t j = 0; j < d; ++j) row[j] += x * m[j];
+    }
+  }
+  if (int8_keys)
+    int8_key_scores(qm, static_cast<const int8_t*>(a.key_codes), a.key_scale, slot_w, R, d, S);
+  else
+    key_scores(qm, static_cast<const uint8_t*>(a.key_codes), a.key_scale, slot_w, R, d, S, ngk);
+  for (int64_t r = 0; r < R; ++r) {
+    float* sw = slot_w + r * S;
+    float* ew = exact_w + r * (L + 1);
+    const float* qr = a.q + r * d;
+    float peak = ninf;
+    for (int64_t s = 0; s < S; ++s) {
+      sw[s] = sw[s] * scaling + a.bias[s];
+      peak = std::max(peak, sw[s]);
+    }
+    for (int64_t l = 0; l <= L; ++l) {
+      const float* k = l < L ? a.exact_k + l * d : a.own_k;
+      const bool ok = l < L ? a.exact_ok[l] : a.own_ok;
+      ew[l] = ok ? dot<AVX>(qr, k, d) * scaling : ninf;
+      peak = std::max(peak, ew[l]);
+    }
+    if (peak == ninf) {  // nothing to read (a padding token with an empty state): zeros
+      std::fill(sw, sw + S, 0.0f);
+      std::fill(ew, ew + L + 1, 0.0f);
+      continue;
+    }
+    float total;
+#ifdef ARMKV_AVX2
+    if constexpr (AVX)
+      total = exp_shift_sum_avx2(sw, S, peak) + exp_shift_sum_avx2(ew, L + 1, peak);
+    else
+#endif
+      total = exp_shift_sum_scalar(sw, S, peak) + exp_shift_sum_scalar(ew, L + 1, peak);
+    const float inv = 1.0f / total;
+    for (int64_t s = 0; s < S; ++s) sw[s] *= inv;
+    for (int64_t l = 0; l <= L; ++l) ew[l] *= inv;
+  }
+  weighted_values(slot_w, a.value_codes, a.value_scale, tmp, R, d, S, ngv);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* ew = exact_w + r * (L + 1);
+    float* o = a.out + r * d;
+    if (mix) {  // back from the slots' basis: (w V Q) Q^T
+      std::fill(o, o + d, 0.0f);
+      for (int64_t c = 0; c < d; ++c) {
+        const float x = tmp[r * d + c];
+        const float* m = mix_t + c * d;
+        for (int64_t j = 0; j < d; ++j) o[j] += x * m[j];
+      }
+    } else {
+      std::copy(tmp + r * d, tmp + (r + 1) * d, o);
+    }
+    for (int64_t l = 0; l < L; ++l) {
+      const float w = ew[l];
+      if (w == 0.0f) continue;
+      const float* v = a.exact_v + l * d;
+      for (int64_t j = 0; j < d; ++j) a.out[r * d + j] += w * v[j];
+    }
+    if (a.own_ok && ew[L] != 0.0f)
+      for (int64_t j = 0; j < d; ++j) a.out[r * d + j] += ew[L] * a.own_v[j];
+  }
+}
+
+#define ARMKV_DECODE_ARGS                                                                                            \
+  const DecodeGroup &a, const float *mix, const float *mix_t, bool int8_keys, int64_t R, int64_t d, int64_t L,     \
+      int64_t S, int64_t ngk, int64_t ngv, float scaling, float *qm, float *slot_w, float *exact_w, float *tmp
+#define ARMKV_DECODE_CALL a, mix, mix_t, int8_keys, R, d, L, S, ngk, ngv, scaling, qm, slot_w, exact_w, tmp
+#ifdef ARMKV_AVX2
+__attribute__((target("avx2,fma"))) void decode_group_avx2(ARMKV_DECODE_ARGS) { decode_group_body<true>(ARMKV_DECODE_CALL); }
+#endif
+void decode_group_baseline(ARMKV_DECODE_ARGS) { decode_group_body<false>(ARMKV_DECODE_CALL); }
+inline void decode_group(ARMKV_DECODE_ARGS, bool vectorised) {
+#ifdef ARMKV_AVX2
+  if (vectorised && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return decode_group_avx2(ARMKV_DECODE_CALL);
+#endif
+  decode_group_baseline(ARMKV_DECODE_CALL);
+}
+
 // ---------------------------------------------------------------- the write's passes over the pool
 // A write (ARMLayer._flush) needs every slot as pre-RoPE floats and, when the pool is full,
 // each slot's nearest neighbour among the `width` slots on either side in bucket order. In
@@ -521,11 +706,70 @@ std::vector<torch::Tensor> int4_unpack_pre_rope(torch::Tensor key_codes, torch::
   return {key, value};
 }
 
+// The decode step's read of one layer (ARMLayer._decode_read): query [G, R, d] float32;
+// own_k, own_v [G, d] and own_ok [G] (the new token); exact_k, exact_v [G, L, d] and
+// exact_ok [G, L]; the slots' key codes (uint8 [G, d/2, S] int4 or int8 [G, d, S]) and
+// scales [G, S, ngk], value codes uint8 [G, S, d/2] and scales [G, S, ngv]; bias [G, S]
+// (-inf: free); mix [d, d] (empty: unmixed slots); vectorised=false: the portable loops
+// (tests) -> [G, R, d]
+torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::Tensor own_v, torch::Tensor own_ok,
+                              torch::Tensor exact_k, torch::Tensor exact_v, torch::Tensor exact_ok, torch::Tensor key_codes,
+                              torch::Tensor key_scale, torch::Tensor value_codes, torch::Tensor value_scale,
+                              torch::Tensor bias, torch::Tensor mix, double scaling, bool vectorised) {
+  auto q = query.contiguous();
+  auto ok_own = own_ok.to(torch::kBool).contiguous();
+  auto kk = own_k.contiguous(), vv = own_v.contiguous(), ek = exact_k.contiguous(), ev = exact_v.contiguous();
+  auto eok = exact_ok.to(torch::kBool).contiguous();
+  auto kc = key_codes.contiguous(), vc = value_codes.contiguous();
+  auto ks = key_scale.to(torch::kFloat32).contiguous(), vs = value_scale.to(torch::kFloat32).contiguous();
+  auto b = bias.to(torch::kFloat32).contiguous();
+  auto mx = mix.numel() ? mix.to(torch::kFloat32).contiguous() : mix;
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kk.scalar_type() == torch::kFloat32 && ek.scalar_type() == torch::kFloat32,
+              "float32 queries, keys and values only");
+  TORCH_CHECK(vc.scalar_type() == torch::kUInt8, "int4 value codes only");
+  const bool int8_keys = kc.scalar_type() == torch::kInt8;
+  TORCH_CHECK(int8_keys || kc.scalar_type() == torch::kUInt8, "int4 (uint8) or int8 key codes only");
+  const int64_t G = q.size(0), R = q.size(1), d = q.size(2), L = ek.size(1), S = b.size(1);
+  const int64_t ngk = ks.size(2), ngv = vs.size(2);
+  TORCH_CHECK(R <= armkv::kMaxRep, "at most 16 query heads a KV head");
+  TORCH_CHECK(kk.size(0) == G && kk.size(1) == d && vv.sizes() == kk.sizes() && ok_own.size(0) == G && ek.size(0) == G &&
+                  ek.size(2) == d && ev.sizes() == ek.sizes() && eok.size(0) == G && eok.size(1) == L &&
+                  kc.size(0) == G && kc.size(1) == (int8_keys ? d : d / 2) && kc.size(2) == S && ks.size(1) == S &&
+                  vc.size(0) == G && vc.size(1) == S && vc.size(2) == d / 2 && vs.size(1) == S && b.size(0) == G &&
+                  d % ngk == 0 && d % ngv == 0 && (!int8_keys || ngk == 1) &&
+                  (!mx.numel() || (mx.size(0) == d && mx.size(1) == d)),
+              "arm_decode_read: shapes do not match (see the comment above the function)");
+  auto out = torch::empty({G, R, d}, q.options());
+  auto mxt = mx.numel() ? mx.t().contiguous() : mx;
+  const float* MX = mx.numel() ? mx.data_ptr<float>() : nullptr;
+  const float* MXT = mx.numel() ? mxt.data_ptr<float>() : nullptr;
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> qm(R * d), slot_w(R * std::max<int64_t>(S, 1)), exact_w(R * (L + 1)), tmp(R * d);
+    for (int64_t g = g0; g < g1; ++g) {
+      armkv::DecodeGroup a{
+          q.data_ptr<float>() + g * R * d, kk.data_ptr<float>() + g * d, vv.data_ptr<float>() + g * d,
+          ok_own.data_ptr<bool>()[g], ek.data_ptr<float>() + g * L * d, ev.data_ptr<float>() + g * L * d,
+          eok.data_ptr<bool>() + g * L,
+          int8_keys ? static_cast<const void*>(kc.data_ptr<int8_t>() + g * d * S)
+                    : static_cast<const void*>(kc.data_ptr<uint8_t>() + g * (d / 2) * S),
+          ks.data_ptr<float>() + g * S * ngk, vc.data_ptr<uint8_t>() + g * S * (d / 2), vs.data_ptr<float>() + g * S * ngv,
+          b.data_ptr<float>() + g * S, out.data_ptr<float>() + g * R * d};
+      armkv::decode_group(a, MX, MXT, int8_keys, R, d, L, S, ngk, ngv, static_cast<float>(scaling), qm.data(), slot_w.data(),
+                          exact_w.data(), tmp.data(), vectorised);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_key_scores", &int4_key_scores, "query . int4 slot keys (channel-major codes), each group's scale applied");
   m.def("int8_key_scores", &int8_key_scores, "query . int8 slot keys (channel-major codes), each slot's scale applied");
   m.def("int4_weighted_values", &int4_weighted_values, "weights @ int4 slot values, each group's scale applied");
   m.def("int4_vectorised", &int4_vectorised, "whether the AVX2 loops serve these sizes on this CPU");
   m.def("band_neighbours", &band_neighbours, "each slot's nearest same-bucket slot within a band in bucket order");
+  m.def("arm_decode_read", &arm_decode_read, "the decode step's read of one layer: slots, exact entries and the token, one softmax",
+        py::arg("query"), py::arg("own_k"), py::arg("own_v"), py::arg("own_ok"), py::arg("exact_k"), py::arg("exact_v"),
+        py::arg("exact_ok"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
+        py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("vectorised") = true);
   m.def("int4_unpack_pre_rope", &int4_unpack_pre_rope, "int4 slots to pre-RoPE float keys and float values");
 }
