@@ -102,6 +102,7 @@ def test_slot_ladder_keeps_precise_codes_until_a_write_would_merge(monkeypatch):
     with torch.no_grad():
         short = model(ids[:, :60], past_key_values=ladder, use_cache=True).logits
     assert not climbs and layer.rung == 0 and layer.state.key.dtype == torch.int8 and layer.state.count.max() == 1
+    held = layer.state.nbytes() + layer.reserve.nbytes  # the slots and the bytes reserved beside them
     # the same reads as a plain int8 pool with the first rung's slots
     plain = make_cache(model, "arm", budget=96, chunk=16, arm_overrides={"slot_format": "int8", "slots": layer.rungs[0][1]})
     with torch.no_grad():
@@ -110,6 +111,7 @@ def test_slot_ladder_keeps_precise_codes_until_a_write_would_merge(monkeypatch):
         long = torch.randint(0, 100, (2, 300))
         model(long, past_key_values=ladder, use_cache=True)
     assert climbs and all(lyr.rung == 2 and lyr.state.key.dtype == torch.uint8 for lyr in ladder.layers)
+    assert layer.state.nbytes() + layer.reserve.nbytes == held  # the same footprint on every rung
     # no rung but the last ever wrote with fewer free slots than tokens (which would merge)
     assert all(free >= need for rung, last, free, need in writes if rung < last)
     assert all(lyr.peak_bytes <= bound for lyr in ladder.layers)

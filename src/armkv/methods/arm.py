@@ -69,6 +69,7 @@ class ARMLayer(CacheLayer):
         self._read_view: tuple[MemoryState, MemoryState] | None = None  # (state, its first `reach` slots)
         self.rungs = self._ladder_rungs()  # (slot format, slots) the pool goes through, the last config's own
         self.rung = 0
+        self.reserve: torch.Tensor | None = None  # bytes held beside an earlier rung (_reserve_ladder_bytes)
 
     def _ladder_rungs(self) -> list[tuple[str, int]]:
         """``slot_ladder``'s formats with the slots each holds in the bytes of the pool as
@@ -97,12 +98,26 @@ class ARMLayer(CacheLayer):
         slots = dataclasses.replace(c, slots=self.rungs[self.rung][1])
         self.state = self._stored(self.memory.init_state(B, key.dtype, key.device, slots))
         self.reach = 0
+        self._reserve_ladder_bytes()
+
+    def _reserve_ladder_bytes(self) -> None:
+        """Hold, beside a ladder rung's state, the bytes that make every rung's footprint the
+        same (the largest rung's: their slot counts round the same pool bytes down to whole
+        slots of different sizes), so that the cache's size never depends on how long its
+        context is. Nothing without a ladder, and nothing in training."""
+        st, info = self.state, self.info
+        if len(self.rungs) == 1 or self.memory.training:
+            self.reserve = None
+            return
+        target = st.groups * max(slots * slot_bytes(fmt, info.head_dim, info.dtype_bytes) for fmt, slots in self.rungs)
+        self.reserve = torch.empty(max(0, target - st.nbytes()), dtype=torch.uint8, device=st.count.device)
 
     def state_bytes(self) -> int:
         if self.buffer is None:
             return 0
         waiting = 0 if self.pending is None else self.pending[0].nbytes + self.pending[1].nbytes
-        return self.buffer.state_bytes() + self.state.nbytes() + waiting
+        reserved = 0 if self.reserve is None else self.reserve.nbytes
+        return self.buffer.state_bytes() + self.state.nbytes() + waiting + reserved
 
     # ------------------------------------------------------------------ attention
     def attend_chunk(self, query, key, value, valid, positions, scaling):
@@ -329,6 +344,8 @@ class ARMLayer(CacheLayer):
                 key=grow(floats.key), value=grow(floats.value), pos=grow(floats.pos), count=grow(floats.count),
                 bucket=grow(floats.bucket, -1),
             ).pack(fmt, mix=self.config.slot_mixing)
+            self.state = packed
+            self._reserve_ladder_bytes()
         return packed
 
     def _write_form(self, packed: MemoryState, dtype: torch.dtype, fused: bool = True) -> MemoryState:
