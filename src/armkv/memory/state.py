@@ -90,6 +90,18 @@ class MemoryState:
 
         return MemoryState(**{f.name: apply(getattr(self, f.name)) for f in fields(self)})
 
+    def first(self, n: int) -> "MemoryState":
+        """The first ``n`` slots, as views (the state itself where ``n`` covers them all)."""
+        if n >= self.slots:
+            return self
+        channel_major = self.key_scale is not None  # quantised keys are [G, d or d / 2, S]
+        return MemoryState(
+            key=self.key[..., :n] if channel_major else self.key[:, :n], value=self.value[:, :n], pos=self.pos[:, :n],
+            count=self.count[:, :n], bucket=self.bucket[:, :n],
+            key_scale=None if self.key_scale is None else self.key_scale[:, :n],
+            value_scale=None if self.value_scale is None else self.value_scale[:, :n], mixed=self.mixed,
+        )
+
     def clone(self) -> "MemoryState":
         return self._map(torch.Tensor.clone)
 

@@ -313,13 +313,7 @@ class ARMLayer(CacheLayer):
         st = self.state
         if self._read_view is not None and self._read_view[0] is st:
             return self._read_view[1]
-        n = max(self.reach, 1)
-        view = st if n >= st.slots else MemoryState(
-            key=st.key[..., :n] if st.key_scale is not None else st.key[:, :n],  # (quantised keys are channel-major)
-            value=st.value[:, :n], pos=st.pos[:, :n], count=st.count[:, :n], bucket=st.bucket[:, :n],
-            key_scale=None if st.key_scale is None else st.key_scale[:, :n],
-            value_scale=None if st.value_scale is None else st.value_scale[:, :n], mixed=st.mixed,
-        )
+        view = st.first(max(self.reach, 1))
         self._read_view = (st, view)
         return view
 
