@@ -42,21 +42,22 @@ def main() -> None:
             B, H, _, d = layer.buffer.sink_k.shape
             waiting = (torch.randn(B, H, 16, d, generator=g), torch.randn(B, H, 16, d, generator=g),
                        torch.ones(B, 16, dtype=torch.bool), torch.arange(a.length, a.length + 16).unsqueeze(0))
-            before = layer.state
+            before, rung, reserve = layer.state, layer.rung, layer.reserve  # a write may climb the ladder
             times = {mode: [] for mode in modes}
             try:
                 for _ in range(a.rounds):
                     for mode, lookup in modes.items():
                         kernels.int4_read = lookup
-                        layer.state, layer.pending = before, waiting
+                        layer.state, layer.rung, layer.reserve, layer.pending = before, rung, reserve, waiting
                         t0 = time.process_time()
                         layer._flush()
                         times[mode].append(time.process_time() - t0)
             finally:
                 kernels.int4_read, layer.state, layer.pending = built, before, None
+                layer.rung, layer.reserve = rung, reserve
             for mode in modes:
                 result[mode].append(statistics.median(times[mode][1:]) * 1000)
-            print(f"layer {li:2d}, {before.slots:5d} slots: fused {result['fused'][-1]:6.2f} ms, "
+            print(f"layer {li:2d}, {before.slots:5d} {layer.rungs[rung][0]} slots: fused {result['fused'][-1]:6.2f} ms, "
                   f"pytorch {result['pytorch'][-1]:6.2f} ms", flush=True)
     fused, plain = sum(result["fused"]), sum(result["pytorch"])
     print(f"all layers: fused {fused:.1f} ms, pytorch {plain:.1f} ms per write ({plain / fused:.2f}x)")
