@@ -217,3 +217,56 @@ def test_fused_decode_read_equals_the_pytorch_ops(kernel, fmt, d, slots, rep, ex
     want = from_slots + w[..., slots : slots + exact] @ exact_v + w[..., -1:] * torch.where(own_ok[:, None, None], own_v[:, None], 0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (got[3] == 0).all()
+
+
+@pytest.mark.parametrize("S,occupied,N,d", [(37, 37, 11, 64), (37, 30, 29, 16), (701, 701, 64, 64), (9, 0, 5, 64), (900, 650, 257, 40)])
+@pytest.mark.parametrize("lazy", [True, False])
+def test_fused_write_plan_equals_the_pytorch_plan(kernel, S, occupied, N, d, lazy):
+    """plan_writes' choice among the slots by the kernel (write.plan_writes, fused) and by
+    PyTorch ops: the same plan (targets, gate inputs, counts, buckets) and the same state
+    after the merges that make room, with near-repeats of slots (merges), tokens of buckets
+    no slot holds, padding, free slots, a pool short of room, and both neighbour searches
+    (S at most EXACT_NEIGHBOURS and above it)."""
+    from armkv.memory.write import WriteParams, plan_writes
+
+    g = torch.Generator().manual_seed(S + N + d)
+    G = 3
+    params = WriteParams(d, "similarity", "scalar", 0.98).requires_grad_(False)
+    assert params.increasing_in_cosine()
+    st = MemoryState.empty(G, S, d)
+    st.key[:, :occupied] = torch.randn(G, occupied, d, generator=g)
+    st.value[:, :occupied] = torch.randn(G, occupied, d, generator=g)
+    st.pos[:, :occupied] = torch.arange(occupied, dtype=torch.float32)
+    st.count[:, :occupied] = torch.randint(1, 4, (G, occupied), generator=g).float()
+    st.bucket[:, :occupied] = torch.randint(0, 6, (G, occupied), generator=g)
+    keys = torch.randn(G, N, d, generator=g)
+    if occupied:  # every third token nearly repeats a slot: it merges into it
+        src = torch.randint(0, occupied, (G, N), generator=g)
+        near = st.key.gather(1, src.unsqueeze(-1).expand(G, N, d)) * 1.001
+        keys = torch.where((torch.arange(N) % 3 == 0).view(1, N, 1), near, keys)
+    bucket = torch.randint(0, 7, (G, N), generator=g)  # bucket 6: no slot holds it
+    if occupied:
+        bucket = torch.where(torch.arange(N) % 3 == 0, st.bucket.gather(1, src), bucket)
+    valid = torch.rand(G, N, generator=g) > 0.1
+    values = torch.randn(G, N, d, generator=g)
+    with torch.no_grad():
+        got, got_state = plan_writes(st, keys, bucket, valid, params, values=values, lazy=lazy)
+        want, want_state = plan_writes(st, keys, bucket, valid, params, values=values, lazy=lazy, fused=False)
+    for name in ("target", "alpha", "cand", "count", "bucket"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
+    for name in ("key", "value", "pos", "count", "bucket"):
+        torch.testing.assert_close(getattr(got_state, name), getattr(want_state, name), rtol=0, atol=0)
+    assert (got.target >= 0).sum() == valid.sum()
+
+
+def test_fused_best_slots_ties_and_empty_rows(kernel):
+    """The kernel's own contract: the first of equal cosines wins (torch's max), a token
+    with no occupied slot of its bucket gets -inf, and any negative slot bucket is free."""
+    cos = torch.tensor([[[0.5, 0.9, 0.9, 0.9, 0.2], [0.1, 0.2, 0.3, 0.4, 0.5]]])
+    slot_bucket = torch.tensor([[1, 2, 2, -1, 2]])
+    token_bucket = torch.tensor([[2, 5]])
+    same, same_idx, best, best_idx = kernel.best_slots(cos, slot_bucket, token_bucket)
+    assert same[0, 0] == torch.tensor(0.9) and same_idx[0, 0] == 1
+    assert same[0, 1] == -float("inf") and same_idx[0, 1] == 0
+    assert best[0, 0] == torch.tensor(0.9) and best_idx[0, 0] == 1
+    assert best[0, 1] == torch.tensor(0.5) and best_idx[0, 1] == 4

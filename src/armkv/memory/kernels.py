@@ -18,6 +18,13 @@ pre-RoPE floats and, once the pool is full, finds each slot's nearest neighbour 
 of the bucket order (``write.banded_neighbours``): with PyTorch ops about 30 passes over
 the state, 20-50 ms per write in a layer of 3k-7k slots. ``int4_unpack_pre_rope`` and
 ``band_neighbours`` make one pass each; the PyTorch forms stay as their references.
+
+A prefill chunk's write plan (``write.plan_writes``), once a pool is short of room, scores
+every token of the chunk against every slot and takes, per token, the best occupied slot
+of its bucket (the merge candidate) and of any bucket (where a demoted token goes): with
+PyTorch ops eight passes over the [tokens, slots] scores (the affine map, the bucket and
+occupancy masks, two masked maxima). ``best_slots`` takes both maxima in one pass over the
+cosines.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class WriteParams(nn.Module):
         slot_keys : [G, S, d]; tokens : [G, N, d] -> (z [G, N, S], cos [G, N, S])
         """
         d = self.head_dim
-        cos = F.normalize(tokens, dim=-1) @ F.normalize(slot_keys, dim=-1).transpose(1, 2)
+        cos = self.cosines(slot_keys, tokens)
         w, b = self.score.weight[0], self.score.bias[0]
         if self._cosine_only():
             return w[3 * d] * cos + b, cos
@@ -83,6 +83,16 @@ class WriteParams(nn.Module):
         if self.scorer_kind == "similarity":
             z = z + w[3 * d] * cos
         return z, cos
+
+    @staticmethod
+    def cosines(slot_keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """slot_keys : [G, S, d]; tokens : [G, N, d] -> cos [G, N, S]"""
+        return F.normalize(tokens, dim=-1) @ F.normalize(slot_keys, dim=-1).transpose(1, 2)
+
+    def increasing_in_cosine(self) -> bool:
+        """True when z is an increasing affine map of the cosine alone (:meth:`_cosine_only`
+        with a positive cosine weight): the best slot by z is then the best by cosine."""
+        return self._cosine_only() and bool(self.score.weight[0, 3 * self.head_dim] > 0)
 
     def _cosine_only(self) -> bool:
         """True when the scorer's weights are zero but the cosine's (as initialised, and in
@@ -243,6 +253,7 @@ def plan_writes(
     merge_metric: str = "key",
     protect_recent: float = 0.0,
     lazy: bool = False,
+    fused: bool = True,
 ) -> tuple[WritePlan, MemoryState]:
     """Decide every write of a chunk against the state at the sync point.
 
@@ -258,6 +269,9 @@ def plan_writes(
     lazy : (shared pool, similarity scorer) a group whose free slots can hold all of the
         chunk's valid tokens gives each its own slot, however similar; merging starts when
         the pool runs short
+    fused : at inference on float32 CPU states with a cosine-only scorer, find each token's
+        best slots with the fused kernel (``armkv.memory.kernels``); False: the PyTorch ops,
+        its reference
 
     Returns
     -------
@@ -282,9 +296,20 @@ def plan_writes(
         parent = t_idx
         alpha = torch.ones(G, N, dtype=keys.dtype, device=dev)
     else:
-        z, cos = params.pair_scores(state.key, keys)  # [G, N, S]
-        cand_mask = occ.unsqueeze(1) & (state.bucket.unsqueeze(1) == bucket.unsqueeze(2))
-        z = z.masked_fill(~cand_mask, -math.inf)
+        # the fused kernel: one pass over the token-slot cosines finds each token's best slot of
+        # its bucket and of any bucket, where the ops below make eight (building and masking z)
+        module = kernels.fused_cpu(keys) if fused and not training and params.increasing_in_cosine() else None
+        nearest = None
+        if module is not None:
+            cos = params.cosines(state.key, keys)  # [G, N, S]
+            same_cos, choice, any_cos, any_idx = module.best_slots(cos, torch.where(occ, state.bucket, -1), bucket)
+            # z's max is the map of the cosines' max (an increasing map): the same value as the ops'
+            best_z = params.score.weight[0, 3 * d] * same_cos + params.score.bias[0]
+            nearest = (any_cos, any_idx)
+        else:
+            z, cos = params.pair_scores(state.key, keys)  # [G, N, S]
+            cand_mask = occ.unsqueeze(1) & (state.bucket.unsqueeze(1) == bucket.unsqueeze(2))
+            z = z.masked_fill(~cand_mask, -math.inf)
         if training:
             # options: the candidate slots, then (similarity scorer) "take a new slot" with logit 0
             options = torch.cat([z, torch.zeros(G, N, 1, device=dev, dtype=z.dtype)], -1) if similarity else z
@@ -296,7 +321,8 @@ def plan_writes(
             has_cand = cand_mask.any(-1)
         else:
             # the argmax over [slots | new (logit 0)] without building it: ties go to the slot
-            best_z, choice = z.max(-1)
+            if module is None:
+                best_z, choice = z.max(-1)
             if similarity:
                 choice = torch.where(best_z >= 0, choice, S)
             alpha = torch.ones(G, N, dtype=keys.dtype, device=dev)
@@ -340,7 +366,8 @@ def plan_writes(
             neighbours = _masked_neighbours(ss, room) if ss is not None else banded_neighbours(merge_metric, room)
             if protect_recent > 0:
                 ts = ts - 1e4
-            src_of, demote_to = _make_room(room, leader, neighbours, ts, deficit)
+            nearest_token = nearest if merge_metric == "key" and protect_recent == 0 else None
+            src_of, demote_to = _make_room(room, leader, neighbours, ts, deficit, nearest_token)
             leader = leader & (demote_to < 0)
             state = _merge_pairs(state, src_of)  # (with no deficit nothing merges: src_of is all -1)
         free_mask = state.count == 0
@@ -569,6 +596,7 @@ def _make_room(
     neighbours: tuple[torch.Tensor, torch.Tensor],
     token_sims: torch.Tensor,
     deficit: torch.Tensor,
+    nearest_token: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick ``deficit`` merges per group among the most similar candidates.
 
@@ -576,6 +604,8 @@ def _make_room(
     each novel leader merged into its nearest occupied slot (any bucket).
     neighbours : (sim, index) [G, S] of each slot's nearest occupied slot
     token_sims : [G, N, S] token-slot similarities (:func:`room_similarity`)
+    nearest_token : (sim, index) [G, N] of each token's most similar occupied slot under
+        ``token_sims``, where already found (the fused kernel of :func:`plan_writes`)
 
     Returns (src_of [G, S]: slot merged into slot s, or -1; demote_to [G, N]: slot a
     demoted leader merges into, or -1).
@@ -586,7 +616,9 @@ def _make_room(
     nn_sim, nn_idx = neighbours
     s_idx = torch.arange(S, device=nn_sim.device).expand(G, S)
     mutual = occ & torch.isfinite(nn_sim) & (nn_idx.gather(1, nn_idx) == s_idx) & (s_idx < nn_idx)
-    a_sim, a_idx = token_sims.masked_fill(~occ.unsqueeze(1), -math.inf).max(-1)
+    if nearest_token is None:
+        nearest_token = token_sims.masked_fill(~occ.unsqueeze(1), -math.inf).max(-1)
+    a_sim, a_idx = nearest_token
     a_ok = leader & torch.isfinite(a_sim)
     cand = torch.cat([torch.where(mutual, nn_sim, -math.inf), torch.where(a_ok, a_sim, -math.inf)], 1)
     order = cand.argsort(dim=1, descending=True, stable=True)

@@ -493,6 +493,29 @@ inline void band_neighbours_group(const float* key, const float* value, const in
   }
 }
 
+// One token of write.plan_writes' choice among the slots (its cosines cos [S] to every slot),
+// in one pass: the best occupied slot of the token's bucket (the merge candidate) and the
+// best occupied slot of any bucket (where the token would go if the full pool demoted it).
+// eligible [S]: each slot's bucket, -1 where free. Ties go to the first slot, as torch's max.
+inline void best_slots_row(const float* cos, const int32_t* eligible, int32_t bucket, int64_t S, float* same,
+                           int64_t* same_idx, float* any, int64_t* any_idx) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float ms = ninf, ma = ninf;
+  for (int64_t s = 0; s < S; ++s) {  // branch-free, so the compiler vectorises it
+    const float c = cos[s];
+    ma = std::max(ma, eligible[s] >= 0 ? c : ninf);
+    ms = std::max(ms, eligible[s] == bucket ? c : ninf);
+  }
+  int64_t is = 0, ia = 0;
+  bool found_s = ms == ninf, found_a = ma == ninf;  // nothing eligible: index 0
+  for (int64_t s = 0; s < S && !(found_s && found_a); ++s) {
+    const float c = cos[s];
+    if (!found_a && eligible[s] >= 0 && c == ma) ia = s, found_a = true;
+    if (!found_s && eligible[s] == bucket && c == ms) is = s, found_s = true;
+  }
+  *same = ms, *same_idx = is, *any = ma, *any_idx = ia;
+}
+
 // In-place fast Walsh-Hadamard transform of x [d] (d a power of two), Sylvester order:
 // x H, H the +-1 matrix of quant.mixing_matrix before its 1 / sqrt(d)
 __attribute__((always_inline)) inline void fwht(float* x, int64_t d) {
@@ -761,11 +784,38 @@ torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::T
   return out;
 }
 
+// cos [G, N, S] float32 (token-slot cosines), slot_bucket [G, S] (-1 or any negative: free),
+// token_bucket [G, N] -> (same [G, N], same_idx [G, N], any [G, N], any_idx [G, N]): each token's
+// best occupied slot of its own bucket and of any bucket (-inf, index 0 where none)
+std::vector<torch::Tensor> best_slots(torch::Tensor cos, torch::Tensor slot_bucket, torch::Tensor token_bucket) {
+  TORCH_CHECK(cos.device().is_cpu() && cos.scalar_type() == torch::kFloat32 && cos.dim() == 3, "float32 CPU cosines [G, N, S]");
+  auto c = cos.contiguous();
+  const int64_t G = c.size(0), N = c.size(1), S = c.size(2);
+  auto eb = slot_bucket.to(torch::kInt32).clamp_min(-1).contiguous();
+  auto tb = token_bucket.to(torch::kInt32).contiguous();
+  TORCH_CHECK(eb.dim() == 2 && eb.size(0) == G && eb.size(1) == S, "slot_bucket must be [G, S]");
+  TORCH_CHECK(tb.dim() == 2 && tb.size(0) == G && tb.size(1) == N, "token_bucket must be [G, N]");
+  auto same = torch::empty({G, N}, c.options()), any = torch::empty({G, N}, c.options());
+  auto same_idx = torch::empty({G, N}, c.options().dtype(torch::kInt64)), any_idx = torch::empty_like(same_idx);
+  const float* C = c.data_ptr<float>();
+  const int32_t *E = eb.data_ptr<int32_t>(), *T = tb.data_ptr<int32_t>();
+  float *SM = same.data_ptr<float>(), *AN = any.data_ptr<float>();
+  int64_t *SI = same_idx.data_ptr<int64_t>(), *AI = any_idx.data_ptr<int64_t>();
+  at::parallel_for(0, G * N, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t g = r / N;
+      armkv::best_slots_row(C + r * S, E + g * S, T[r] < 0 ? -2 : T[r], S, SM + r, SI + r, AN + r, AI + r);
+    }
+  });
+  return {same, same_idx, any, any_idx};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_key_scores", &int4_key_scores, "query . int4 slot keys (channel-major codes), each group's scale applied");
   m.def("int8_key_scores", &int8_key_scores, "query . int8 slot keys (channel-major codes), each slot's scale applied");
   m.def("int4_weighted_values", &int4_weighted_values, "weights @ int4 slot values, each group's scale applied");
   m.def("int4_vectorised", &int4_vectorised, "whether the AVX2 loops serve these sizes on this CPU");
+  m.def("best_slots", &best_slots, "each token's best occupied slot of its bucket and of any bucket, from the cosines");
   m.def("band_neighbours", &band_neighbours, "each slot's nearest same-bucket slot within a band in bucket order");
   m.def("arm_decode_read", &arm_decode_read, "the decode step's read of one layer: slots, exact entries and the token, one softmax",
         py::arg("query"), py::arg("own_k"), py::arg("own_v"), py::arg("own_ok"), py::arg("exact_k"), py::arg("exact_v"),
