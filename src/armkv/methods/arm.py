@@ -228,8 +228,15 @@ class ARMLayer(CacheLayer):
         H = key.shape[1]
         rep = Hq // H
         pos = positions.unsqueeze(1)
-        slot_k, slot_v, occupied, bias = self._slots()
         q_pre = None if reads_all and c.position_mode == "stored" else self.rotary.unrotate(query, pos)
+        # mixed slots (``slot_mixing``) are read in their mixed basis: (q Q).(k Q) = q.k for
+        # every key, and the output unmixed once, (w V Q) Q^T = w V. Mixing the chunk's
+        # queries and the exact entries costs a few hundred rows; unmixing the slots, thousands
+        mix = None
+        if c.position_mode == "stored" and self.state.mixed and self.state.key_scale is not None:
+            mix = mixing_matrix(d, query.dtype, query.device)
+            query, key, value, exact_k, exact_v = (t @ mix for t in (query, key, value, exact_k, exact_v))
+        slot_k, slot_v, occupied, bias = self._slots(unmix=mix is None)
         slot_masks = [None] if reads_all else self._masks_for(q_pre, occupied, rep)
 
         exact_valid_h = exact_valid.unsqueeze(1).expand(B, H, -1)
@@ -256,11 +263,13 @@ class ARMLayer(CacheLayer):
                 q_in, chunk_k, chunk_v, valid, scaling, state_k, state_v, state_valid, state_bias, state_mask, state_clean=True
             )
             outs.append(out[..., :d])
-        return outs[0] if len(outs) == 1 else self.mix.view(B, 1, 1, 1) * outs[1] + (1 - self.mix.view(B, 1, 1, 1)) * outs[0]
+        out = outs[0] if len(outs) == 1 else self.mix.view(B, 1, 1, 1) * outs[1] + (1 - self.mix.view(B, 1, 1, 1)) * outs[0]
+        return out if mix is None else out @ mix.T
 
-    def _slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _slots(self, unmix: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The slots as attention reads them: keys rotated for reading [B, H, S, d or 2d],
-        values, occupied [B, H, S], logit bias [B, H, S].
+        values, occupied [B, H, S], logit bias [B, H, S]. ``unmix=False`` leaves mixed slots'
+        keys and values as x Q (a reader that mixes its queries and the other entries alike).
 
         The state is stored in this read form (see :meth:`_stored`), so a read only
         dequantises it: a transient copy for this layer's attention, as KIVI's is, and
@@ -268,7 +277,7 @@ class ARMLayer(CacheLayer):
         c, st = self.config, self._readable()
         B, H = self.buffer.sink_k.shape[:2]
         S = st.slots
-        key, value = (t.reshape(B, H, S, -1) for t in st.kv(self.buffer.sink_k.dtype))
+        key, value = (t.reshape(B, H, S, -1) for t in st.kv(self.buffer.sink_k.dtype, unmix=unmix))
         count = st.count.reshape(B, H, S)
         if c.position_mode != "stored":
             # every slot stands just before the window and scores with the pre-RoPE query (the
