@@ -270,3 +270,25 @@ def test_fused_best_slots_ties_and_empty_rows(kernel):
     assert same[0, 1] == -float("inf") and same_idx[0, 1] == 0
     assert best[0, 0] == torch.tensor(0.9) and best_idx[0, 0] == 1
     assert best[0, 1] == torch.tensor(0.5) and best_idx[0, 1] == 4
+
+
+@pytest.mark.parametrize("d,slots", [(64, 37), (128, 5), (16, 1), (40, 19)])
+@pytest.mark.parametrize("mixed", [True, False])
+@pytest.mark.parametrize("unmix", [True, False])
+def test_fused_dequantise_equals_the_pytorch_ops(kernel, d, slots, mixed, unmix):
+    """MemoryState.kv of k4v4 slots by the kernel and by PyTorch ops: the same float keys and
+    values, mixed slots unmixed or left in their basis, free slots zero (odd slot counts;
+    d = 40 cannot be mixed and is stored plain)."""
+    mixed = mixed and d & (d - 1) == 0
+    g = torch.Generator().manual_seed(d + slots)
+    st = MemoryState.empty(2, slots, d)
+    st.key.copy_(torch.randn(2, slots, d, generator=g) * 3)
+    st.value.copy_(torch.randn(2, slots, d, generator=g))
+    st.count.fill_(1)
+    st.key[:, -1:], st.value[:, -1:], st.count[:, -1:] = 0, 0, 0
+    packed = st.pack("k4v4", mix=mixed)
+    got = packed.kv(torch.float32, unmix=unmix)
+    want = packed.kv(torch.float32, unmix=unmix, fused=False)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[0][:, -1], torch.zeros(2, d)) and torch.equal(got[1][:, -1], torch.zeros(2, d))

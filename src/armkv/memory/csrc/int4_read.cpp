@@ -557,10 +557,14 @@ __attribute__((always_inline)) inline void unpack_slots_body(const uint8_t* kc, 
       for (int64_t c = 0; c < d; ++c) xs[c] *= sc[gk[c]];
       if (mixed) fwht(xs, d);
       float* k = key + s * d;
-      for (int64_t c = 0; c < half; ++c) {
-        const float x1 = xs[c] * norm, x2 = xs[c + half] * norm, co = cs[s * half + c], si = sn[s * half + c];
-        k[c] = (x1 * co + x2 * si) * inv_scaling;
-        k[c + half] = (x2 * co - x1 * si) * inv_scaling;
+      if (!cs) {  // no rotation (int4_dequantise): the keys as stored
+        for (int64_t c = 0; c < d; ++c) k[c] = xs[c] * norm;
+      } else {
+        for (int64_t c = 0; c < half; ++c) {
+          const float x1 = xs[c] * norm, x2 = xs[c + half] * norm, co = cs[s * half + c], si = sn[s * half + c];
+          k[c] = (x1 * co + x2 * si) * inv_scaling;
+          k[c + half] = (x2 * co - x1 * si) * inv_scaling;
+        }
       }
       float* v = value + s * d;
       const uint8_t* vb = vc + s * half;
@@ -729,6 +733,34 @@ std::vector<torch::Tensor> int4_unpack_pre_rope(torch::Tensor key_codes, torch::
   return {key, value};
 }
 
+// k4v4 slots to float keys and values as stored (MemoryState.kv): key codes [G, d/2, S] uint8
+// (channel-major), key scale [G, S, ngk], value codes [G, S, d/2], value scale [G, S, ngv];
+// unmix: multiply mixed vectors back by Q^T -> (keys, values) [G, S, d] float32
+std::vector<torch::Tensor> int4_dequantise(torch::Tensor key_codes, torch::Tensor key_scale, torch::Tensor value_codes,
+                                           torch::Tensor value_scale, bool unmix) {
+  auto kc = key_codes.contiguous();
+  auto vc = value_codes.contiguous();
+  auto ks = key_scale.to(torch::kFloat32).contiguous();
+  auto vs = value_scale.to(torch::kFloat32).contiguous();
+  TORCH_CHECK(kc.device().is_cpu() && vc.device().is_cpu(), "CPU codes only");
+  TORCH_CHECK(kc.scalar_type() == torch::kUInt8 && vc.scalar_type() == torch::kUInt8, "uint8 int4 codes only");
+  TORCH_CHECK(kc.dim() == 3 && vc.dim() == 3 && ks.dim() == 3 && vs.dim() == 3, "3-d tensors expected");
+  const int64_t G = kc.size(0), half = kc.size(1), S = kc.size(2), d = 2 * half, ngk = ks.size(2), ngv = vs.size(2);
+  TORCH_CHECK(vc.size(0) == G && vc.size(1) == S && vc.size(2) == half && ks.size(0) == G && ks.size(1) == S &&
+                  vs.size(0) == G && vs.size(1) == S && ngk > 0 && ngv > 0 && d % ngk == 0 && d % ngv == 0,
+              "shapes do not match: key codes [G, d/2, S], value codes [G, S, d/2], scales [G, S, n]");
+  TORCH_CHECK(!unmix || (d & (d - 1)) == 0, "mixed slots need a power-of-two head dim (the Hadamard mixing)");
+  auto key = torch::empty({G, S, d}, ks.options());
+  auto value = torch::empty({G, S, d}, ks.options());
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      armkv::unpack_slots(kc.data_ptr<uint8_t>() + g * half * S, ks.data_ptr<float>() + g * S * ngk,
+                          vc.data_ptr<uint8_t>() + g * S * half, vs.data_ptr<float>() + g * S * ngv, nullptr, nullptr, S,
+                          d, ngk, ngv, unmix, 1.0f, key.data_ptr<float>() + g * S * d, value.data_ptr<float>() + g * S * d);
+  });
+  return {key, value};
+}
+
 // The decode step's read of one layer (ARMLayer._decode_read): query [G, R, d] float32;
 // own_k, own_v [G, d] and own_ok [G] (the new token); exact_k, exact_v [G, L, d] and
 // exact_ok [G, L]; the slots' key codes (uint8 [G, d/2, S] int4 or int8 [G, d, S]) and
@@ -815,6 +847,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_key_scores", &int8_key_scores, "query . int8 slot keys (channel-major codes), each slot's scale applied");
   m.def("int4_weighted_values", &int4_weighted_values, "weights @ int4 slot values, each group's scale applied");
   m.def("int4_vectorised", &int4_vectorised, "whether the AVX2 loops serve these sizes on this CPU");
+  m.def("int4_dequantise", &int4_dequantise, "k4v4 slots to float keys and values as stored, optionally unmixed");
   m.def("best_slots", &best_slots, "each token's best occupied slot of its bucket and of any bucket, from the cosines");
   m.def("band_neighbours", &band_neighbours, "each slot's nearest same-bucket slot within a band in bucket order");
   m.def("arm_decode_read", &arm_decode_read, "the decode step's read of one layer: slots, exact entries and the token, one softmax",
