@@ -671,3 +671,17 @@ def test_row_wise_merges_equal_the_whole_pool_reference(G, S, pairs):
     for a, b in zip(got_g, want_g):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert int((got.count > 0).sum()) == G * (S - 3) - G * pairs
+
+
+def test_the_mixing_matrix_cached_under_inference_mode_serves_autograd():
+    """The cached mixing matrix is shared by reads under torch.inference_mode (generation)
+    and by training writes: one first built in inference mode must not be an inference
+    tensor, or the training step that packs slots later fails."""
+    from armkv.memory.quant import mixing_matrix
+
+    mixing_matrix.cache_clear()
+    with torch.inference_mode():
+        mixing_matrix(16)
+    x = torch.randn(3, 16, requires_grad=True)
+    (x @ mixing_matrix(16)).square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -80,6 +80,13 @@ def mixing_matrix(d: int, dtype: torch.dtype = torch.float32, device: torch.devi
     codes. Mixed, the channels are alike and the same bits hold more of the vector; dot
     products are unchanged, (q Q).(k Q) = q.k, so a reader may mix the query instead of
     unmixing every key."""
+    # built outside inference mode: the cached copy is shared by reads under
+    # torch.inference_mode and by training writes that autograd records
+    with torch.inference_mode(False):
+        return _mixing_matrix(d).to(device=device, dtype=dtype)
+
+
+def _mixing_matrix(d: int) -> torch.Tensor:
     if d & (d - 1) == 0:
         q = torch.ones(1, 1, dtype=torch.float64)
         while q.shape[0] < d:  # Sylvester's construction
@@ -89,4 +96,4 @@ def mixing_matrix(d: int, dtype: torch.dtype = torch.float32, device: torch.devi
         g = torch.Generator().manual_seed(0)
         q, r = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
         q = q * torch.sign(torch.diagonal(r))
-    return q.to(device=device, dtype=dtype)
+    return q
