@@ -259,17 +259,27 @@ def test_fused_write_plan_equals_the_pytorch_plan(kernel, S, occupied, N, d, laz
     assert (got.target >= 0).sum() == valid.sum()
 
 
-def test_fused_best_slots_ties_and_empty_rows(kernel):
-    """The kernel's own contract: the first of equal cosines wins (torch's max), a token
-    with no occupied slot of its bucket gets -inf, and any negative slot bucket is free."""
-    cos = torch.tensor([[[0.5, 0.9, 0.9, 0.9, 0.2], [0.1, 0.2, 0.3, 0.4, 0.5]]])
-    slot_bucket = torch.tensor([[1, 2, 2, -1, 2]])
-    token_bucket = torch.tensor([[2, 5]])
-    same, same_idx, best, best_idx = kernel.best_slots(cos, slot_bucket, token_bucket)
-    assert same[0, 0] == torch.tensor(0.9) and same_idx[0, 0] == 1
-    assert same[0, 1] == -float("inf") and same_idx[0, 1] == 0
-    assert best[0, 0] == torch.tensor(0.9) and best_idx[0, 0] == 1
-    assert best[0, 1] == torch.tensor(0.5) and best_idx[0, 1] == 4
+@pytest.mark.parametrize("vectorised", [True, False])
+@pytest.mark.parametrize("S", [5, 8, 21, 64])
+def test_fused_best_slots_ties_and_empty_rows(kernel, vectorised, S):
+    """The kernel's own contract, on the AVX2 and the portable loops, against torch's masked
+    max: the first of equal cosines wins (ties placed across 8-slot blocks), a token with no
+    occupied slot of its bucket gets -inf and index 0, any negative slot bucket is free, and
+    a negative token bucket matches nothing."""
+    g = torch.Generator().manual_seed(S)
+    cos = (torch.randint(-4, 5, (2, 6, S), generator=g) / 4).float()  # few distinct values: ties
+    slot_bucket = torch.randint(-2, 3, (2, S), generator=g)
+    token_bucket = torch.tensor([[0, 1, 2, 7, -1, 0], [2, 2, 1, 0, 5, -1]])
+    same, same_idx, best, best_idx = kernel.best_slots(cos, slot_bucket, token_bucket, vectorised=vectorised)
+    occ = slot_bucket >= 0
+    mine = occ.unsqueeze(1) & (slot_bucket.unsqueeze(1) == token_bucket.unsqueeze(2)) & (token_bucket >= 0).unsqueeze(2)
+    want_same, want_same_idx = cos.masked_fill(~mine, -float("inf")).max(-1)
+    want_best, want_best_idx = cos.masked_fill(~occ.unsqueeze(1), -float("inf")).max(-1)
+    assert torch.equal(same, want_same) and torch.equal(best, want_best)
+    assert torch.equal(torch.where(mine.any(-1), same_idx, 0), torch.where(mine.any(-1), want_same_idx, 0))
+    assert torch.equal(torch.where(occ.any(-1, keepdim=True), best_idx, 0), torch.where(occ.any(-1, keepdim=True), want_best_idx, 0))
+    assert (same_idx[~mine.any(-1)] == 0).all() and torch.isinf(same[~mine.any(-1)]).all()
+    assert torch.isinf(same[0, 3]) and torch.isinf(same[0, 4]) and torch.isinf(same[1, 5])
 
 
 @pytest.mark.parametrize("d,slots", [(64, 37), (128, 5), (16, 1), (40, 19)])

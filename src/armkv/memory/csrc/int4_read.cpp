@@ -496,24 +496,84 @@ inline void band_neighbours_group(const float* key, const float* value, const in
 // One token of write.plan_writes' choice among the slots (its cosines cos [S] to every slot),
 // in one pass: the best occupied slot of the token's bucket (the merge candidate) and the
 // best occupied slot of any bucket (where the token would go if the full pool demoted it).
-// eligible [S]: each slot's bucket, -1 where free. Ties go to the first slot, as torch's max.
-inline void best_slots_row(const float* cos, const int32_t* eligible, int32_t bucket, int64_t S, float* same,
-                           int64_t* same_idx, float* any, int64_t* any_idx) {
+// eligible [S]: each slot's bucket, -1 where free; bucket: the token's (-2 matches none).
+// Ties go to the first slot, as torch's max; -inf and index 0 where nothing is eligible.
+inline void best_slots_row_scalar(const float* cos, const int32_t* eligible, int32_t bucket, int64_t S, float* same,
+                                  int64_t* same_idx, float* any, int64_t* any_idx) {
   const float ninf = -std::numeric_limits<float>::infinity();
   float ms = ninf, ma = ninf;
-  for (int64_t s = 0; s < S; ++s) {  // branch-free, so the compiler vectorises it
+  for (int64_t s = 0; s < S; ++s) {
     const float c = cos[s];
     ma = std::max(ma, eligible[s] >= 0 ? c : ninf);
     ms = std::max(ms, eligible[s] == bucket ? c : ninf);
   }
   int64_t is = 0, ia = 0;
-  bool found_s = ms == ninf, found_a = ma == ninf;  // nothing eligible: index 0
+  bool found_s = ms == ninf, found_a = ma == ninf;
   for (int64_t s = 0; s < S && !(found_s && found_a); ++s) {
     const float c = cos[s];
     if (!found_a && eligible[s] >= 0 && c == ma) ia = s, found_a = true;
     if (!found_s && eligible[s] == bucket && c == ms) is = s, found_s = true;
   }
   *same = ms, *same_idx = is, *any = ma, *any_idx = ia;
+}
+
+#ifdef ARMKV_AVX2
+// The same, 8 slots a step: the maxima, then the first slot holding each
+__attribute__((target("avx2,fma"))) void best_slots_row_avx2(const float* cos, const int32_t* eligible, int32_t bucket,
+                                                              int64_t S, float* same, int64_t* same_idx, float* any,
+                                                              int64_t* any_idx) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const __m256 vninf = _mm256_set1_ps(ninf);
+  const __m256i vb = _mm256_set1_epi32(bucket), vfree = _mm256_set1_epi32(-1);
+  __m256 vms = vninf, vma = vninf;
+  int64_t s = 0;
+  for (; s + 8 <= S; s += 8) {
+    const __m256 c = _mm256_loadu_ps(cos + s);
+    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(eligible + s));
+    const __m256 occ = _mm256_castsi256_ps(_mm256_cmpgt_epi32(e, vfree));
+    const __m256 mine = _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, vb));
+    vma = _mm256_max_ps(vma, _mm256_blendv_ps(vninf, c, occ));
+    vms = _mm256_max_ps(vms, _mm256_blendv_ps(vninf, c, mine));
+  }
+  alignas(32) float la[8], ls[8];
+  _mm256_store_ps(la, vma);
+  _mm256_store_ps(ls, vms);
+  float ma = ninf, ms = ninf;
+  for (int j = 0; j < 8; ++j) ma = std::max(ma, la[j]), ms = std::max(ms, ls[j]);
+  for (; s < S; ++s) {
+    ma = std::max(ma, eligible[s] >= 0 ? cos[s] : ninf);
+    ms = std::max(ms, eligible[s] == bucket ? cos[s] : ninf);
+  }
+  int64_t is = 0, ia = 0;
+  bool found_s = ms == ninf, found_a = ma == ninf;
+  const __m256 vxa = _mm256_set1_ps(ma), vxs = _mm256_set1_ps(ms);
+  for (s = 0; s + 8 <= S && !(found_s && found_a); s += 8) {
+    const __m256 c = _mm256_loadu_ps(cos + s);
+    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(eligible + s));
+    if (!found_a) {
+      const int hit = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(c, vxa, _CMP_EQ_OQ), _mm256_castsi256_ps(_mm256_cmpgt_epi32(e, vfree))));
+      if (hit) ia = s + __builtin_ctz(hit), found_a = true;
+    }
+    if (!found_s) {
+      const int hit = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(c, vxs, _CMP_EQ_OQ), _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, vb))));
+      if (hit) is = s + __builtin_ctz(hit), found_s = true;
+    }
+  }
+  for (; s < S && !(found_s && found_a); ++s) {
+    if (!found_a && eligible[s] >= 0 && cos[s] == ma) ia = s, found_a = true;
+    if (!found_s && eligible[s] == bucket && cos[s] == ms) is = s, found_s = true;
+  }
+  *same = ms, *same_idx = is, *any = ma, *any_idx = ia;
+}
+#endif
+
+inline void best_slots_row(const float* cos, const int32_t* eligible, int32_t bucket, int64_t S, float* same,
+                           int64_t* same_idx, float* any, int64_t* any_idx, bool vectorised) {
+#ifdef ARMKV_AVX2
+  if (vectorised && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return best_slots_row_avx2(cos, eligible, bucket, S, same, same_idx, any, any_idx);
+#endif
+  best_slots_row_scalar(cos, eligible, bucket, S, same, same_idx, any, any_idx);
 }
 
 // In-place fast Walsh-Hadamard transform of x [d] (d a power of two), Sylvester order:
@@ -818,8 +878,10 @@ torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::T
 
 // cos [G, N, S] float32 (token-slot cosines), slot_bucket [G, S] (-1 or any negative: free),
 // token_bucket [G, N] -> (same [G, N], same_idx [G, N], any [G, N], any_idx [G, N]): each token's
-// best occupied slot of its own bucket and of any bucket (-inf, index 0 where none)
-std::vector<torch::Tensor> best_slots(torch::Tensor cos, torch::Tensor slot_bucket, torch::Tensor token_bucket) {
+// best occupied slot of its own bucket and of any bucket (-inf, index 0 where none);
+// vectorised=false: the portable loops (tests)
+std::vector<torch::Tensor> best_slots(torch::Tensor cos, torch::Tensor slot_bucket, torch::Tensor token_bucket,
+                                      bool vectorised) {
   TORCH_CHECK(cos.device().is_cpu() && cos.scalar_type() == torch::kFloat32 && cos.dim() == 3, "float32 CPU cosines [G, N, S]");
   auto c = cos.contiguous();
   const int64_t G = c.size(0), N = c.size(1), S = c.size(2);
@@ -836,7 +898,7 @@ std::vector<torch::Tensor> best_slots(torch::Tensor cos, torch::Tensor slot_buck
   at::parallel_for(0, G * N, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t g = r / N;
-      armkv::best_slots_row(C + r * S, E + g * S, T[r] < 0 ? -2 : T[r], S, SM + r, SI + r, AN + r, AI + r);
+      armkv::best_slots_row(C + r * S, E + g * S, T[r] < 0 ? -2 : T[r], S, SM + r, SI + r, AN + r, AI + r, vectorised);
     }
   });
   return {same, same_idx, any, any_idx};
@@ -848,7 +910,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_weighted_values", &int4_weighted_values, "weights @ int4 slot values, each group's scale applied");
   m.def("int4_vectorised", &int4_vectorised, "whether the AVX2 loops serve these sizes on this CPU");
   m.def("int4_dequantise", &int4_dequantise, "k4v4 slots to float keys and values as stored, optionally unmixed");
-  m.def("best_slots", &best_slots, "each token's best occupied slot of its bucket and of any bucket, from the cosines");
+  m.def("best_slots", &best_slots, "each token's best occupied slot of its bucket and of any bucket, from the cosines",
+        py::arg("cos"), py::arg("slot_bucket"), py::arg("token_bucket"), py::arg("vectorised") = true);
   m.def("band_neighbours", &band_neighbours, "each slot's nearest same-bucket slot within a band in bucket order");
   m.def("arm_decode_read", &arm_decode_read, "the decode step's read of one layer: slots, exact entries and the token, one softmax",
         py::arg("query"), py::arg("own_k"), py::arg("own_v"), py::arg("own_ok"), py::arg("exact_k"), py::arg("exact_v"),
