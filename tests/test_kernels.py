@@ -154,24 +154,28 @@ def test_fused_band_neighbours_equal_the_pytorch_band(kernel, metric, slots, d, 
 
 @pytest.mark.parametrize("d,groups", [(64, 2), (16, 1), (128, 4)])
 @pytest.mark.parametrize("mixed", [True, False])
-def test_fused_unpack_to_pre_rope_equals_dequantise_then_unrotate(kernel, d, groups, mixed):
-    """int4 slots to the floats a write uses (ARMLayer._write_form): dequantised, unmixed
-    and un-rotated in one pass, against MemoryState.unpack then Rotary.unrotate; free slots
-    (stored zero) stay zero."""
+@pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
+def test_fused_unpack_to_pre_rope_equals_dequantise_then_unrotate(kernel, d, groups, mixed, fmt):
+    """int4 values with int4 or int8 keys (k4v4, k8v4: the ladder's rungs) to the floats a
+    write uses (ARMLayer._write_form): dequantised, unmixed and un-rotated in one pass,
+    against the PyTorch dequantise then Rotary.unrotate; free slots (stored zero) stay zero."""
     from armkv.memory.rope import Rotary
 
-    st = _packed(groups, 53, d, free=6, seed=d)
-    if not mixed:
-        st = MemoryState.empty(groups, 53, d)
-        st.key.normal_(), st.value.normal_(), st.count.fill_(1)
-        st = st.pack("k4v4", mix=False)
+    g = torch.Generator().manual_seed(d)
+    st = MemoryState.empty(groups, 53, d)
+    st.key.copy_(torch.randn(groups, 53, d, generator=g) * 3)
+    st.value.copy_(torch.randn(groups, 53, d, generator=g))
+    st.count.fill_(1)
+    st.key[:, -6:], st.value[:, -6:], st.count[:, -6:] = 0, 0, 0
+    st = st.pack(fmt, mix=mixed)
     st.pos = torch.rand(groups, 53) * 5000
     rotary = Rotary(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), attention_scaling=1.25)
     cos, sin = (t.expand(groups, 53, -1) for t in rotary.half_cos_sin(st.pos, torch.float32))
     key, value = kernel.int4_unpack_pre_rope(st.key, st.key_scale, st.value, st.value_scale, cos, sin, st.mixed, rotary.scaling)
-    ref = st.unpack(torch.float32)
-    torch.testing.assert_close(value, ref.value, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(key, rotary.unrotate(ref.key, st.pos), rtol=1e-5, atol=1e-5)
+    ref_key, ref_value = st.kv(torch.float32, fused=False)
+    torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(key, rotary.unrotate(ref_key, st.pos), rtol=1e-5, atol=1e-5)
+    assert torch.equal(value[:, -6:], torch.zeros(groups, 6, d))
 
 
 @pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
@@ -285,10 +289,11 @@ def test_fused_best_slots_ties_and_empty_rows(kernel, vectorised, S):
 @pytest.mark.parametrize("d,slots", [(64, 37), (128, 5), (16, 1), (40, 19)])
 @pytest.mark.parametrize("mixed", [True, False])
 @pytest.mark.parametrize("unmix", [True, False])
-def test_fused_dequantise_equals_the_pytorch_ops(kernel, d, slots, mixed, unmix):
-    """MemoryState.kv of k4v4 slots by the kernel and by PyTorch ops: the same float keys and
-    values, mixed slots unmixed or left in their basis, free slots zero (odd slot counts;
-    d = 40 cannot be mixed and is stored plain)."""
+@pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
+def test_fused_dequantise_equals_the_pytorch_ops(kernel, d, slots, mixed, unmix, fmt):
+    """MemoryState.kv of k4v4 and k8v4 slots by the kernel and by PyTorch ops: the same float
+    keys and values, mixed slots unmixed or left in their basis, free slots zero (odd slot
+    counts; d = 40 cannot be mixed and is stored plain)."""
     mixed = mixed and d & (d - 1) == 0
     g = torch.Generator().manual_seed(d + slots)
     st = MemoryState.empty(2, slots, d)
@@ -296,7 +301,7 @@ def test_fused_dequantise_equals_the_pytorch_ops(kernel, d, slots, mixed, unmix)
     st.value.copy_(torch.randn(2, slots, d, generator=g))
     st.count.fill_(1)
     st.key[:, -1:], st.value[:, -1:], st.count[:, -1:] = 0, 0, 0
-    packed = st.pack("k4v4", mix=mixed)
+    packed = st.pack(fmt, mix=mixed)
     got = packed.kv(torch.float32, unmix=unmix)
     want = packed.kv(torch.float32, unmix=unmix, fused=False)
     for a, b in zip(got, want):

@@ -142,7 +142,7 @@ class MemoryState:
     def kv(self, dtype: torch.dtype, unmix: bool = True, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values as floats of ``dtype``, dequantised if packed (all a read needs).
         ``unmix=False`` leaves a mixed state's vectors as x Q (a reader that mixes its
-        query instead, see ``mixing_matrix``). k4v4 codes read as float32 on a CPU go
+        query instead, see ``mixing_matrix``). k4v4 and k8v4 codes read as float32 on a CPU go
         through the fused kernel (one pass; ``armkv.memory.kernels``) unless ``fused=False``;
         the PyTorch ops below are its reference."""
         if self.key_scale is None:
@@ -150,7 +150,7 @@ class MemoryState:
         d = self.value.shape[-1] * 2
         unmixing = self.mixed and unmix
         kernel = None
-        if fused and dtype == torch.float32 and self.key.dtype == torch.uint8 and (not unmixing or d & (d - 1) == 0):
+        if fused and dtype == torch.float32 and self.key.dtype in (torch.uint8, torch.int8) and (not unmixing or d & (d - 1) == 0):
             kernel = fused_read(torch.empty(0), self.value)  # (codes and scales carry no gradient)
         if kernel is not None:
             key, value = kernel.int4_dequantise(self.key, self.key_scale, self.value, self.value_scale, unmixing)

@@ -353,14 +353,14 @@ class ARMLayer(CacheLayer):
 
     def _write_form(self, packed: MemoryState, dtype: torch.dtype, fused: bool = True) -> MemoryState:
         """The stored state as writes use it: float keys un-rotated to pre-RoPE, float values,
-        int64 buckets. Mixed int4 slots (k4v4, the default) of float32 on a CPU go through the
+        int64 buckets. Slots with int4 values (k4v4, the default, and k8v4) of float32 on a CPU go through the
         fused kernel (``armkv.memory.kernels``: one pass for dequantising, unmixing and
         un-rotating) unless ``fused=False``; the PyTorch ops are its reference."""
         positions = self._read_positions(packed)
         d = packed.value.shape[-1] * 2
         module = None
         if (
-            fused and packed.key.dtype == torch.uint8 and packed.value.dtype == torch.uint8 and dtype == torch.float32
+            fused and packed.key.dtype in (torch.uint8, torch.int8) and packed.value.dtype == torch.uint8 and dtype == torch.float32
             and packed.key.device.type == "cpu" and (not packed.mixed or d & (d - 1) == 0)  # Hadamard mixing only
         ):
             module = kernels.int4_read()  # (codes carry no gradient)

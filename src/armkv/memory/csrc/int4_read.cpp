@@ -594,7 +594,7 @@ __attribute__((always_inline)) inline void fwht(float* x, int64_t d) {
 // values dequantised and unmixed.
 __attribute__((always_inline)) inline void unpack_slots_body(const uint8_t* kc, const float* ks, const uint8_t* vc, const float* vs, const float* cs,
                          const float* sn, int64_t S, int64_t d, int64_t ngk, int64_t ngv, bool mixed, float inv_scaling,
-                         float* key, float* value) {
+                         float* key, float* value, bool int8_keys) {
   const int64_t half = d / 2;
   const float norm = mixed ? 1.0f / std::sqrt(static_cast<float>(d)) : 1.0f;
   std::vector<int64_t> gk(d), gv(d);  // each channel's scale group (no division in the loops)
@@ -603,11 +603,18 @@ __attribute__((always_inline)) inline void unpack_slots_body(const uint8_t* kc, 
   std::vector<float> x(kBlock * d);
   for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
     const int64_t n = std::min(kBlock, S - s0);
-    for (int64_t c = 0; c < half; ++c) {
-      const uint8_t* row = kc + c * S + s0;
-      for (int64_t j = 0; j < n; ++j) {
-        x[j * d + c] = low_nibble(row[j]);
-        x[j * d + c + half] = high_nibble(row[j]);
+    if (int8_keys) {  // int8 codes [d, S] (k8v4, the ladder's first rung)
+      for (int64_t c = 0; c < d; ++c) {
+        const int8_t* row = reinterpret_cast<const int8_t*>(kc) + c * S + s0;
+        for (int64_t j = 0; j < n; ++j) x[j * d + c] = static_cast<float>(row[j]);
+      }
+    } else {
+      for (int64_t c = 0; c < half; ++c) {
+        const uint8_t* row = kc + c * S + s0;
+        for (int64_t j = 0; j < n; ++j) {
+          x[j * d + c] = low_nibble(row[j]);
+          x[j * d + c + half] = high_nibble(row[j]);
+        }
       }
     }
     for (int64_t j = 0; j < n; ++j) {
@@ -644,8 +651,8 @@ __attribute__((always_inline)) inline void unpack_slots_body(const uint8_t* kc, 
 // the same loops compiled for AVX2 where the CPU has it (the compiler vectorises them), else baseline
 #define ARMKV_UNPACK_ARGS                                                                                          \
   const uint8_t *kc, const float *ks, const uint8_t *vc, const float *vs, const float *cs, const float *sn, int64_t S, \
-      int64_t d, int64_t ngk, int64_t ngv, bool mixed, float inv_scaling, float *key, float *value
-#define ARMKV_UNPACK_CALL kc, ks, vc, vs, cs, sn, S, d, ngk, ngv, mixed, inv_scaling, key, value
+      int64_t d, int64_t ngk, int64_t ngv, bool mixed, float inv_scaling, float *key, float *value, bool int8_keys
+#define ARMKV_UNPACK_CALL kc, ks, vc, vs, cs, sn, S, d, ngk, ngv, mixed, inv_scaling, key, value, int8_keys
 #ifdef ARMKV_AVX2
 __attribute__((target("avx2,fma"))) void unpack_slots_avx2(ARMKV_UNPACK_ARGS) { unpack_slots_body(ARMKV_UNPACK_CALL); }
 #endif
@@ -763,62 +770,66 @@ std::vector<torch::Tensor> band_neighbours(torch::Tensor key, torch::Tensor valu
   return {sim, idx};
 }
 
-// key codes [G, d/2, S] uint8 (channel-major), key scale [G, S, ngk], value codes [G, S, d/2],
-// value scale [G, S, ngv], cos and sin [G, S, d/2] -> (pre-RoPE keys, values) [G, S, d] float32
-std::vector<torch::Tensor> int4_unpack_pre_rope(torch::Tensor key_codes, torch::Tensor key_scale, torch::Tensor value_codes,
-                                                torch::Tensor value_scale, torch::Tensor cos, torch::Tensor sin, bool mixed,
-                                                double scaling) {
-  auto kc = key_codes.contiguous();
-  auto vc = value_codes.contiguous();
-  auto ks = key_scale.to(torch::kFloat32).contiguous();
-  auto vs = value_scale.to(torch::kFloat32).contiguous();
-  auto cs = cos.to(torch::kFloat32).contiguous();
-  auto sn = sin.to(torch::kFloat32).contiguous();
-  TORCH_CHECK(kc.scalar_type() == torch::kUInt8 && vc.scalar_type() == torch::kUInt8, "uint8 int4 codes only");
-  const int64_t G = kc.size(0), half = kc.size(1), S = kc.size(2), d = 2 * half, ngk = ks.size(2), ngv = vs.size(2);
-  TORCH_CHECK(vc.size(0) == G && vc.size(1) == S && vc.size(2) == half && ks.size(1) == S && vs.size(1) == S &&
-                  d % ngk == 0 && d % ngv == 0 && cs.size(1) == S && cs.size(2) == half && sn.sizes() == cs.sizes(),
-              "shapes do not match: key codes [G, d/2, S], value codes [G, S, d/2], scales [G, S, n], cos/sin [G, S, d/2]");
-  TORCH_CHECK(!mixed || (d & (d - 1)) == 0, "mixed slots need a power-of-two head dim (the Hadamard mixing)");
-  auto key = torch::empty({G, S, d}, ks.options());
-  auto value = torch::empty({G, S, d}, ks.options());
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      armkv::unpack_slots(kc.data_ptr<uint8_t>() + g * half * S, ks.data_ptr<float>() + g * S * ngk,
-                          vc.data_ptr<uint8_t>() + g * S * half, vs.data_ptr<float>() + g * S * ngv,
-                          cs.data_ptr<float>() + g * S * half, sn.data_ptr<float>() + g * S * half, S, d, ngk, ngv, mixed,
-                          static_cast<float>(1.0 / scaling), key.data_ptr<float>() + g * S * d,
-                          value.data_ptr<float>() + g * S * d);
-  });
-  return {key, value};
-}
+namespace {
 
-// k4v4 slots to float keys and values as stored (MemoryState.kv): key codes [G, d/2, S] uint8
-// (channel-major), key scale [G, S, ngk], value codes [G, S, d/2], value scale [G, S, ngv];
-// unmix: multiply mixed vectors back by Q^T -> (keys, values) [G, S, d] float32
-std::vector<torch::Tensor> int4_dequantise(torch::Tensor key_codes, torch::Tensor key_scale, torch::Tensor value_codes,
-                                           torch::Tensor value_scale, bool unmix) {
+// Slots' codes to float keys and values [G, S, d] (write.unpack's loops): key codes uint8
+// [G, d/2, S] (int4) or int8 [G, d, S], both channel-major, key scale [G, S, ngk], value
+// codes uint8 [G, S, d/2], value scale [G, S, ngv]; cos and sin [G, S, d/2] un-rotate the
+// keys (undefined: left as stored); mixed: multiply the vectors back by Q^T
+std::vector<torch::Tensor> unpack_codes(const torch::Tensor& key_codes, const torch::Tensor& key_scale,
+                                        const torch::Tensor& value_codes, const torch::Tensor& value_scale,
+                                        const torch::Tensor& cos, const torch::Tensor& sin, bool mixed, double scaling) {
   auto kc = key_codes.contiguous();
   auto vc = value_codes.contiguous();
   auto ks = key_scale.to(torch::kFloat32).contiguous();
   auto vs = value_scale.to(torch::kFloat32).contiguous();
   TORCH_CHECK(kc.device().is_cpu() && vc.device().is_cpu(), "CPU codes only");
-  TORCH_CHECK(kc.scalar_type() == torch::kUInt8 && vc.scalar_type() == torch::kUInt8, "uint8 int4 codes only");
+  const bool int8_keys = kc.scalar_type() == torch::kInt8;
+  TORCH_CHECK((int8_keys || kc.scalar_type() == torch::kUInt8) && vc.scalar_type() == torch::kUInt8,
+              "int4 (uint8) or int8 key codes and int4 value codes only");
   TORCH_CHECK(kc.dim() == 3 && vc.dim() == 3 && ks.dim() == 3 && vs.dim() == 3, "3-d tensors expected");
-  const int64_t G = kc.size(0), half = kc.size(1), S = kc.size(2), d = 2 * half, ngk = ks.size(2), ngv = vs.size(2);
-  TORCH_CHECK(vc.size(0) == G && vc.size(1) == S && vc.size(2) == half && ks.size(0) == G && ks.size(1) == S &&
+  const int64_t G = kc.size(0), S = kc.size(2), half = vc.size(2), d = 2 * half, rows = kc.size(1);
+  const int64_t ngk = ks.size(2), ngv = vs.size(2);
+  TORCH_CHECK(rows == (int8_keys ? d : half) && vc.size(0) == G && vc.size(1) == S && ks.size(0) == G && ks.size(1) == S &&
                   vs.size(0) == G && vs.size(1) == S && ngk > 0 && ngv > 0 && d % ngk == 0 && d % ngv == 0,
-              "shapes do not match: key codes [G, d/2, S], value codes [G, S, d/2], scales [G, S, n]");
-  TORCH_CHECK(!unmix || (d & (d - 1)) == 0, "mixed slots need a power-of-two head dim (the Hadamard mixing)");
+              "shapes do not match: key codes [G, d/2 or d, S], value codes [G, S, d/2], scales [G, S, n]");
+  TORCH_CHECK(!mixed || (d & (d - 1)) == 0, "mixed slots need a power-of-two head dim (the Hadamard mixing)");
+  torch::Tensor cs, sn;
+  if (cos.defined()) {
+    cs = cos.to(torch::kFloat32).contiguous();
+    sn = sin.to(torch::kFloat32).contiguous();
+    TORCH_CHECK(cs.dim() == 3 && cs.size(0) == G && cs.size(1) == S && cs.size(2) == half && sn.sizes() == cs.sizes(),
+                "cos and sin must be [G, S, d/2]");
+  }
   auto key = torch::empty({G, S, d}, ks.options());
   auto value = torch::empty({G, S, d}, ks.options());
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      armkv::unpack_slots(kc.data_ptr<uint8_t>() + g * half * S, ks.data_ptr<float>() + g * S * ngk,
-                          vc.data_ptr<uint8_t>() + g * S * half, vs.data_ptr<float>() + g * S * ngv, nullptr, nullptr, S,
-                          d, ngk, ngv, unmix, 1.0f, key.data_ptr<float>() + g * S * d, value.data_ptr<float>() + g * S * d);
+      armkv::unpack_slots(static_cast<const uint8_t*>(kc.data_ptr()) + g * rows * S, ks.data_ptr<float>() + g * S * ngk,
+                          vc.data_ptr<uint8_t>() + g * S * half, vs.data_ptr<float>() + g * S * ngv,
+                          cs.defined() ? cs.data_ptr<float>() + g * S * half : nullptr,
+                          sn.defined() ? sn.data_ptr<float>() + g * S * half : nullptr, S, d, ngk, ngv, mixed,
+                          static_cast<float>(1.0 / scaling), key.data_ptr<float>() + g * S * d,
+                          value.data_ptr<float>() + g * S * d, int8_keys);
   });
   return {key, value};
+}
+
+}  // namespace
+
+// int4 or int8 key codes, int4 value codes (see unpack_codes), cos and sin [G, S, d/2] ->
+// (pre-RoPE keys, values) [G, S, d] float32, unmixed
+std::vector<torch::Tensor> int4_unpack_pre_rope(torch::Tensor key_codes, torch::Tensor key_scale, torch::Tensor value_codes,
+                                                torch::Tensor value_scale, torch::Tensor cos, torch::Tensor sin, bool mixed,
+                                                double scaling) {
+  return unpack_codes(key_codes, key_scale, value_codes, value_scale, cos, sin, mixed, scaling);
+}
+
+// k4v4 or k8v4 slots to float keys and values as stored (MemoryState.kv); unmix: multiply
+// mixed vectors back by Q^T -> (keys, values) [G, S, d] float32
+std::vector<torch::Tensor> int4_dequantise(torch::Tensor key_codes, torch::Tensor key_scale, torch::Tensor value_codes,
+                                           torch::Tensor value_scale, bool unmix) {
+  return unpack_codes(key_codes, key_scale, value_codes, value_scale, torch::Tensor(), torch::Tensor(), unmix, 1.0);
 }
 
 // The decode step's read of one layer (ARMLayer._decode_read): query [G, R, d] float32;
