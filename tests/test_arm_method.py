@@ -304,6 +304,55 @@ def test_fused_write_passes_equal_their_pytorch_forms(overrides, monkeypatch):
     assert len(checked) > 10 and max(checked) > 0
 
 
+@pytest.mark.parametrize(
+    "overrides", [{}, {"slot_format": "k4v4"}, {"empty_slot_rule": False}, {"slot_format": "model", "position_mode": "fixed"}]
+)
+def test_a_roomy_write_skips_the_unpack_and_leaves_the_same_state(overrides, monkeypatch):
+    """A write whose tokens all fit in free slots reads no stored slot, so _flush gives it
+    zero keys and values (ARMLayer._roomy_form) in place of un-packing the pool: the states
+    after a padded prefill (the ladder climbing, then merges) and 12 decode steps, and the
+    logits, equal those of the run that un-packs at every write."""
+    from armkv.methods.arm import ARMLayer
+
+    roomy = []
+    form = ARMLayer._roomy_form
+    monkeypatch.setattr(ARMLayer, "_roomy_form", lambda self, *a: roomy.append(1) or form(self, *a))
+    model = tiny_model("llama").eval()
+    torch.manual_seed(5)
+    ids = torch.randint(0, 100, (2, 181))
+    mask = torch.ones_like(ids)
+    mask[1, :57] = 0
+    runs = []
+    for skip in (True, False):
+        cache = make_cache(model, "arm", budget=48, chunk=16, arm_overrides=overrides)
+        for layer in cache.layers:
+            layer.skip_roomy_unpack = skip
+        logits = []
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            for _ in range(12):
+                mask = torch.cat([mask, torch.ones_like(token)], 1)
+                out = model(token, attention_mask=mask, past_key_values=cache, use_cache=True)
+                logits.append(out.logits)
+                token = out.logits[:, -1:].argmax(-1)
+        runs.append((torch.cat(logits, 1), [layer.state for layer in cache.layers]))
+        mask = mask[:, : ids.shape[1]]
+        if skip:
+            assert roomy, "no write was roomy"
+            taken = len(roomy)
+    assert len(roomy) == taken  # the reference run never took the shortcut
+    (got, got_states), (want, want_states) = runs
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert any(int(st.count.max()) > 1 for st in want_states)  # merges happened after the roomy writes
+    for a, b in zip(got_states, want_states):
+        for name in ("key", "value", "pos", "count", "bucket", "key_scale", "value_scale"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert torch.equal(x, y), name
+
+
 @pytest.mark.parametrize("slot_format", ["k4v4", "model"])
 def test_decoding_from_a_short_prompt_writes_nothing_without_failing(slot_format):
     """A prompt shorter than the window: the first `sync` decode steps push out no token, so

@@ -70,6 +70,7 @@ class ARMLayer(CacheLayer):
         self.rungs = self._ladder_rungs()  # (slot format, slots) the pool goes through, the last config's own
         self.rung = 0
         self.reserve: torch.Tensor | None = None  # bytes held beside an earlier rung (_reserve_ladder_bytes)
+        self.skip_roomy_unpack = True  # False: every write un-packs the pool (_roomy_form's reference)
 
     def _ladder_rungs(self) -> list[tuple[str, int]]:
         """``slot_ladder``'s formats with the slots each holds in the bytes of the pool as
@@ -308,12 +309,38 @@ class ARMLayer(CacheLayer):
         packed = self.state
         if self.rung < len(self.rungs) - 1:
             packed = self._make_room(packed, valid, keys.dtype)
-        state = self._write_form(packed, keys.dtype)
+        if self.skip_roomy_unpack and self._roomy(packed, valid):
+            state = self._roomy_form(packed, keys.dtype)
+        else:
+            state = self._write_form(packed, keys.dtype)
         written = mem.write(state, k_pre, values, positions, valid, self.generator, c)
         self.state = self._stored(written) if mem.training else self._restored(packed, state, written)
         # writes fill the lowest free slots first, so the occupied slots stay (mostly) a prefix
         occupied = (written.count > 0).any(0).nonzero()
         self.reach = int(occupied[-1, 0]) + 1 if occupied.numel() else 0
+
+    def _roomy(self, packed: MemoryState, valid: torch.Tensor) -> bool:
+        """True when this write can only fill free slots: lazy merging at inference with the
+        similarity scorer and a shared pool, and every row of the pool has a free slot for
+        each of the chunk's tokens. The write plan then gives each token its own free slot
+        without looking at any stored slot (``plan_writes``' roomy case)."""
+        c, mem = self.config, self.memory
+        if mem.training or not c.lazy_merge or c.write == "fifo" or c.slots_per_bucket != 0:
+            return False
+        if mem.writes.scorer_kind != "similarity":
+            return False
+        return int((packed.count == 0).sum(1).min()) >= int(valid.sum(1).max())
+
+    def _roomy_form(self, packed: MemoryState, dtype: torch.dtype) -> MemoryState:
+        """:meth:`_write_form` for a roomy write (:meth:`_roomy`): zero keys and values in
+        place of un-packing the pool. The write reads only the free slots it fills (zero in
+        both forms) and :meth:`_restored` keeps the stored codes of every slot it did not
+        change, so the state after the write is the same (tested against ``_write_form``)."""
+        G, S = packed.count.shape
+        zeros = torch.zeros(G, S, self.memory.head_dim, dtype=dtype, device=packed.count.device)
+        return dataclasses.replace(
+            packed, key=zeros, value=zeros.clone(), bucket=packed.bucket.long(), key_scale=None, value_scale=None, mixed=False
+        )
 
     def _readable(self) -> MemoryState:
         """The state's first ``reach`` slots (at least one), the only ones any row may hold
