@@ -238,6 +238,16 @@ def _exclusive_rank(index: torch.Tensor, mask: torch.Tensor, size: int) -> torch
     return rank * mask
 
 
+def roomy_groups(state: MemoryState, valid: torch.Tensor, params: WriteParams, slots_per_bucket: int = 0) -> torch.Tensor | None:
+    """Under lazy merging, which groups' free slots can hold every valid token of the chunk
+    ([G, 1] bool): those tokens each take a free slot, whatever their similarity. None where
+    lazy merging does not apply (a scorer other than the similarity one, or fixed slots per
+    bucket). When every group is roomy at inference, the plan reads no stored slot."""
+    if params.scorer_kind != "similarity" or slots_per_bucket != 0:
+        return None
+    return (state.count == 0).sum(-1, keepdim=True) >= valid.sum(-1, keepdim=True)
+
+
 def plan_writes(
     state: MemoryState,
     keys: torch.Tensor,
@@ -286,9 +296,8 @@ def plan_writes(
 
     occ = state.count > 0
     similarity = params.scorer_kind == "similarity"
-    lazy = lazy and similarity and slots_per_bucket == 0
-    roomy = ((~occ).sum(-1, keepdim=True) >= valid.sum(-1, keepdim=True)) if lazy else None  # [G, 1]
-    if lazy and not training and bool(roomy.all()):
+    roomy = roomy_groups(state, valid, params, slots_per_bucket) if lazy else None  # [G, 1]
+    if roomy is not None and not training and bool(roomy.all()):
         # every group's chunk fits in its free slots: each token takes its own, and no
         # token-slot score can change that (the general path below gives the same plan)
         novel = leader = valid

@@ -24,6 +24,7 @@ from armkv.memory.module import ARMModel
 from armkv.memory.read import bucket_slot_mask
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
+from armkv.memory.write import roomy_groups
 from armkv.memory.quant import mixing_matrix
 from armkv.methods.attention import decode_scores, decode_values, joint_attention, safe_softmax
 from armkv.methods.base import CacheLayer, ModelInfo, register_method, require_budget
@@ -309,7 +310,7 @@ class ARMLayer(CacheLayer):
         packed = self.state
         if self.rung < len(self.rungs) - 1:
             packed = self._make_room(packed, valid, keys.dtype)
-        if self.skip_roomy_unpack and self._roomy(packed, valid):
+        if self.skip_roomy_unpack and self._roomy(packed, keys, valid):
             state = self._roomy_form(packed, keys.dtype)
         else:
             state = self._write_form(packed, keys.dtype)
@@ -319,17 +320,17 @@ class ARMLayer(CacheLayer):
         occupied = (written.count > 0).any(0).nonzero()
         self.reach = int(occupied[-1, 0]) + 1 if occupied.numel() else 0
 
-    def _roomy(self, packed: MemoryState, valid: torch.Tensor) -> bool:
-        """True when this write can only fill free slots: lazy merging at inference with the
-        similarity scorer and a shared pool, and every row of the pool has a free slot for
-        each of the chunk's tokens. The write plan then gives each token its own free slot
-        without looking at any stored slot (``plan_writes``' roomy case)."""
+    def _roomy(self, packed: MemoryState, keys: torch.Tensor, valid: torch.Tensor) -> bool:
+        """True when this write only fills free slots (``write.roomy_groups`` in every group,
+        at inference, lazy merging, not fifo): the write plan then gives each token its own
+        free slot without looking at any stored slot."""
         c, mem = self.config, self.memory
-        if mem.training or not c.lazy_merge or c.write == "fifo" or c.slots_per_bucket != 0:
+        if mem.training or not c.lazy_merge or c.write == "fifo":
             return False
-        if mem.writes.scorer_kind != "similarity":
-            return False
-        return int((packed.count == 0).sum(1).min()) >= int(valid.sum(1).max())
+        B, H, N = keys.shape[:3]
+        group_valid = valid.unsqueeze(1).expand(B, H, N).reshape(B * H, N)  # as MemoryModule.write groups them
+        roomy = roomy_groups(packed, group_valid, mem.writes, c.slots_per_bucket)
+        return roomy is not None and bool(roomy.all())
 
     def _roomy_form(self, packed: MemoryState, dtype: torch.dtype) -> MemoryState:
         """:meth:`_write_form` for a roomy write (:meth:`_roomy`): zero keys and values in
