@@ -225,12 +225,15 @@ def test_fused_decode_read_equals_the_pytorch_ops(kernel, fmt, d, slots, rep, ex
 
 @pytest.mark.parametrize("S,occupied,N,d", [(37, 37, 11, 64), (37, 30, 29, 16), (701, 701, 64, 64), (9, 0, 5, 64), (900, 650, 257, 40)])
 @pytest.mark.parametrize("lazy", [True, False])
-def test_fused_write_plan_equals_the_pytorch_plan(kernel, S, occupied, N, d, lazy):
+@pytest.mark.parametrize("demote_scope", ["any", "bucket"])
+def test_fused_write_plan_equals_the_pytorch_plan(kernel, S, occupied, N, d, lazy, demote_scope):
     """plan_writes' choice among the slots by the kernel (write.plan_writes, fused) and by
     PyTorch ops: the same plan (targets, gate inputs, counts, buckets) and the same state
     after the merges that make room, with near-repeats of slots (merges), tokens of buckets
     no slot holds, padding, free slots, a pool short of room, and both neighbour searches
-    (S at most EXACT_NEIGHBOURS and above it)."""
+    (S at most EXACT_NEIGHBOURS and above it). With demote_scope="bucket" the kernel scores
+    each token against its own bucket's slots only (``bucket_best_slots``) where the ops
+    build every cosine and mask the other buckets."""
     from armkv.memory.write import WriteParams, plan_writes
 
     g = torch.Generator().manual_seed(S + N + d)
@@ -254,13 +257,48 @@ def test_fused_write_plan_equals_the_pytorch_plan(kernel, S, occupied, N, d, laz
     valid = torch.rand(G, N, generator=g) > 0.1
     values = torch.randn(G, N, d, generator=g)
     with torch.no_grad():
-        got, got_state = plan_writes(st, keys, bucket, valid, params, values=values, lazy=lazy)
-        want, want_state = plan_writes(st, keys, bucket, valid, params, values=values, lazy=lazy, fused=False)
+        got, got_state = plan_writes(st, keys, bucket, valid, params, values=values, lazy=lazy, demote_scope=demote_scope)
+        want, want_state = plan_writes(
+            st, keys, bucket, valid, params, values=values, lazy=lazy, fused=False, demote_scope=demote_scope
+        )
     for name in ("target", "alpha", "cand", "count", "bucket"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
     for name in ("key", "value", "pos", "count", "bucket"):
         torch.testing.assert_close(getattr(got_state, name), getattr(want_state, name), rtol=0, atol=0)
     assert (got.target >= 0).sum() == valid.sum()
+
+
+@pytest.mark.parametrize("vectorised", [True, False])
+@pytest.mark.parametrize("S,d", [(5, 8), (21, 12), (64, 64), (333, 37)])
+def test_bucket_best_slots_equal_the_masked_max_of_all_cosines(kernel, vectorised, S, d):
+    """bucket_best_slots (the write plan's fast path under demote_scope="bucket") against the
+    masked max over the whole cosine matrix: the same maxima and the first of equal cosines
+    (slots repeated, so ties fall inside and across buckets), -inf and index 0 for a token
+    whose bucket holds no slot, a negative token bucket or one beyond every slot's, and free
+    slots (any negative bucket) never chosen; odd head sizes take the vectors' tails."""
+    g = torch.Generator().manual_seed(S * d)
+    G, N = 2, 9
+    slots = torch.nn.functional.normalize(torch.randn(G, S, d, generator=g), dim=-1)
+    slots[:, S // 2 :] = slots[:, : S - S // 2].clone()  # every slot of the first half again: ties
+    tokens = torch.nn.functional.normalize(torch.randn(G, N, d, generator=g), dim=-1)
+    tokens[:, 0] = slots[:, 1]  # exactly a slot: cosine 1 (up to rounding)
+    slot_bucket = torch.randint(-2, 4, (G, S), generator=g)
+    token_bucket = torch.randint(0, 4, (G, N), generator=g)
+    token_bucket[0, 1], token_bucket[1, 2], token_bucket[0, 3] = -1, 9, 3
+    slot_bucket[0][slot_bucket[0] == 3] = -1  # group 0: bucket 3 holds no slot
+    best, idx = kernel.bucket_best_slots(tokens, slots, slot_bucket, token_bucket, vectorised=vectorised)
+    cos = tokens @ slots.transpose(1, 2)
+    mine = (slot_bucket >= 0).unsqueeze(1) & (slot_bucket.unsqueeze(1) == token_bucket.unsqueeze(2))
+    want, want_idx = cos.masked_fill(~mine, -float("inf")).max(-1)
+    has = mine.any(-1)
+    torch.testing.assert_close(best[has], want[has], rtol=0, atol=1e-6)
+    # the first of the best: no earlier slot of the bucket is as good (within rounding)
+    chosen = cos.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
+    earlier = mine & (torch.arange(S) < idx.unsqueeze(-1)) & (cos >= chosen.unsqueeze(-1) - 1e-6)
+    assert not earlier[has].any()
+    assert (slot_bucket.gather(1, idx)[has] == token_bucket[has]).all()
+    assert torch.isinf(best[~has]).all() and (idx[~has] == 0).all()
+    assert not has[0, 1] and not has[1, 2] and not has[0, 3]
 
 
 @pytest.mark.parametrize("vectorised", [True, False])

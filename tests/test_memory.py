@@ -131,6 +131,35 @@ def test_full_pool_merges_closest_pair_not_the_novel_token():
     torch.testing.assert_close(out.key[0, slot], e[4])  # the novel token is stored exactly
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_demote_scope_bucket_merges_a_token_only_into_its_own_bucket(fused):
+    """A full pool, one novel token whose nearest slot lies in another bucket: with
+    demote_scope="any" the token is the most redundant candidate and merges into that slot;
+    with "bucket" its own bucket holds nothing like it, so the closest slot pair merges
+    instead and the token keeps an exact slot of its own."""
+    d, S = 6, 4
+    params = WriteParams(d, "similarity", "scalar", 0.98).requires_grad_(False)
+    state = MemoryState.empty(1, S, d)
+    e = torch.eye(d)
+    state.key[0] = torch.stack([e[0], e[1], e[1] + e[2], e[3]])  # slots 1 and 2: cosine 0.71
+    state.value[0] = state.key[0]
+    state.count[0] = 1
+    state.bucket[0] = torch.tensor([0, 1, 1, 2])
+    token = (e[1] + 0.01 * e[4]).view(1, 1, d)  # nearly slot 1 (bucket 1), routed to bucket 0
+    one = torch.ones(1, 1, dtype=torch.bool)
+    with torch.no_grad():
+        wide, _ = plan_writes(state, token, torch.tensor([[0]]), one, params, values=token, lazy=True, fused=fused)
+        own, merged = plan_writes(
+            state, token, torch.tensor([[0]]), one, params, values=token, lazy=True, fused=fused, demote_scope="bucket"
+        )
+    assert int(wide.target[0, 0]) == 1  # merged into slot 1 of bucket 1
+    slot = int(own.target[0, 0])
+    assert float(merged.count[0, slot]) == 0  # a slot freed by the pair merge: the token's own
+    assert int((merged.count > 0).sum()) == 3 and float(merged.count.max()) == 2.0
+    out = scan_writes(merged, own, gate_weights(own, token, params), token, token, torch.zeros(1, 1))
+    torch.testing.assert_close(out.key[0, slot], token[0, 0])
+
+
 def test_paper_pool_and_fifo_stay_within_their_slots():
     for cfg in (
         ARMConfig(depth=2, branching=2, slots=12, pool="paper", scorer="paper"),

@@ -25,6 +25,7 @@ CHOICES = {
     "write": ("gated", "mean", "fifo"),
     "top_m": ("adaptive", "fixed"),
     "merge_metric": ("key", "kv", "ward"),
+    "demote_scope": ("bucket", "any"),
     "slot_format": ("model", "bfloat16", "int8", "k8v4", "k4v4"),
 }
 
@@ -89,6 +90,10 @@ class ARMConfig:
     merge_threshold: float = 0.98  # initial cosine (pre-RoPE keys) above which a token merges into a slot
     merge_metric: str = "key"  # which pairs merge first when the pool is full: "key" (cosine of keys),
     # "kv" (the lower of the key and value cosines), "ward" (count-weighted squared distance of keys and values)
+    demote_scope: str = "bucket"  # where a full pool merges a novel token that is among the most redundant
+    # candidates: "bucket", its most similar slot of its own bucket, where the tree files keys like
+    # it (the write then scores each token against its bucket's slots only), "any", its most
+    # similar slot of any bucket (docs/memory.md, "Session 11")
     lazy_merge: bool = True  # merge only when the pool is short of room: while a chunk's tokens all fit
     # in free slots, every one takes its own, near-duplicates included; False merges every token
     # above merge_threshold into its slot at once (sessions 1-4; docs/memory.md)

@@ -39,6 +39,7 @@ ROWS = [
     ("merge-kv", "arm", {"merge_metric": "kv"}),
     ("merge-ward", "arm", {"merge_metric": "ward"}),
     ("merge-eager", "arm", {"lazy_merge": False}),
+    ("demote-any-bucket", "arm", {"demote_scope": "any"}),
     ("layers-even", "arm", {"layer_weights": "even"}),
     ("shares-fit-to-length", "arm", {"fit_shares_to_length": True}),
 ]

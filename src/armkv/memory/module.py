@@ -92,6 +92,7 @@ class ARMMemory(nn.Module):
             merge_metric=c.merge_metric,
             protect_recent=c.protect_recent,
             lazy=c.lazy_merge,
+            demote_scope=c.demote_scope,
             slots_per_bucket=c.slots_per_bucket,
             training=self.training,
             tau=c.tau,

@@ -264,6 +264,7 @@ def plan_writes(
     protect_recent: float = 0.0,
     lazy: bool = False,
     fused: bool = True,
+    demote_scope: str = "any",
 ) -> tuple[WritePlan, MemoryState]:
     """Decide every write of a chunk against the state at the sync point.
 
@@ -282,6 +283,10 @@ def plan_writes(
     fused : at inference on float32 CPU states with a cosine-only scorer, find each token's
         best slots with the fused kernel (``armkv.memory.kernels``); False: the PyTorch ops,
         its reference
+    demote_scope : where a novel token merges when the pool is short of room and it is among
+        the most redundant candidates: "bucket", its most similar slot of its own bucket,
+        where the tree files keys like it (the fused path then scores each token against its
+        bucket's slots only, not all S); "any", its most similar slot of any bucket
 
     Returns
     -------
@@ -310,11 +315,21 @@ def plan_writes(
         module = kernels.fused_cpu(keys) if fused and not training and params.increasing_in_cosine() else None
         nearest = None
         if module is not None:
-            cos = params.cosines(state.key, keys)  # [G, N, S]
-            same_cos, choice, any_cos, any_idx = module.best_slots(cos, torch.where(occ, state.bucket, -1), bucket)
+            slot_bucket = torch.where(occ, state.bucket, -1)
+            if demote_scope == "bucket" and merge_metric == "key" and protect_recent == 0:
+                # nothing needs a token's cosine with another bucket's slot: score each token
+                # against its own bucket's slots (about S / 30 of them in a calibrated tree)
+                cos = None
+                same_cos, choice = module.bucket_best_slots(
+                    F.normalize(keys, dim=-1), F.normalize(state.key, dim=-1), slot_bucket, bucket
+                )
+                nearest = (same_cos, choice)
+            else:
+                cos = params.cosines(state.key, keys)  # [G, N, S]
+                same_cos, choice, any_cos, any_idx = module.best_slots(cos, slot_bucket, bucket)
+                nearest = (same_cos, choice) if demote_scope == "bucket" else (any_cos, any_idx)
             # z's max is the map of the cosines' max (an increasing map): the same value as the ops'
             best_z = params.score.weight[0, 3 * d] * same_cos + params.score.bias[0]
-            nearest = (any_cos, any_idx)
         else:
             z, cos = params.pair_scores(state.key, keys)  # [G, N, S]
             cand_mask = occ.unsqueeze(1) & (state.bucket.unsqueeze(1) == bucket.unsqueeze(2))
@@ -376,6 +391,8 @@ def plan_writes(
             if protect_recent > 0:
                 ts = ts - 1e4
             nearest_token = nearest if merge_metric == "key" and protect_recent == 0 else None
+            if nearest_token is None and demote_scope == "bucket":
+                ts = ts.masked_fill(state.bucket.unsqueeze(1) != bucket.unsqueeze(2), -math.inf)
             src_of, demote_to = _make_room(room, leader, neighbours, ts, deficit, nearest_token)
             leader = leader & (demote_to < 0)
             state = _merge_pairs(state, src_of)  # (with no deficit nothing merges: src_of is all -1)
@@ -772,11 +789,12 @@ def write_chunk(
     merge_metric: str = "key",
     protect_recent: float = 0.0,
     lazy: bool = False,
+    demote_scope: str = "any",
 ) -> MemoryState:
     """Plan, gate and scan one chunk (see the module docstring). Shapes as in plan_writes."""
     plan, state = plan_writes(
         state, keys, bucket, valid, params, write, slots_per_bucket, training, tau, generator, values, merge_metric,
-        protect_recent, lazy,
+        protect_recent, lazy, demote_scope=demote_scope,
     )
     beta = gate_weights(plan, keys, params, write, empty_slot_rule)
     return scan_writes(state, plan, beta, keys, values, positions)

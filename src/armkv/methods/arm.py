@@ -34,7 +34,7 @@ from armkv.methods.buffers import ExactBuffer
 # a parameter's shape (the tree, scorer, gate and policy come with the adapter).
 RUNTIME_FIELDS = {
     "sinks", "window", "sync", "slots", "pool", "chunk", "position_mode", "write", "empty_slot_rule",
-    "log_count_bias", "merge_metric", "protect_recent", "lazy_merge", "slot_format", "slot_ladder", "slot_mixing", "tau", "top_m", "m_fixed", "epsilon",
+    "log_count_bias", "merge_metric", "demote_scope", "protect_recent", "lazy_merge", "slot_format", "slot_ladder", "slot_mixing", "tau", "top_m", "m_fixed", "epsilon",
 }  # fmt: skip
 
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
@@ -609,7 +609,8 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
         )
     fields = {
         "slots": int(slots), "pool": pool, "slot_format": split.slot_format, "slot_mixing": ARMConfig.slot_mixing,
-        "slot_ladder": ARMConfig.slot_ladder, "lazy_merge": ARMConfig.lazy_merge, **overrides,
+        "slot_ladder": ARMConfig.slot_ladder, "lazy_merge": ARMConfig.lazy_merge,
+        "demote_scope": ARMConfig.demote_scope, **overrides,
     }  # fmt: skip
     fields.setdefault("chunk", min(tree.chunk, int(slots)))
     runtime = dataclasses.replace(runtime, **fields)

@@ -567,6 +567,43 @@ __attribute__((target("avx2,fma"))) void best_slots_row_avx2(const float* cos, c
 }
 #endif
 
+// One group of write.plan_writes' choice under demote_scope="bucket": tokens [N, d] and slots
+// [S, d], unit rows; slot_bucket [S] (negative: free), token_bucket [N]. Each token's most
+// similar occupied slot of its own bucket (the merge candidate, and where a full pool would
+// demote it): the cosines of the token with the slots of its bucket alone, N x (slots of the
+// bucket) dot products where the cosine matrix would take N x S. The slots are sorted by
+// bucket (ascending index within one, so the first of equal cosines wins, as torch's max);
+// -inf and index 0 where the bucket holds no slot.
+template <bool AVX>
+void bucket_best_group(const float* tok, const float* slots, const int32_t* sb, const int32_t* tb, int64_t N, int64_t S,
+                       int64_t d, float* best, int64_t* idx) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  int64_t nb = 0;
+  for (int64_t s = 0; s < S; ++s) nb = std::max<int64_t>(nb, static_cast<int64_t>(sb[s]) + 1);
+  std::vector<int64_t> start(nb + 1, 0);
+  for (int64_t s = 0; s < S; ++s)
+    if (sb[s] >= 0) ++start[sb[s] + 1];
+  for (int64_t b = 0; b < nb; ++b) start[b + 1] += start[b];
+  std::vector<int64_t> order(start[nb]), fill(start.begin(), start.end() - 1);
+  for (int64_t s = 0; s < S; ++s)
+    if (sb[s] >= 0) order[fill[sb[s]]++] = s;
+  std::vector<float> rows(start[nb] * d);  // the occupied slots in bucket order: each bucket one run
+  for (int64_t j = 0; j < start[nb]; ++j) std::copy(slots + order[j] * d, slots + (order[j] + 1) * d, rows.data() + j * d);
+  for (int64_t t = 0; t < N; ++t) {
+    float m = ninf;
+    int64_t at = 0;
+    const int64_t b = tb[t];
+    if (b >= 0 && b < nb) {
+      const float* x = tok + t * d;
+      for (int64_t j = start[b]; j < start[b + 1]; ++j) {
+        const float c = dot<AVX>(x, rows.data() + j * d, d);
+        if (c > m) m = c, at = order[j];
+      }
+    }
+    best[t] = m, idx[t] = at;
+  }
+}
+
 inline void best_slots_row(const float* cos, const int32_t* eligible, int32_t bucket, int64_t S, float* same,
                            int64_t* same_idx, float* any, int64_t* any_idx, bool vectorised) {
 #ifdef ARMKV_AVX2
@@ -915,6 +952,38 @@ std::vector<torch::Tensor> best_slots(torch::Tensor cos, torch::Tensor slot_buck
   return {same, same_idx, any, any_idx};
 }
 
+// tokens [G, N, d] and slots [G, S, d] float32 unit rows, slot_bucket [G, S] (negative: free),
+// token_bucket [G, N] -> (best [G, N] float32, idx [G, N] int64): each token's most similar
+// occupied slot of its own bucket (-inf, 0 where none); vectorised=false: the portable loop
+std::vector<torch::Tensor> bucket_best_slots(torch::Tensor tokens, torch::Tensor slots, torch::Tensor slot_bucket,
+                                             torch::Tensor token_bucket, bool vectorised) {
+  TORCH_CHECK(tokens.device().is_cpu() && tokens.scalar_type() == torch::kFloat32 && tokens.dim() == 3, "float32 CPU tokens [G, N, d]");
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == torch::kFloat32 && slots.dim() == 3, "float32 CPU slots [G, S, d]");
+  auto x = tokens.contiguous(), k = slots.contiguous();
+  const int64_t G = x.size(0), N = x.size(1), d = x.size(2), S = k.size(1);
+  TORCH_CHECK(k.size(0) == G && k.size(2) == d, "slots must be [G, S, d] with the tokens' G and d");
+  auto sb = slot_bucket.to(torch::kInt32).contiguous(), tb = token_bucket.to(torch::kInt32).contiguous();
+  TORCH_CHECK(sb.dim() == 2 && sb.size(0) == G && sb.size(1) == S, "slot_bucket must be [G, S]");
+  TORCH_CHECK(tb.dim() == 2 && tb.size(0) == G && tb.size(1) == N, "token_bucket must be [G, N]");
+  auto best = torch::empty({G, N}, x.options());
+  auto idx = torch::empty({G, N}, x.options().dtype(torch::kInt64));
+  bool avx = false;
+#ifdef ARMKV_AVX2
+  avx = vectorised && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      auto call = [&](auto fn) {
+        fn(x.data_ptr<float>() + g * N * d, k.data_ptr<float>() + g * S * d, sb.data_ptr<int32_t>() + g * S,
+           tb.data_ptr<int32_t>() + g * N, N, S, d, best.data_ptr<float>() + g * N, idx.data_ptr<int64_t>() + g * N);
+      };
+      if (avx) call(armkv::bucket_best_group<true>);
+      else call(armkv::bucket_best_group<false>);
+    }
+  });
+  return {best, idx};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_key_scores", &int4_key_scores, "query . int4 slot keys (channel-major codes), each group's scale applied");
   m.def("int8_key_scores", &int8_key_scores, "query . int8 slot keys (channel-major codes), each slot's scale applied");
@@ -923,6 +992,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dequantise", &int4_dequantise, "k4v4 slots to float keys and values as stored, optionally unmixed");
   m.def("best_slots", &best_slots, "each token's best occupied slot of its bucket and of any bucket, from the cosines",
         py::arg("cos"), py::arg("slot_bucket"), py::arg("token_bucket"), py::arg("vectorised") = true);
+  m.def("bucket_best_slots", &bucket_best_slots, "each token's most similar occupied slot of its own bucket, from unit rows",
+        py::arg("tokens"), py::arg("slots"), py::arg("slot_bucket"), py::arg("token_bucket"), py::arg("vectorised") = true);
   m.def("band_neighbours", &band_neighbours, "each slot's nearest same-bucket slot within a band in bucket order");
   m.def("arm_decode_read", &arm_decode_read, "the decode step's read of one layer: slots, exact entries and the token, one softmax",
         py::arg("query"), py::arg("own_k"), py::arg("own_v"), py::arg("own_ok"), py::arg("exact_k"), py::arg("exact_v"),
