@@ -1,6 +1,7 @@
 """Where a method's budgeted chunked prefill spends its time: cProfile over one prefill of
 LENGTH random ids through the default model, 1 torch thread, the 30 costliest functions by
-own time (``cumtime`` of ``plan_writes`` is ARM's whole write plan).
+own time (``--sort cumulative``: by time including callees; ``cumtime`` of ``plan_writes``
+is ARM's whole write plan).
 
     python scripts/profile_arm.py 4096 arm
     python scripts/profile_arm.py 4096 arm --decode 64   # 64 decode steps after the prefill
@@ -28,6 +29,8 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=0, help="profile this many decode steps after the prefill instead")
     p.add_argument("--writes", type=int, default=0,
                    help="arm: time and profile this many rounds of the decode-time write (8 decode steps, then every layer writes its waiting tokens)")
+    p.add_argument("--sort", default="tottime", help="pstats order: tottime (own time) or cumulative")
+    p.add_argument("--rows", type=int, default=30, help="functions listed")
     a = p.parse_args()
     torch.set_num_threads(1)
     model = load_bench_model(None, "cpu", "float32")
@@ -62,7 +65,7 @@ def main() -> None:
             _, seconds = session.prefill(cache, a.length)
             profile.disable()
             print(f"{a.method}: prefill of {a.length} tokens, {a.length / seconds:.0f} tokens/s")
-    pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+    pstats.Stats(profile).sort_stats(a.sort).print_stats(a.rows)
 
 
 if __name__ == "__main__":

@@ -272,22 +272,22 @@ def test_fused_write_plan_equals_the_pytorch_plan(kernel, S, occupied, N, d, laz
 @pytest.mark.parametrize("S,d", [(5, 8), (21, 12), (64, 64), (333, 37)])
 def test_bucket_best_slots_equal_the_masked_max_of_all_cosines(kernel, vectorised, S, d):
     """bucket_best_slots (the write plan's fast path under demote_scope="bucket") against the
-    masked max over the whole cosine matrix: the same maxima and the first of equal cosines
+    masked max over the whole cosine matrix (rows of any length; the kernel normalises them): the same maxima and the first of equal cosines
     (slots repeated, so ties fall inside and across buckets), -inf and index 0 for a token
     whose bucket holds no slot, a negative token bucket or one beyond every slot's, and free
     slots (any negative bucket) never chosen; odd head sizes take the vectors' tails."""
     g = torch.Generator().manual_seed(S * d)
     G, N = 2, 9
-    slots = torch.nn.functional.normalize(torch.randn(G, S, d, generator=g), dim=-1)
+    slots = torch.randn(G, S, d, generator=g) * torch.rand(G, S, 1, generator=g) * 3
     slots[:, S // 2 :] = slots[:, : S - S // 2].clone()  # every slot of the first half again: ties
-    tokens = torch.nn.functional.normalize(torch.randn(G, N, d, generator=g), dim=-1)
-    tokens[:, 0] = slots[:, 1]  # exactly a slot: cosine 1 (up to rounding)
+    tokens = torch.randn(G, N, d, generator=g) * 2
+    tokens[:, 0] = slots[:, 1] * 0.5  # a slot, scaled: cosine 1 (up to rounding)
     slot_bucket = torch.randint(-2, 4, (G, S), generator=g)
     token_bucket = torch.randint(0, 4, (G, N), generator=g)
     token_bucket[0, 1], token_bucket[1, 2], token_bucket[0, 3] = -1, 9, 3
     slot_bucket[0][slot_bucket[0] == 3] = -1  # group 0: bucket 3 holds no slot
     best, idx = kernel.bucket_best_slots(tokens, slots, slot_bucket, token_bucket, vectorised=vectorised)
-    cos = tokens @ slots.transpose(1, 2)
+    cos = torch.nn.functional.normalize(tokens, dim=-1) @ torch.nn.functional.normalize(slots, dim=-1).transpose(1, 2)
     mine = (slot_bucket >= 0).unsqueeze(1) & (slot_bucket.unsqueeze(1) == token_bucket.unsqueeze(2))
     want, want_idx = cos.masked_fill(~mine, -float("inf")).max(-1)
     has = mine.any(-1)

@@ -78,6 +78,17 @@ def test_scan_equals_naive_loop(gate, write, G, N, S, occupied):
         torch.testing.assert_close(zero if a is None else a, zero if b is None else b, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("shape", [(3, 17), (2, 4, 9), (1, 1), (2, 2706)])
+def test_true_first_equals_a_stable_sort(shape):
+    from armkv.memory.write import true_first
+
+    g = torch.Generator().manual_seed(sum(shape))
+    for p in (0.0, 0.3, 1.0):
+        mask = torch.rand(shape, generator=g) < p
+        want = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices
+        assert torch.equal(true_first(mask), want)
+
+
 def test_segmented_suffix_product_matches_loops():
     torch.manual_seed(0)
     M, D = 37, 3
@@ -223,14 +234,25 @@ def test_topm_returns_true_topm_and_matches_naive_paths():
             assert sorted(beam[0, 0, i].tolist()) == sorted(truth)
 
 
-def test_route_writes_matches_naive():
-    torch.manual_seed(2)
-    r = Router(2, 4, depth=3, branching=2)
-    x = torch.randn(1, 2, 9, 4)
+@pytest.mark.parametrize("depth,branching,d", [(3, 2, 4), (3, 4, 12), (2, 5, 7), (4, 4, 8)])
+@pytest.mark.parametrize("all_at_once", [True, False])
+def test_route_writes_matches_naive(monkeypatch, depth, branching, d, all_at_once):
+    """Both forms of the write routing (every router's logits in one product, or each
+    token's path gathered) against the per-token walk down the tree, with trained-looking
+    biases; (4, 4) has more router outputs than ALL_NODES_AT_ONCE by default."""
+    import armkv.memory.route as route
+
+    monkeypatch.setattr(route, "ALL_NODES_AT_ONCE", 10**6 if all_at_once else 0)
+    torch.manual_seed(depth * 100 + branching * 10 + d)
+    r = Router(2, d, depth=depth, branching=branching)
+    with torch.no_grad():
+        r.bias.normal_()
+    x = torch.randn(3, 2, 9, d)
     got = r.route_writes(x)
-    for h in range(2):
-        for i in range(9):
-            assert int(got[0, h, i]) == naive.naive_route_write(r, h, x[0, h, i])
+    for b in range(3):
+        for h in range(2):
+            for i in range(9):
+                assert int(got[b, h, i]) == naive.naive_route_write(r, h, x[b, h, i])
 
 
 def test_balance_loss_matches_hand_computation():
@@ -670,6 +692,35 @@ def test_lazy_plan_with_room_everywhere_equals_the_scored_plan():
         torch.testing.assert_close(getattr(fast, name), getattr(scored, name)[:1], rtol=0, atol=0)
     assert torch.equal(state_fast.count, roomy.count)  # nothing merged
     assert (fast.target[0, valid[0]] >= 9).all() and len(set(fast.target[0, valid[0]].tolist())) == N - 1
+
+
+@pytest.mark.parametrize("G,S,occupied,N", [(3, 37, 30, 11), (2, 700, 690, 33), (1, 9, 0, 5), (2, 20, 20, 20)])
+@pytest.mark.parametrize("metric", ["key", "kv"])
+def test_an_inplace_write_equals_the_copying_one(G, S, occupied, N, metric):
+    """write_chunk(inplace=True) (what ARMLayer._flush does at inference: no copy of the pool
+    per write) gives the state the copying write gives, merges that make room included (pools
+    short of room, exact and banded neighbour searches, padding); it refuses to run where a
+    gradient is wanted."""
+    from armkv.memory.write import write_chunk
+
+    d = 6
+    params = WriteParams(d, "similarity", "scalar", 0.98).double().requires_grad_(False)
+    base = _filled_state(G, S, d, occupied, seed=S, nb=3)
+    keys, values, _ = _chunk(G, N, d, seed=N, state=base if occupied else None)
+    bucket = torch.randint(0, 3, (G, N), generator=torch.Generator().manual_seed(N))
+    valid = torch.ones(G, N, dtype=torch.bool)
+    valid[0, -1] = False
+    pos = torch.arange(S, S + N, dtype=torch.float32).expand(G, N)
+    kw = dict(lazy=True, merge_metric=metric, demote_scope="bucket")
+    with torch.no_grad():
+        want = write_chunk(base, keys, values, pos, valid, bucket, params, **kw)
+        mine = MemoryState(base.key.clone(), base.value.clone(), base.pos.clone(), base.count.clone(), base.bucket.clone())
+        got = write_chunk(mine, keys, values, pos, valid, bucket, params, inplace=True, **kw)
+    for name in ("key", "value", "pos", "count", "bucket"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
+    assert got.key.data_ptr() == mine.key.data_ptr() and got.value.data_ptr() == mine.value.data_ptr()
+    with pytest.raises(ValueError, match="inference"):
+        write_chunk(base, keys.requires_grad_(True), values, pos, valid, bucket, params, inplace=True, **kw)
 
 
 @pytest.mark.parametrize("G,S,pairs", [(3, 37, 5), (1, 9, 0), (2, 64, 30)])

@@ -60,11 +60,14 @@ class ARMMemory(nn.Module):
         valid: torch.Tensor,
         generator: torch.Generator | None = None,
         config: ARMConfig | None = None,
+        inplace: bool = False,
     ) -> MemoryState:
         """Write a chunk of tokens into the memory (chunked scan; one token = decode step).
 
         keys : [B, H, N, d] pre-RoPE; values : [B, H, N, d]; positions : [B, N]; valid : [B, N]
         config : the run-time config (write rule, pool) if not the adapter's
+        inplace : (inference) write into ``state.key`` and ``state.value`` themselves, a state
+            the caller gives up, instead of copying the pool
         """
         check_tensor("keys", keys, ndim=4, last=self.head_dim)
         check_tensor("values", values, ndim=4, last=self.head_dim)
@@ -93,6 +96,7 @@ class ARMMemory(nn.Module):
             protect_recent=c.protect_recent,
             lazy=c.lazy_merge,
             demote_scope=c.demote_scope,
+            inplace=inplace,
             slots_per_bucket=c.slots_per_bucket,
             training=self.training,
             tau=c.tau,

@@ -19,6 +19,11 @@ from torch import nn
 from armkv.memory.checks import check_tensor
 
 
+# Trees with at most this many router outputs (nodes x C: 84 for the default D = 3, C = 4)
+# route writes with one product over all of them (Router.route_writes)
+ALL_NODES_AT_ONCE = 512
+
+
 class Router(nn.Module):
     """Routers of one layer, one tree per KV head.
 
@@ -74,6 +79,16 @@ class Router(nn.Module):
         """
         check_tensor("x", x, ndim=4, last=self.head_dim)
         node = torch.zeros(x.shape[:3], dtype=torch.long, device=x.device)
+        if self.num_nodes * self.branching <= ALL_NODES_AT_ONCE:
+            # every router's logits in one [N, d] x [d, nodes * C] product per head, then the
+            # walk down gathers C of them per level: cheaper, for a small tree, than gathering
+            # each token's D router weights (a [N, D, C, d] copy) for D * C dot products
+            every = torch.einsum("bhnd,hkcd->bhnkc", x, self.weight) + self.bias.unsqueeze(1)  # [B, H, N, nodes, C]
+            C = self.branching
+            for _ in range(self.depth):
+                logits = every.gather(3, node[..., None, None].expand(*node.shape, 1, C)).squeeze(3)  # [B, H, N, C]
+                node = node * C + 1 + logits.argmax(-1)
+            return node - self.num_nodes
         for _ in range(self.depth):
             logits = self._logits_at(x, node.unsqueeze(-1), read=False).squeeze(-2)  # [B, H, N, C]
             node = node * self.branching + 1 + logits.argmax(-1)

@@ -172,13 +172,15 @@ def _merge_terms(state: MemoryState, src_of: torch.Tensor):
     return has, src, n_dst / total, n_src / total, keep, (n_dst + n_src) * keep, bucket
 
 
-def _merge_pairs(state: MemoryState, src_of: torch.Tensor) -> MemoryState:
+def _merge_pairs(state: MemoryState, src_of: torch.Tensor, inplace: bool = False) -> MemoryState:
     """Merge slot src_of[g, s] into slot s (count-weighted), freeing the source slot.
 
     src_of : [G, S] long, -1 where slot s absorbs nothing. The pairs are disjoint (no slot
     both absorbs and is absorbed, as :func:`_make_room` picks them). Only the rows of the
     merged slots are computed: a full pool merges about ``sync`` pairs per write among
     thousands of slots. Equal to :func:`merge_pairs_reference` (tests/test_memory.py).
+    ``inplace``: the merged rows are written into ``state.key`` and ``state.value`` (no
+    copy of the pool; the caller holds no other use of them).
     """
     G, S, d = state.key.shape
     has, src, w_dst, w_src, keep, count, bucket = _merge_terms(state, src_of)
@@ -190,7 +192,8 @@ def _merge_pairs(state: MemoryState, src_of: torch.Tensor) -> MemoryState:
     def blend_rows(a: torch.Tensor) -> torch.Tensor:  # [G, S, d]: the merged rows blended, the freed zeroed
         flat = a.reshape(G * S, d)
         mixed = wd.to(a.dtype) * flat.index_select(0, dst_rows) + ws.to(a.dtype) * flat.index_select(0, src_rows)
-        return flat.index_copy(0, dst_rows, mixed).index_fill_(0, src_rows, 0.0).view(G, S, d)
+        out = flat.index_copy_(0, dst_rows, mixed) if inplace else flat.index_copy(0, dst_rows, mixed)
+        return out.index_fill_(0, src_rows, 0.0).view(G, S, d)
 
     pos = torch.where(has, w_dst * state.pos + w_src * state.pos.gather(1, src), state.pos) * keep
     return MemoryState(key=blend_rows(state.key), value=blend_rows(state.value), pos=pos, count=count, bucket=bucket)
@@ -217,6 +220,16 @@ def _scatter_where(base: torch.Tensor, index: torch.Tensor, src: torch.Tensor, m
     ext = torch.cat([base, base[:, :1]], 1)
     ext = ext.scatter(1, torch.where(mask, index, S), torch.where(mask, src, ext[:, :1].expand_as(src)))
     return ext[:, :S]
+
+
+def true_first(mask: torch.Tensor) -> torch.Tensor:
+    """Indices along the last dimension with the True entries first, then the False ones,
+    each in ascending order: ``torch.sort((~mask).to(torch.int8), stable=True).indices``
+    from two running counts and one scatter, without a sort."""
+    idx = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    n_true = mask.sum(-1, keepdim=True)
+    dest = torch.where(mask, mask.cumsum(-1) - 1, n_true + (~mask).cumsum(-1) - 1)
+    return torch.empty_like(idx).scatter_(-1, dest, idx)
 
 
 def _exclusive_rank(index: torch.Tensor, mask: torch.Tensor, size: int) -> torch.Tensor:
@@ -265,6 +278,7 @@ def plan_writes(
     lazy: bool = False,
     fused: bool = True,
     demote_scope: str = "any",
+    inplace: bool = False,
 ) -> tuple[WritePlan, MemoryState]:
     """Decide every write of a chunk against the state at the sync point.
 
@@ -287,6 +301,8 @@ def plan_writes(
         the most redundant candidates: "bucket", its most similar slot of its own bucket,
         where the tree files keys like it (the fused path then scores each token against its
         bucket's slots only, not all S); "any", its most similar slot of any bucket
+    inplace : merges that make room write into ``state.key`` and ``state.value`` rather than
+        copies (inference on a state the caller gives up, as ``ARMLayer._flush``'s un-packed one)
 
     Returns
     -------
@@ -320,9 +336,7 @@ def plan_writes(
                 # nothing needs a token's cosine with another bucket's slot: score each token
                 # against its own bucket's slots (about S / 30 of them in a calibrated tree)
                 cos = None
-                same_cos, choice = module.bucket_best_slots(
-                    F.normalize(keys, dim=-1), F.normalize(state.key, dim=-1), slot_bucket, bucket
-                )
+                same_cos, choice = module.bucket_best_slots(keys, state.key, slot_bucket, bucket)
                 nearest = (same_cos, choice)
             else:
                 cos = params.cosines(state.key, keys)  # [G, N, S]
@@ -395,16 +409,16 @@ def plan_writes(
                 ts = ts.masked_fill(state.bucket.unsqueeze(1) != bucket.unsqueeze(2), -math.inf)
             src_of, demote_to = _make_room(room, leader, neighbours, ts, deficit, nearest_token)
             leader = leader & (demote_to < 0)
-            state = _merge_pairs(state, src_of)  # (with no deficit nothing merges: src_of is all -1)
+            state = _merge_pairs(state, src_of, inplace)  # (with no deficit nothing merges: src_of is all -1)
         free_mask = state.count == 0
-        free_order = torch.sort((~free_mask).to(torch.int8), dim=1, stable=True).indices  # free slots first
+        free_order = true_first(free_mask)  # free slots first
         rank = leader.cumsum(1) - 1
         new_slot = free_order.gather(1, rank.clamp(0, S - 1))
     else:
         Y, NB = slots_per_bucket, S // slots_per_bucket
         free_mask = (~occ).view(G, NB, Y)
         free_count = free_mask.sum(-1)  # [G, NB]
-        table = torch.sort((~free_mask).to(torch.int8), dim=-1, stable=True).indices + (
+        table = true_first(free_mask) + (
             torch.arange(NB, device=dev) * Y
         ).view(1, NB, 1)
         rank = _exclusive_rank(bucket, leader, NB)
@@ -487,8 +501,10 @@ def room_similarity(
     if metric != "key" and values is None:
         raise ValueError(f"merge_metric={metric!r} needs the chunk's values")
     if metric == "key":
+        if not slot_pairs:
+            return None, cos
         kn = F.normalize(state.key, dim=-1)
-        return (kn @ kn.transpose(1, 2) if slot_pairs else None), cos
+        return kn @ kn.transpose(1, 2), cos
     if metric == "kv":
         kn, vn = F.normalize(state.key, dim=-1), F.normalize(state.value, dim=-1)
         ss = torch.minimum(kn @ kn.transpose(1, 2), vn @ vn.transpose(1, 2)) if slot_pairs else None
@@ -716,6 +732,7 @@ def scan_writes(
     keys: torch.Tensor,
     values: torch.Tensor,
     positions: torch.Tensor,
+    inplace: bool = False,
 ) -> MemoryState:
     """Apply a chunk's writes, all slots at once.
 
@@ -726,6 +743,8 @@ def scan_writes(
     from one index_add. Counts ride along with decay 0 at a slot's first fill.
 
     keys, values : [G, N, d] (pre-RoPE keys); positions : [G, N]; beta : [G, N, 1 or d]
+    inplace : the written rows go into ``state.key`` and ``state.value`` themselves, not into
+        copies of the pool (positions and counts are new tensors either way)
     """
     G, N, d = keys.shape
     S = state.slots
@@ -764,8 +783,9 @@ def scan_writes(
         return torch.where(a == 0, u, a * x0 + u)
 
     flat_k, flat_v = state.key.reshape(G * S, d), state.value.reshape(G * S, d)
-    key = flat_k.index_copy(0, seg_ids, update(flat_k[seg_ids], a_kv, u_key)).view(G, S, d)
-    value = flat_v.index_copy(0, seg_ids, update(flat_v[seg_ids], a_kv, u_value)).view(G, S, d)
+    put = torch.Tensor.index_copy_ if inplace else torch.Tensor.index_copy
+    key = put(flat_k, 0, seg_ids, update(flat_k[seg_ids], a_kv, u_key)).view(G, S, d)
+    value = put(flat_v, 0, seg_ids, update(flat_v[seg_ids], a_kv, u_value)).view(G, S, d)
     flat_p, flat_c = state.pos.reshape(G * S), state.count.reshape(G * S)
     pos = flat_p.index_copy(0, seg_ids, update(flat_p[seg_ids], a_p.to(flat_p.dtype), u_pos.to(flat_p.dtype))).view(G, S)
     count = flat_c.index_copy(0, seg_ids, update(flat_c[seg_ids], a_c.to(flat_c.dtype), u_count.to(flat_c.dtype)).detach()).view(G, S)
@@ -790,11 +810,16 @@ def write_chunk(
     protect_recent: float = 0.0,
     lazy: bool = False,
     demote_scope: str = "any",
+    inplace: bool = False,
 ) -> MemoryState:
-    """Plan, gate and scan one chunk (see the module docstring). Shapes as in plan_writes."""
+    """Plan, gate and scan one chunk (see the module docstring). Shapes as in plan_writes;
+    ``inplace``: the state's key and value tensors are written in place (inference only, on a
+    state the caller gives up: no copy of the pool per write)."""
+    if inplace and (training or (torch.is_grad_enabled() and (state.key.requires_grad or keys.requires_grad))):
+        raise ValueError("write_chunk(inplace=True) is for inference: gradients need the state before the write")
     plan, state = plan_writes(
         state, keys, bucket, valid, params, write, slots_per_bucket, training, tau, generator, values, merge_metric,
-        protect_recent, lazy, demote_scope=demote_scope,
+        protect_recent, lazy, demote_scope=demote_scope, inplace=inplace,
     )
     beta = gate_weights(plan, keys, params, write, empty_slot_rule)
-    return scan_writes(state, plan, beta, keys, values, positions)
+    return scan_writes(state, plan, beta, keys, values, positions, inplace)

@@ -314,7 +314,8 @@ class ARMLayer(CacheLayer):
             state = self._roomy_form(packed, keys.dtype)
         else:
             state = self._write_form(packed, keys.dtype)
-        written = mem.write(state, k_pre, values, positions, valid, self.generator, c)
+        # the un-packed state is this write's own: at inference the write fills it in place
+        written = mem.write(state, k_pre, values, positions, valid, self.generator, c, inplace=not mem.training)
         self.state = self._stored(written) if mem.training else self._restored(packed, state, written)
         # writes fill the lowest free slots first, so the occupied slots stay (mostly) a prefix
         occupied = (written.count > 0).any(0).nonzero()

@@ -568,12 +568,13 @@ __attribute__((target("avx2,fma"))) void best_slots_row_avx2(const float* cos, c
 #endif
 
 // One group of write.plan_writes' choice under demote_scope="bucket": tokens [N, d] and slots
-// [S, d], unit rows; slot_bucket [S] (negative: free), token_bucket [N]. Each token's most
-// similar occupied slot of its own bucket (the merge candidate, and where a full pool would
-// demote it): the cosines of the token with the slots of its bucket alone, N x (slots of the
-// bucket) dot products where the cosine matrix would take N x S. The slots are sorted by
-// bucket (ascending index within one, so the first of equal cosines wins, as torch's max);
-// -inf and index 0 where the bucket holds no slot.
+// [S, d]; slot_bucket [S] (negative: free), token_bucket [N]. Each token's most similar
+// occupied slot of its own bucket (the merge candidate, and where a full pool would demote
+// it): the cosines of the token with the slots of its bucket alone, N x (slots of the bucket)
+// dot products where the cosine matrix would take N x S. Cosine = x.k / (max(|x|, 1e-12)
+// max(|k|, 1e-12)), as F.normalize's rows. The occupied slots are copied in bucket order
+// (ascending index within one, so the first of equal cosines wins, as torch's max), each
+// scaled to unit length; -inf and index 0 where the bucket holds no slot.
 template <bool AVX>
 void bucket_best_group(const float* tok, const float* slots, const int32_t* sb, const int32_t* tb, int64_t N, int64_t S,
                        int64_t d, float* best, int64_t* idx) {
@@ -587,16 +588,23 @@ void bucket_best_group(const float* tok, const float* slots, const int32_t* sb, 
   std::vector<int64_t> order(start[nb]), fill(start.begin(), start.end() - 1);
   for (int64_t s = 0; s < S; ++s)
     if (sb[s] >= 0) order[fill[sb[s]]++] = s;
-  std::vector<float> rows(start[nb] * d);  // the occupied slots in bucket order: each bucket one run
-  for (int64_t j = 0; j < start[nb]; ++j) std::copy(slots + order[j] * d, slots + (order[j] + 1) * d, rows.data() + j * d);
+  std::vector<float> rows(start[nb] * d);  // the occupied slots in bucket order, unit rows: each bucket one run
+  for (int64_t j = 0; j < start[nb]; ++j) {
+    const float* k = slots + order[j] * d;
+    const float inv = 1.0f / std::max(std::sqrt(dot_scalar(k, k, d)), 1e-12f);
+    for (int64_t c = 0; c < d; ++c) rows[j * d + c] = k[c] * inv;
+  }
+  std::vector<float> x(d);
   for (int64_t t = 0; t < N; ++t) {
     float m = ninf;
     int64_t at = 0;
     const int64_t b = tb[t];
-    if (b >= 0 && b < nb) {
-      const float* x = tok + t * d;
+    if (b >= 0 && b < nb && start[b + 1] > start[b]) {
+      const float* raw = tok + t * d;
+      const float inv = 1.0f / std::max(std::sqrt(dot_scalar(raw, raw, d)), 1e-12f);
+      for (int64_t c = 0; c < d; ++c) x[c] = raw[c] * inv;
       for (int64_t j = start[b]; j < start[b + 1]; ++j) {
-        const float c = dot<AVX>(x, rows.data() + j * d, d);
+        const float c = dot<AVX>(x.data(), rows.data() + j * d, d);
         if (c > m) m = c, at = order[j];
       }
     }
@@ -952,7 +960,7 @@ std::vector<torch::Tensor> best_slots(torch::Tensor cos, torch::Tensor slot_buck
   return {same, same_idx, any, any_idx};
 }
 
-// tokens [G, N, d] and slots [G, S, d] float32 unit rows, slot_bucket [G, S] (negative: free),
+// tokens [G, N, d] and slots [G, S, d] float32, slot_bucket [G, S] (negative: free),
 // token_bucket [G, N] -> (best [G, N] float32, idx [G, N] int64): each token's most similar
 // occupied slot of its own bucket (-inf, 0 where none); vectorised=false: the portable loop
 std::vector<torch::Tensor> bucket_best_slots(torch::Tensor tokens, torch::Tensor slots, torch::Tensor slot_bucket,
@@ -992,7 +1000,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dequantise", &int4_dequantise, "k4v4 slots to float keys and values as stored, optionally unmixed");
   m.def("best_slots", &best_slots, "each token's best occupied slot of its bucket and of any bucket, from the cosines",
         py::arg("cos"), py::arg("slot_bucket"), py::arg("token_bucket"), py::arg("vectorised") = true);
-  m.def("bucket_best_slots", &bucket_best_slots, "each token's most similar occupied slot of its own bucket, from unit rows",
+  m.def("bucket_best_slots", &bucket_best_slots, "each token's most similar occupied slot of its own bucket (cosine)",
         py::arg("tokens"), py::arg("slots"), py::arg("slot_bucket"), py::arg("token_bucket"), py::arg("vectorised") = true);
   m.def("band_neighbours", &band_neighbours, "each slot's nearest same-bucket slot within a band in bucket order");
   m.def("arm_decode_read", &arm_decode_read, "the decode step's read of one layer: slots, exact entries and the token, one softmax",
