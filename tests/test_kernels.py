@@ -36,9 +36,10 @@ def _packed(groups: int, slots: int, d: int, free: int, seed: int) -> MemoryStat
 
 
 # d = 64: 2 scale groups (the default model); 128: 4; 48 and 40: one (40's 20 bytes a vector
-# do not split into 8-byte blocks, so the scalar loops serve); slot counts around the 8-slot blocks
+# do not split into 8-byte blocks, so the scalar loops serve); slot counts around the 8-slot blocks;
+# 1-8 query heads a KV head have loops of their own, 9-16 (rep 12) the run-time loop
 @pytest.mark.parametrize("d", [64, 128, 48, 40])
-@pytest.mark.parametrize("slots,rep,groups", [(1, 1, 1), (7, 3, 2), (8, 5, 1), (37, 3, 4), (301, 2, 3)])
+@pytest.mark.parametrize("slots,rep,groups", [(1, 1, 1), (7, 3, 2), (8, 5, 1), (37, 3, 4), (301, 2, 3), (45, 4, 2), (29, 12, 2)])
 def test_fused_int4_read_equals_the_pytorch_read(kernel, d, slots, rep, groups):
     st = _packed(groups, slots, d, free=slots // 5, seed=slots * d + rep)
     g = torch.Generator().manual_seed(rep)
@@ -53,7 +54,8 @@ def test_fused_int4_read_equals_the_pytorch_read(kernel, d, slots, rep, groups):
 
 
 @pytest.mark.parametrize("fmt", ["k8v4", "int8"])
-@pytest.mark.parametrize("d,slots,rep,groups", [(64, 1, 1, 1), (64, 7, 3, 2), (40, 37, 5, 3), (128, 301, 2, 1), (64, 8, 17, 1)])
+@pytest.mark.parametrize("d,slots,rep,groups", [(64, 1, 1, 1), (64, 7, 3, 2), (40, 37, 5, 3), (128, 301, 2, 1), (64, 8, 17, 1),
+                                                  (64, 53, 12, 2)])
 def test_fused_int8_key_scores_equal_the_pytorch_read(kernel, fmt, d, slots, rep, groups):
     """int8 keys (k8v4 and int8 slots, one scale a slot): the vector loops for whole blocks
     of 8 slots, the scalar loop for the rest and for more than 16 query heads a KV head."""
@@ -180,7 +182,8 @@ def test_fused_unpack_to_pre_rope_equals_dequantise_then_unrotate(kernel, d, gro
 
 @pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
 @pytest.mark.parametrize("d,slots,rep,exact,mixed", [(64, 1, 1, 3, True), (64, 37, 3, 68, True), (40, 301, 5, 9, False),
-                                                      (64, 8, 2, 1, False), (128, 19, 3, 12, True)])
+                                                      (64, 8, 2, 1, False), (128, 19, 3, 12, True), (64, 45, 4, 7, True),
+                                                      (64, 29, 12, 5, True)])
 @pytest.mark.parametrize("vectorised", [True, False])
 def test_fused_decode_read_equals_the_pytorch_ops(kernel, fmt, d, slots, rep, exact, mixed, vectorised):
     """One layer's decode read in one call (ARMLayer._decode_read's fused path) against the

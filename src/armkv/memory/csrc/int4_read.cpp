@@ -73,22 +73,28 @@ inline void weighted_values_scalar(const float* w, const uint8_t* codes, const f
 // 8 bytes -> their signed low and high nibbles as 8 floats each
 __attribute__((target("avx2,fma"))) inline void decode8(const uint8_t* p, __m256& lo, __m256& hi) {
   const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_srai_epi32(v, 4);
-  const __m256i l = _mm256_sub_epi32(_mm256_xor_si256(_mm256_sub_epi32(v, _mm256_slli_epi32(h, 4)), _mm256_set1_epi32(8)),
-                                     _mm256_set1_epi32(8));
-  hi = _mm256_cvtepi32_ps(h);
-  lo = _mm256_cvtepi32_ps(l);
+  hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 4));
+  lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28));  // the low nibble, sign-extended
 }
 
+// The query heads of a KV head: RR where the caller fixed it at compile time (the loops over
+// them unroll and their accumulators stay in registers; with a run-time count the compiler
+// keeps the accumulator arrays in memory, a load and a store around every FMA), else R.
+template <int RR>
+constexpr int64_t heads(int64_t R) { return RR > 0 ? RR : R; }
+template <int RR>
+constexpr int kAcc = RR > 0 ? RR : kMaxRep;
+
 // key scores for slots [s0, s0 + 8) (all present), groups that do not straddle the halves
-__attribute__((target("avx2,fma"))) inline void key_scores_block8(const float* q, const uint8_t* codes, const float* scale,
-                                                                  float* out, int64_t R, int64_t d, int64_t S, int64_t ng,
-                                                                  int64_t s0) {
-  const int64_t half = d / 2, gs = d / ng, seg = std::min(gs, half);
-  __m256 res[kMaxRep];
+template <int RR>
+__attribute__((target("avx2,fma"), always_inline)) inline void key_scores_block8(const float* q, const uint8_t* codes,
+                                                                                 const float* scale, float* out, int64_t R_,
+                                                                                 int64_t d, int64_t S, int64_t ng, int64_t s0) {
+  const int64_t R = heads<RR>(R_), half = d / 2, gs = d / ng, seg = std::min(gs, half);
+  __m256 res[kAcc<RR>];
   for (int64_t r = 0; r < R; ++r) res[r] = _mm256_setzero_ps();
   for (int64_t c0 = 0; c0 < half; c0 += seg) {
-    __m256 alo[kMaxRep], ahi[kMaxRep];
+    __m256 alo[kAcc<RR>], ahi[kAcc<RR>];
     for (int64_t r = 0; r < R; ++r) alo[r] = ahi[r] = _mm256_setzero_ps();
     for (int64_t c = c0; c < c0 + seg; ++c) {
       __m256 lo, hi;
@@ -107,29 +113,39 @@ __attribute__((target("avx2,fma"))) inline void key_scores_block8(const float* q
   for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(out + r * S + s0, res[r]);
 }
 
-__attribute__((target("avx2,fma"))) inline void key_scores_avx2(const float* q, const uint8_t* codes, const float* scale,
-                                                                float* out, int64_t R, int64_t d, int64_t S, int64_t ng) {
+template <int RR>
+__attribute__((target("avx2,fma"))) void key_scores_avx2_r(const float* q, const uint8_t* codes, const float* scale,
+                                                          float* out, int64_t R, int64_t d, int64_t S, int64_t ng) {
   const int64_t full = S / 8 * 8;
-  for (int64_t s0 = 0; s0 < full; s0 += 8) key_scores_block8(q, codes, scale, out, R, d, S, ng, s0);
+  for (int64_t s0 = 0; s0 < full; s0 += 8) key_scores_block8<RR>(q, codes, scale, out, R, d, S, ng, s0);
   key_scores_scalar(q, codes, scale, out, R, d, S, ng, full);  // the last S % 8 slots
 }
 
 // weighted values, channels in blocks of 8 bytes (16 channels), accumulators in registers
-__attribute__((target("avx2,fma"))) inline void weighted_values_avx2(const float* w, const uint8_t* codes, const float* scale,
-                                                                     float* out, int64_t R, int64_t d, int64_t S, int64_t ng) {
-  const int64_t half = d / 2, gs = d / ng;
+template <int RR>
+__attribute__((target("avx2,fma"))) void weighted_values_avx2_r(const float* w, const uint8_t* codes, const float* scale,
+                                                               float* out, int64_t R_, int64_t d, int64_t S, int64_t ng) {
+  const int64_t R = heads<RR>(R_), half = d / 2, gs = d / ng;
+  // each weight times its slot's group scale, once: ws[(g * R + r) * S + s] (the inner loop
+  // then broadcasts it from memory instead of multiplying two scalars per head and block)
+  std::vector<float> ws(ng * R * S);
+  for (int64_t g = 0; g < ng; ++g)
+    for (int64_t r = 0; r < R; ++r) {
+      float* row = ws.data() + (g * R + r) * S;
+      const float* wr = w + r * S;
+      for (int64_t s = 0; s < S; ++s) row[s] = wr[s] * scale[s * ng + g];
+    }
   for (int64_t c0 = 0; c0 < half; c0 += 8) {
-    __m256 alo[kMaxRep], ahi[kMaxRep];
+    __m256 alo[kAcc<RR>], ahi[kAcc<RR>];
     for (int64_t r = 0; r < R; ++r) alo[r] = ahi[r] = _mm256_setzero_ps();
-    const int64_t glo = c0 / gs, ghi = (c0 + half) / gs;
+    const float* wlo = ws.data() + (c0 / gs) * R * S;
+    const float* whi = ws.data() + ((c0 + half) / gs) * R * S;
     for (int64_t s = 0; s < S; ++s) {
       __m256 lo, hi;
       decode8(codes + s * half + c0, lo, hi);
-      const float sl = scale[s * ng + glo], sh = scale[s * ng + ghi];
       for (int64_t r = 0; r < R; ++r) {
-        const float wr = w[r * S + s];
-        alo[r] = _mm256_fmadd_ps(_mm256_set1_ps(wr * sl), lo, alo[r]);
-        ahi[r] = _mm256_fmadd_ps(_mm256_set1_ps(wr * sh), hi, ahi[r]);
+        alo[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(wlo + r * S + s), lo, alo[r]);
+        ahi[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(whi + r * S + s), hi, ahi[r]);
       }
     }
     for (int64_t r = 0; r < R; ++r) {
@@ -137,6 +153,31 @@ __attribute__((target("avx2,fma"))) inline void weighted_values_avx2(const float
       _mm256_storeu_ps(out + r * d + half + c0, ahi[r]);
     }
   }
+}
+
+// Dispatch on the number of query heads per KV head: the common GQA ratios get their own
+// unrolled loops, any other count (up to kMaxRep) the run-time loop.
+#define ARMKV_BY_HEADS(FN, R, ...)        \
+  switch (R) {                            \
+    case 1: return FN<1>(__VA_ARGS__);    \
+    case 2: return FN<2>(__VA_ARGS__);    \
+    case 3: return FN<3>(__VA_ARGS__);    \
+    case 4: return FN<4>(__VA_ARGS__);    \
+    case 5: return FN<5>(__VA_ARGS__);    \
+    case 6: return FN<6>(__VA_ARGS__);    \
+    case 7: return FN<7>(__VA_ARGS__);    \
+    case 8: return FN<8>(__VA_ARGS__);    \
+    default: return FN<0>(__VA_ARGS__);   \
+  }
+
+inline void key_scores_avx2(const float* q, const uint8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
+                            int64_t S, int64_t ng) {
+  ARMKV_BY_HEADS(key_scores_avx2_r, R, q, codes, scale, out, R, d, S, ng)
+}
+
+inline void weighted_values_avx2(const float* w, const uint8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
+                                 int64_t S, int64_t ng) {
+  ARMKV_BY_HEADS(weighted_values_avx2_r, R, w, codes, scale, out, R, d, S, ng)
 }
 #endif
 
@@ -183,11 +224,12 @@ inline void int8_key_scores_scalar(const float* q, const int8_t* codes, const fl
 
 #ifdef ARMKV_AVX2
 // blocks of 16 slots: one 16-byte load per channel row feeds two accumulators per query head
-__attribute__((target("avx2,fma"))) inline void int8_key_scores_avx2(const float* q, const int8_t* codes, const float* scale,
-                                                                     float* out, int64_t R, int64_t d, int64_t S) {
-  const int64_t full = S / 16 * 16;
+template <int RR>
+__attribute__((target("avx2,fma"))) void int8_key_scores_avx2_r(const float* q, const int8_t* codes, const float* scale,
+                                                               float* out, int64_t R_, int64_t d, int64_t S) {
+  const int64_t R = heads<RR>(R_), full = S / 16 * 16;
   for (int64_t s0 = 0; s0 < full; s0 += 16) {
-    __m256 lo[kMaxRep], hi[kMaxRep];
+    __m256 lo[kAcc<RR>], hi[kAcc<RR>];
     for (int64_t r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t c = 0; c < d; ++c) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + c * S + s0));
@@ -206,6 +248,11 @@ __attribute__((target("avx2,fma"))) inline void int8_key_scores_avx2(const float
     }
   }
   int8_key_scores_scalar(q, codes, scale, out, R, d, S, full);  // the last S % 16 slots
+}
+
+inline void int8_key_scores_avx2(const float* q, const int8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
+                                 int64_t S) {
+  ARMKV_BY_HEADS(int8_key_scores_avx2_r, R, q, codes, scale, out, R, d, S)
 }
 #endif
 
@@ -281,6 +328,34 @@ __attribute__((target("avx2,fma"))) inline float dot_avx2(const float* a, const 
 }
 #endif
 
+// x[i] = x[i] * scaling + bias[i] in place; returns their maximum (-inf for n = 0)
+inline float affine_max_scalar(float* x, const float* bias, int64_t n, float scaling) {
+  float peak = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) peak = std::max(peak, x[i] = x[i] * scaling + bias[i]);
+  return peak;
+}
+
+#ifdef ARMKV_AVX2
+// the same, 8 at a time (the same roundings: a product, then a sum): the compiler does not
+// vectorise a float max reduction without fast-math
+__attribute__((target("avx2,fma"))) inline float affine_max_avx2(float* x, const float* bias, int64_t n, float scaling) {
+  const __m256 f = _mm256_set1_ps(scaling);
+  __m256 acc = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 y = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), f), _mm256_loadu_ps(bias + i));
+    _mm256_storeu_ps(x + i, y);
+    acc = _mm256_max_ps(acc, y);
+  }
+  alignas(32) float part[8];
+  _mm256_store_ps(part, acc);
+  float peak = part[0];
+  for (int k = 1; k < 8; ++k) peak = std::max(peak, part[k]);
+  for (; i < n; ++i) peak = std::max(peak, x[i] = x[i] * scaling + bias[i]);
+  return peak;
+}
+#endif
+
 inline float exp_shift_sum_scalar(float* x, int64_t n, float peak) {
   float total = 0.0f;
   for (int64_t i = 0; i < n; ++i) total += (x[i] = std::exp(x[i] - peak));
@@ -343,11 +418,13 @@ __attribute__((always_inline)) inline void decode_group_body(const DecodeGroup& 
     float* sw = slot_w + r * S;
     float* ew = exact_w + r * (L + 1);
     const float* qr = a.q + r * d;
-    float peak = ninf;
-    for (int64_t s = 0; s < S; ++s) {
-      sw[s] = sw[s] * scaling + a.bias[s];
-      peak = std::max(peak, sw[s]);
-    }
+    float peak;
+#ifdef ARMKV_AVX2
+    if constexpr (AVX)
+      peak = affine_max_avx2(sw, a.bias, S, scaling);
+    else
+#endif
+      peak = affine_max_scalar(sw, a.bias, S, scaling);
     for (int64_t l = 0; l <= L; ++l) {
       const float* k = l < L ? a.exact_k + l * d : a.own_k;
       const bool ok = l < L ? a.exact_ok[l] : a.own_ok;
