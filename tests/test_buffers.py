@@ -58,13 +58,15 @@ def check_equal(buf, ref):
 @pytest.mark.parametrize("chunks", [[1] * 7, [3] * 7, [11] * 7, [1, 1, 1, 4, 1, 1, 1, 1, 1, 11, 1, 1, 2, 1],
                                     [2, 1, 1, 1, 1, 1, 1, 1, 3, 1, 1, 1]],
                          ids=["decode", "chunk3", "chunk11", "decode-then-chunks", "decode-fills-the-sinks"])
-def test_push_matches_naive(sinks, window, chunks, nan_empty):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-push", "torch-push"])
+def test_push_matches_naive(sinks, window, chunks, nan_empty, fused):
     """Chunk pushes, one-token pushes (the ring) and both in turn (the ring put back in order;
     sinks that a chunk left part-empty filled by decode steps, which skip the sink update only
     once a chunk push has seen every sink hold a token)."""
     g = torch.Generator().manual_seed(sinks * 100 + window * 10 + len(chunks) + chunks[0])
     batch, heads, d = 3, 2, 5
     buf = ExactBuffer(sinks, window, batch, heads, d)
+    buf.fused_push = fused  # the decode push's kernel (where built) or its PyTorch reference
     ref = NaiveBuffer(sinks, window, batch)
     start = torch.zeros(batch, dtype=torch.long)
     for chunk in chunks:

@@ -348,3 +348,28 @@ def test_fused_dequantise_equals_the_pytorch_ops(kernel, d, slots, mixed, unmix,
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[0][:, -1], torch.zeros(2, d)) and torch.equal(got[1][:, -1], torch.zeros(2, d))
+
+
+@pytest.mark.parametrize("sinks,window,batch,heads,d", [(4, 48, 1, 3, 64), (0, 5, 3, 2, 7), (2, 1, 2, 1, 33), (3, 13, 4, 5, 16)])
+def test_fused_ring_push_equals_the_pytorch_push(kernel, sinks, window, batch, heads, d):
+    """The decode step's window push in one kernel call (ExactBuffer.fused_push) against the
+    PyTorch ops: the same entries leave, and every state tensor (window keys, values,
+    validity, positions, the ring's head) ends the same, bit for bit, with padding rows,
+    a window that is not yet full, and decode steps between chunk pushes."""
+    from armkv.methods.buffers import ExactBuffer
+
+    g = torch.Generator().manual_seed(sinks + window + batch + d)
+    bufs = [ExactBuffer(sinks, window, batch, heads, d) for _ in range(2)]
+    bufs[1].fused_push = False
+    start = torch.zeros(batch, dtype=torch.long)
+    for t in [5, 1, 1, 1, 1, 1, 1, 1, 7, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]:
+        key, value = torch.randn(batch, heads, t, d, generator=g), torch.randn(batch, heads, t, d, generator=g)
+        valid = torch.rand(batch, t, generator=g) > 0.25
+        positions = start[:, None] + valid.long().cumsum(1) - 1
+        start = positions[:, -1] + 1
+        got, want = (b.push(key, value, valid, positions) for b in bufs)
+        for a, b in zip((got.key, got.value, got.valid, got.positions), (want.key, want.value, want.valid, want.positions)):
+            assert torch.equal(a, b)
+        for name in ("k", "v", "valid", "pos", "head"):
+            assert torch.equal(getattr(bufs[0], name), getattr(bufs[1], name)), name
+    assert bufs[0]._ring and bufs[1]._ring

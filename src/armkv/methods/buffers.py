@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from armkv.memory import kernels
 from armkv.methods.attention import zero_invalid
 
 
@@ -86,6 +87,9 @@ class ExactBuffer:
         # every row's sinks hold a token (known after a chunk push, which syncs anyway): a
         # decode push then skips the sink update, a dozen ops that would change nothing
         self._sinks_full = sinks == 0
+        # the decode push's window part in one kernel call on a CPU (kernels.ring_push) rather
+        # than some twenty small ops; False: the PyTorch ops, its reference
+        self.fused_push = True
 
     @property
     def capacity(self) -> int:
@@ -177,6 +181,13 @@ class ExactBuffer:
         if self.window == 0:
             return Overflow(key=zero_invalid(key, v[:, None, None]), value=zero_invalid(value, v[:, None, None]), valid=v[:, None], positions=pos)
         # The ring's oldest entry leaves (O(1) in the window: no shift of the other entries).
+        kernel = kernels.fused_cpu(key) if self.fused_push else None
+        if kernel is not None:
+            old_k, old_v, leaves, old_pos = kernel.ring_push(
+                self.win_k, self.win_v, self.win_valid, self.win_pos, self.head, key, value, v, pos[:, 0]
+            )
+            self._ring = True
+            return Overflow(key=old_k, value=old_v, valid=leaves, positions=old_pos)
         b, h, _, d = key.shape
         at = self.head[:, None]  # [B, 1]
         at_kv = at[:, None, :, None].expand(b, h, 1, d)

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -1069,6 +1070,70 @@ std::vector<torch::Tensor> bucket_best_slots(torch::Tensor tokens, torch::Tensor
   return {best, idx};
 }
 
+// The decode step's push of one token a row into the ring window (ExactBuffer._push_one, its
+// window part; the PyTorch form there is the reference): win_k, win_v [B, H, W, d] (any strides
+// but a contiguous last dimension: views into the buffer), win_valid, win_pos [B, W], head [B]
+// int64 (each row's oldest entry); key, value [B, H, 1, d], valid [B] bool, pos [B] int64. Each
+// valid row's oldest entry leaves and the token takes its place; an invalid row changes nothing.
+// Returns (key, value [B, H, 1, d]: the entries that left, zero where none did; leaves [B, 1];
+// their positions [B, 1]). Rows are copied as bytes, so any dtype serves. In PyTorch this is
+// some twenty small ops per layer and step.
+std::vector<torch::Tensor> ring_push(torch::Tensor win_k, torch::Tensor win_v, torch::Tensor win_valid, torch::Tensor win_pos,
+                                     torch::Tensor head, torch::Tensor key, torch::Tensor value, torch::Tensor valid,
+                                     torch::Tensor pos) {
+  TORCH_CHECK(win_k.device().is_cpu() && win_k.dim() == 4 && win_v.sizes() == win_k.sizes() && win_k.stride(3) == 1 &&
+                  win_v.stride(3) == 1 && win_v.scalar_type() == win_k.scalar_type(),
+              "ring_push: CPU windows [B, H, W, d] with contiguous rows");
+  const int64_t B = win_k.size(0), H = win_k.size(1), W = win_k.size(2), d = win_k.size(3);
+  TORCH_CHECK(W > 0 && win_valid.scalar_type() == torch::kBool && win_valid.dim() == 2 && win_valid.size(0) == B &&
+                  win_valid.size(1) == W && win_pos.scalar_type() == torch::kInt64 && win_pos.sizes() == win_valid.sizes() &&
+                  head.scalar_type() == torch::kInt64 && head.dim() == 1 && head.size(0) == B && head.is_contiguous(),
+              "ring_push: win_valid [B, W] bool, win_pos [B, W] int64, head [B] contiguous int64");
+  auto k = key.contiguous(), v = value.contiguous();
+  auto ok = valid.to(torch::kBool).contiguous(), p = pos.to(torch::kInt64).contiguous();
+  TORCH_CHECK(k.scalar_type() == win_k.scalar_type() && v.scalar_type() == win_k.scalar_type() && k.dim() == 4 &&
+                  k.size(0) == B && k.size(1) == H && k.size(2) == 1 && k.size(3) == d && v.sizes() == k.sizes() &&
+                  ok.numel() == B && p.numel() == B,
+              "ring_push: key, value [B, H, 1, d] of the window's dtype, valid [B], pos [B]");
+  auto old_k = torch::zeros_like(k), old_v = torch::zeros_like(v);
+  auto leaves = torch::empty({B, 1}, ok.options()), old_pos = torch::empty({B, 1}, p.options());
+  const int64_t row = d * static_cast<int64_t>(win_k.element_size());
+  char *WK = static_cast<char*>(win_k.data_ptr()), *WV = static_cast<char*>(win_v.data_ptr());
+  const char *K = static_cast<const char*>(k.data_ptr()), *V = static_cast<const char*>(v.data_ptr());
+  char *OK_ = static_cast<char*>(old_k.data_ptr()), *OV = static_cast<char*>(old_v.data_ptr());
+  const int64_t esz = win_k.element_size();
+  bool* WVAL = win_valid.data_ptr<bool>();
+  int64_t* WPOS = win_pos.data_ptr<int64_t>();
+  int64_t* HEAD = head.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t at = HEAD[b];
+    TORCH_CHECK(at >= 0 && at < W, "ring_push: head out of the window");
+    bool& slot_valid = WVAL[b * win_valid.stride(0) + at * win_valid.stride(1)];
+    int64_t& slot_pos = WPOS[b * win_pos.stride(0) + at * win_pos.stride(1)];
+    const bool in = ok.data_ptr<bool>()[b], out = slot_valid && in;
+    leaves.data_ptr<bool>()[b] = out;
+    old_pos.data_ptr<int64_t>()[b] = slot_pos;
+    for (int64_t h = 0; h < H; ++h) {
+      char* wk = WK + (b * win_k.stride(0) + h * win_k.stride(1) + at * win_k.stride(2)) * esz;
+      char* wv = WV + (b * win_v.stride(0) + h * win_v.stride(1) + at * win_v.stride(2)) * esz;
+      if (out) {
+        std::memcpy(OK_ + (b * H + h) * row, wk, row);
+        std::memcpy(OV + (b * H + h) * row, wv, row);
+      }
+      if (in) {
+        std::memcpy(wk, K + (b * H + h) * row, row);
+        std::memcpy(wv, V + (b * H + h) * row, row);
+      }
+    }
+    if (in) {
+      slot_valid = true;
+      slot_pos = p.data_ptr<int64_t>()[b];
+      HEAD[b] = (at + 1) % W;
+    }
+  }
+  return {old_k, old_v, leaves, old_pos};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_key_scores", &int4_key_scores, "query . int4 slot keys (channel-major codes), each group's scale applied");
   m.def("int8_key_scores", &int8_key_scores, "query . int8 slot keys (channel-major codes), each slot's scale applied");
@@ -1085,4 +1150,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("exact_ok"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
         py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("vectorised") = true);
   m.def("int4_unpack_pre_rope", &int4_unpack_pre_rope, "int4 slots to pre-RoPE float keys and float values");
+  m.def("ring_push", &ring_push, "the decode step's push of one token a row into the ring window");
 }
