@@ -27,6 +27,9 @@
 namespace armkv {
 
 constexpr int kMaxRep = 16;  // query heads per KV head handled by the kernels
+// how far ahead in a channel row the key loops prefetch (bytes = slots): measured on the
+// decode read of cold slots, 256 and 512 alike, 1,024 no better than none
+constexpr int64_t kPrefetchAhead = 256;
 
 inline float low_nibble(uint8_t b) { int v = static_cast<int8_t>(b); return static_cast<float>(((v - ((v >> 4) << 4)) ^ 8) - 8); }
 inline float high_nibble(uint8_t b) { return static_cast<float>(static_cast<int8_t>(b) >> 4); }
@@ -116,9 +119,21 @@ __attribute__((target("avx2,fma"), always_inline)) inline void key_scores_block8
 
 template <int RR>
 __attribute__((target("avx2,fma"))) void key_scores_avx2_r(const float* q, const uint8_t* codes, const float* scale,
-                                                          float* out, int64_t R, int64_t d, int64_t S, int64_t ng) {
-  const int64_t full = S / 8 * 8;
-  for (int64_t s0 = 0; s0 < full; s0 += 8) key_scores_block8<RR>(q, codes, scale, out, R, d, S, ng, s0);
+                                                          float* out, int64_t R, int64_t d, int64_t S, int64_t ng,
+                                                          const uint8_t* then = nullptr, int64_t then_row = 0) {
+  const int64_t full = S / 8 * 8, half = d / 2;
+  for (int64_t s0 = 0; s0 < full; s0 += 8) {
+    // the codes are channel-major: a block reads 8 bytes from each of d/2 rows S bytes apart,
+    // more streams than the hardware prefetcher follows, and at decode time they come from
+    // memory (the weights' matmuls between two layers' reads evict them): ask for each row's
+    // line kPrefetchAhead bytes ahead once per line
+    if (s0 % 64 == 0 && s0 + kPrefetchAhead < S)
+      for (int64_t c = 0; c < half; ++c) _mm_prefetch(reinterpret_cast<const char*>(codes + c * S + s0 + kPrefetchAhead), _MM_HINT_T0);
+    // and the rows the caller reads next (the value codes of these slots), while these compute
+    if (then)
+      for (int64_t b = 0; b < 8 * then_row; b += 64) _mm_prefetch(reinterpret_cast<const char*>(then + s0 * then_row + b), _MM_HINT_T0);
+    key_scores_block8<RR>(q, codes, scale, out, R, d, S, ng, s0);
+  }
   key_scores_scalar(q, codes, scale, out, R, d, S, ng, full);  // the last S % 8 slots
 }
 
@@ -172,8 +187,8 @@ __attribute__((target("avx2,fma"))) void weighted_values_avx2_r(const float* w, 
   }
 
 inline void key_scores_avx2(const float* q, const uint8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
-                            int64_t S, int64_t ng) {
-  ARMKV_BY_HEADS(key_scores_avx2_r, R, q, codes, scale, out, R, d, S, ng)
+                            int64_t S, int64_t ng, const uint8_t* then = nullptr, int64_t then_row = 0) {
+  ARMKV_BY_HEADS(key_scores_avx2_r, R, q, codes, scale, out, R, d, S, ng, then, then_row)
 }
 
 inline void weighted_values_avx2(const float* w, const uint8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
@@ -194,10 +209,11 @@ inline bool use_avx2(int64_t R, int64_t d, int64_t ng) {
 #endif
 }
 
+// then, then_row: rows of then_row bytes a slot that the caller reads next (prefetched alongside)
 inline void key_scores(const float* q, const uint8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
-                       int64_t S, int64_t ng) {
+                       int64_t S, int64_t ng, const uint8_t* then = nullptr, int64_t then_row = 0) {
 #ifdef ARMKV_AVX2
-  if (use_avx2(R, d, ng)) return key_scores_avx2(q, codes, scale, out, R, d, S, ng);
+  if (use_avx2(R, d, ng)) return key_scores_avx2(q, codes, scale, out, R, d, S, ng, then, then_row);
 #endif
   key_scores_scalar(q, codes, scale, out, R, d, S, ng);
 }
@@ -227,9 +243,15 @@ inline void int8_key_scores_scalar(const float* q, const int8_t* codes, const fl
 // blocks of 16 slots: one 16-byte load per channel row feeds two accumulators per query head
 template <int RR>
 __attribute__((target("avx2,fma"))) void int8_key_scores_avx2_r(const float* q, const int8_t* codes, const float* scale,
-                                                               float* out, int64_t R_, int64_t d, int64_t S) {
+                                                               float* out, int64_t R_, int64_t d, int64_t S,
+                                                               const uint8_t* then, int64_t then_row) {
   const int64_t R = heads<RR>(R_), full = S / 16 * 16;
   for (int64_t s0 = 0; s0 < full; s0 += 16) {
+    // prefetches as in key_scores_avx2_r: each channel row's line ahead, and the rows read next
+    if (s0 % 64 == 0 && s0 + kPrefetchAhead < S)
+      for (int64_t c = 0; c < d; ++c) _mm_prefetch(reinterpret_cast<const char*>(codes + c * S + s0 + kPrefetchAhead), _MM_HINT_T0);
+    if (then)
+      for (int64_t b = 0; b < 16 * then_row; b += 64) _mm_prefetch(reinterpret_cast<const char*>(then + s0 * then_row + b), _MM_HINT_T0);
     __m256 lo[kAcc<RR>], hi[kAcc<RR>];
     for (int64_t r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t c = 0; c < d; ++c) {
@@ -252,8 +274,8 @@ __attribute__((target("avx2,fma"))) void int8_key_scores_avx2_r(const float* q, 
 }
 
 inline void int8_key_scores_avx2(const float* q, const int8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
-                                 int64_t S) {
-  ARMKV_BY_HEADS(int8_key_scores_avx2_r, R, q, codes, scale, out, R, d, S)
+                                 int64_t S, const uint8_t* then = nullptr, int64_t then_row = 0) {
+  ARMKV_BY_HEADS(int8_key_scores_avx2_r, R, q, codes, scale, out, R, d, S, then, then_row)
 }
 #endif
 
@@ -266,9 +288,9 @@ inline bool int8_use_avx2(int64_t R) {
 }
 
 inline void int8_key_scores(const float* q, const int8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
-                            int64_t S) {
+                            int64_t S, const uint8_t* then = nullptr, int64_t then_row = 0) {
 #ifdef ARMKV_AVX2
-  if (int8_use_avx2(R)) return int8_key_scores_avx2(q, codes, scale, out, R, d, S);
+  if (int8_use_avx2(R)) return int8_key_scores_avx2(q, codes, scale, out, R, d, S, then, then_row);
 #endif
   int8_key_scores_scalar(q, codes, scale, out, R, d, S);
 }
@@ -412,9 +434,9 @@ __attribute__((always_inline)) inline void decode_group_body(const DecodeGroup& 
     }
   }
   if (int8_keys)
-    int8_key_scores(qm, static_cast<const int8_t*>(a.key_codes), a.key_scale, slot_w, R, d, S);
+    int8_key_scores(qm, static_cast<const int8_t*>(a.key_codes), a.key_scale, slot_w, R, d, S, a.value_codes, d / 2);
   else
-    key_scores(qm, static_cast<const uint8_t*>(a.key_codes), a.key_scale, slot_w, R, d, S, ngk);
+    key_scores(qm, static_cast<const uint8_t*>(a.key_codes), a.key_scale, slot_w, R, d, S, ngk, a.value_codes, d / 2);
   for (int64_t r = 0; r < R; ++r) {
     float* sw = slot_w + r * S;
     float* ew = exact_w + r * (L + 1);
