@@ -749,11 +749,17 @@ __attribute__((always_inline)) inline void unpack_slots_body(const uint8_t* kc, 
   for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
     const int64_t n = std::min(kBlock, S - s0);
     if (int8_keys) {  // int8 codes [d, S] (k8v4, the ladder's first rung)
+      if (s0 % 64 == 0 && s0 + kPrefetchAhead < S)
+        for (int64_t c = 0; c < d; ++c) __builtin_prefetch(kc + c * S + s0 + kPrefetchAhead);
       for (int64_t c = 0; c < d; ++c) {
         const int8_t* row = reinterpret_cast<const int8_t*>(kc) + c * S + s0;
         for (int64_t j = 0; j < n; ++j) x[j * d + c] = static_cast<float>(row[j]);
       }
     } else {
+      // channel-major rows S bytes apart, cold at decode time: each row's line ahead, as the
+      // decode read does (kPrefetchAhead)
+      if (s0 % 64 == 0 && s0 + kPrefetchAhead < S)
+        for (int64_t c = 0; c < half; ++c) __builtin_prefetch(kc + c * S + s0 + kPrefetchAhead);
       for (int64_t c = 0; c < half; ++c) {
         const uint8_t* row = kc + c * S + s0;
         for (int64_t j = 0; j < n; ++j) {
