@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from armkv.bench.decode import DecodeBench, Session, load_bench_model
+from armkv.bench.decode import cpu_session
 from armkv.hf.attach import make_cache
 from armkv.methods.arm import ARMLayer
 
@@ -23,9 +23,7 @@ def main() -> None:
     p.add_argument("length", type=int)
     p.add_argument("pairs", type=int, nargs="?", default=1)
     a = p.parse_args()
-    torch.set_num_threads(1)
-    model = load_bench_model(None, "cpu", "float32")
-    session = Session(model, DecodeBench(methods=["arm"], lengths=[a.length], budget=512, clock="process"))
+    model, session = cpu_session(a.length)
     stats = {"roomy": 0, "flush": 0, "unpack_s": 0.0}
     write_form, roomy_form = ARMLayer._write_form, ARMLayer._roomy_form
 

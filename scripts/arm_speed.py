@@ -20,7 +20,7 @@ import statistics
 
 import torch
 
-from armkv.bench.decode import DecodeBench, Session, load_bench_model
+from armkv.bench.decode import cpu_session
 from armkv.hf.attach import make_cache
 
 
@@ -33,14 +33,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--option", action="append", default=[], help="KEY=VALUE for every arm cache, e.g. sync=32")
     a = p.parse_args()
-    torch.set_num_threads(1)
 
     def label(name: str) -> str:
         return name if name in others else f"arm slot_format={name}"
 
     extra = {k: (int(v) if v.isdigit() else v) for k, v in (o.split("=", 1) for o in a.option)}
-    model = load_bench_model(None, "cpu", "float32")
-    session = Session(model, DecodeBench(methods=["arm"], lengths=[a.length], budget=a.budget, clock="process"))
+    model, session = cpu_session(a.length, a.budget)
     others = [m for m in a.methods.split(",") if m]
     names = ["floor", *others, *[f for f in a.formats.split(",") if f]]
     state, steps, kernels = {}, {n: [] for n in names}, {}

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from armkv.bench.decode import DecodeBench, Session, load_bench_model
+from armkv.bench.decode import cpu_session
 from armkv.hf.attach import make_cache
 from armkv.memory import kernels
 
@@ -28,9 +28,7 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--rounds", type=int, default=4)
     a = p.parse_args()
-    torch.set_num_threads(1)
-    model = load_bench_model(None, "cpu", "float32")
-    session = Session(model, DecodeBench(methods=["arm"], lengths=[a.length], budget=a.budget, clock="process"))
+    model, session = cpu_session(a.length, a.budget)
     cache = make_cache(model, "arm", a.budget, 256)
     built = kernels.int4_read
     modes = {"fused": built, "pytorch": lambda: None}  # what the write's kernel lookups get

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from armkv.bench.decode import DecodeBench, Session, load_bench_model
+from armkv.bench.decode import cpu_session
 from armkv.hf.attach import make_cache
 from armkv.methods.arm import ARMLayer
 from armkv.methods.buffers import ExactBuffer
@@ -30,7 +30,6 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--budget", type=int, default=512)
     a = p.parse_args()
-    torch.set_num_threads(1)
     spent: dict[str, float] = collections.defaultdict(float)
 
     def timed(cls, name: str, label: str) -> None:
@@ -44,8 +43,7 @@ def main() -> None:
 
         setattr(cls, name, wrapper)
 
-    model = load_bench_model(None, "cpu", "float32")
-    session = Session(model, DecodeBench(methods=["arm"], lengths=[a.length], budget=a.budget, clock="process"))
+    model, session = cpu_session(a.length, a.budget)
     with torch.no_grad():
         floor = session.cache("full")
         floor_token, _ = session.prefill(floor, 4)

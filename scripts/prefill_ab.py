@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from armkv.bench.decode import DecodeBench, Session, load_bench_model
+from armkv.bench.decode import cpu_session
 from armkv.evals.common import option_value
 from armkv.hf.attach import make_cache
 
@@ -40,10 +40,8 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--chunk", type=int, default=256)
     a = p.parse_args()
-    torch.set_num_threads(1)
     configs = [c for c in a.configs.split(";") if c.strip()]
-    model = load_bench_model(None, "cpu", "float32")
-    session = Session(model, DecodeBench(methods=["full"], lengths=[a.length], budget=a.budget, clock="process"))
+    model, session = cpu_session(a.length, a.budget, "full")
     rates: dict[str, list[float]] = {c: [] for c in configs}
 
     def cache(config: str):

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from armkv.bench.decode import DecodeBench, Session, load_bench_model
+from armkv.bench.decode import cpu_session
 from armkv.hf.attach import make_cache
 
 
@@ -32,9 +32,7 @@ def main() -> None:
     p.add_argument("--sort", default="tottime", help="pstats order: tottime (own time) or cumulative")
     p.add_argument("--rows", type=int, default=30, help="functions listed")
     a = p.parse_args()
-    torch.set_num_threads(1)
-    model = load_bench_model(None, "cpu", "float32")
-    session = Session(model, DecodeBench(methods=[a.method], lengths=[a.length], budget=a.budget, clock="process"))
+    model, session = cpu_session(a.length, a.budget, a.method)
     budget = None if a.method == "full" else a.budget
     with torch.no_grad():
         cache = make_cache(model, a.method, budget, 256)

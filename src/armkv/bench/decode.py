@@ -673,6 +673,15 @@ def load_bench_model(model_dir: str | None, device: str, dtype: str):
     return model.to(device).eval()
 
 
+def cpu_session(length: int, budget: int = 512, method: str = "arm"):
+    """The setup the measurement scripts share: one torch thread, the default model in fp32
+    on the CPU, and a :class:`Session` for one method at one prompt length and budget, timed
+    in process CPU time. Returns (model, session)."""
+    torch.set_num_threads(1)
+    model = load_bench_model(None, "cpu", "float32")
+    return model, Session(model, DecodeBench(methods=[method], lengths=[length], budget=budget, clock="process"))
+
+
 def report(result: dict, args) -> None:
     """Write results.json, table.md and decode.png under --output (if given); print the table
     (unless --json) and then the JSON line."""
