@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -688,11 +689,19 @@ void bucket_best_group(const float* tok, const float* slots, const int32_t* sb, 
   std::vector<int64_t> order(start[nb]), fill(start.begin(), start.end() - 1);
   for (int64_t s = 0; s < S; ++s)
     if (sb[s] >= 0) order[fill[sb[s]]++] = s;
-  std::vector<float> rows(start[nb] * d);  // the occupied slots in bucket order, unit rows: each bucket one run
-  for (int64_t j = 0; j < start[nb]; ++j) {
-    const float* k = slots + order[j] * d;
-    const float inv = 1.0f / std::max(std::sqrt(dot_scalar(k, k, d)), 1e-12f);
-    for (int64_t c = 0; c < d; ++c) rows[j * d + c] = k[c] * inv;
+  // the occupied slots in bucket order, unit rows: each bucket one run; only the buckets some
+  // token reads are normalised (a decode-time write has 16 tokens against thousands of slots)
+  std::vector<char> read(nb, 0);
+  for (int64_t t = 0; t < N; ++t)
+    if (tb[t] >= 0 && tb[t] < nb) read[tb[t]] = 1;
+  std::unique_ptr<float[]> rows(new float[std::max<int64_t>(start[nb] * d, 1)]);
+  for (int64_t b = 0; b < nb; ++b) {
+    if (!read[b]) continue;
+    for (int64_t j = start[b]; j < start[b + 1]; ++j) {
+      const float* k = slots + order[j] * d;
+      const float inv = 1.0f / std::max(std::sqrt(dot_scalar(k, k, d)), 1e-12f);
+      for (int64_t c = 0; c < d; ++c) rows[j * d + c] = k[c] * inv;
+    }
   }
   std::vector<float> x(d);
   for (int64_t t = 0; t < N; ++t) {
@@ -704,7 +713,7 @@ void bucket_best_group(const float* tok, const float* slots, const int32_t* sb, 
       const float inv = 1.0f / std::max(std::sqrt(dot_scalar(raw, raw, d)), 1e-12f);
       for (int64_t c = 0; c < d; ++c) x[c] = raw[c] * inv;
       for (int64_t j = start[b]; j < start[b + 1]; ++j) {
-        const float c = dot<AVX>(x.data(), rows.data() + j * d, d);
+        const float c = dot<AVX>(x.data(), rows.get() + j * d, d);
         if (c > m) m = c, at = order[j];
       }
     }
