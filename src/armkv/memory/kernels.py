@@ -25,6 +25,10 @@ of its bucket (the merge candidate) and of any bucket (where a demoted token goe
 PyTorch ops eight passes over the [tokens, slots] scores (the affine map, the bucket and
 occupancy masks, two masked maxima). ``best_slots`` takes both maxima in one pass over the
 cosines.
+
+The decode step also pushes its token into the exact window (``ExactBuffer._push_one``):
+some twenty small PyTorch ops per layer, each dispatched from Python; ``ring_push`` does
+it in one call on a CPU (the ops stay as its reference, ``ExactBuffer.fused_push``).
 """
 
 from __future__ import annotations
