@@ -68,24 +68,26 @@ def run_cli(args, **kw):
 
 
 def test_sigkill_and_resume_equals_uninterrupted(model_dir, corpus, tmp_path):
-    common = ("--steps", "10", "--save-every", "2", "--keep-last", "10")
+    # enough steps after the kill point that a fast machine cannot finish them between two
+    # polls and the kill (with 10 steps a quiet machine sometimes did)
+    common = ("--steps", "100", "--save-every", "2", "--keep-last", "60")
     ref = run_cli(train_args(model_dir, corpus, tmp_path / "ref", *common))
     run = run_cli(train_args(model_dir, corpus, tmp_path / "run", *common))
     deadline = time.time() + 240
     while not (tmp_path / "run" / "checkpoints" / "step_00000004" / "COMPLETE").exists():
         assert run.poll() is None and time.time() < deadline, run.communicate()[1][-2000:]
-        time.sleep(0.05)
+        time.sleep(0.01)
     run.send_signal(signal.SIGKILL)
     run.wait()
     assert ref.wait(timeout=240) == 0, ref.communicate()[1][-2000:]
     done = {p.name for p in (tmp_path / "run" / "checkpoints").iterdir()}
-    assert "step_00000010" not in done  # it really was killed before the end
+    assert "step_00000100" not in done  # it really was killed before the end
     resumed = run_cli(train_args(model_dir, corpus, tmp_path / "run", *common, "--resume"))
     out, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, err[-2000:]
     assert "resumed from" in out
-    a = load_file(tmp_path / "ref" / "checkpoints" / "step_00000010" / "tensors.safetensors")
-    b = load_file(tmp_path / "run" / "checkpoints" / "step_00000010" / "tensors.safetensors")
+    a = load_file(tmp_path / "ref" / "checkpoints" / "step_00000100" / "tensors.safetensors")
+    b = load_file(tmp_path / "run" / "checkpoints" / "step_00000100" / "tensors.safetensors")
     params = [k for k in a if k.startswith("param.")]
     assert params and all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in params)
 
