@@ -18,7 +18,7 @@ import string
 from collections import Counter
 from pathlib import Path
 
-from armkv.errors import ArmkvError
+from armkv.errors import ArmkvError, read_text
 from armkv.evals import common
 
 # config/dataset2prompt.json
@@ -257,7 +257,7 @@ def load_dataset(data_dir: str | Path | None, dataset: str) -> list[dict]:
     """The samples of ``<data_dir>/<dataset>.jsonl`` (LongBench's data format)."""
     path = dataset_path(data_dir, dataset)
     samples = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+    for i, line in enumerate(read_text(path, "LongBench data").splitlines()):
         if line.strip():
             try:
                 samples.append(json.loads(line))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from armkv.errors import ArmkvError
+from armkv.errors import ArmkvError, read_text
 
 
 def add_arguments(parser) -> None:
@@ -102,8 +102,9 @@ def main(args) -> int:
         raise ArmkvError(f"--input {path}: no such file")
     if args.inputs < 1 or args.tokens < 1:
         raise ArmkvError("--inputs and --tokens must be at least 1")
+    text = read_text(path, "--input")
     model, tokenizer = load_model(args.model)
-    ids = tokenizer(path.read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
     need = args.inputs * args.tokens
     if ids.numel() < need:
         raise ArmkvError(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from armkv.errors import ArmkvError
+from armkv.errors import ArmkvError, read_text
 
 
 def add_arguments(parser) -> None:
@@ -77,8 +77,9 @@ def main(args) -> int:
         if not sep or not key.strip():
             raise ArmkvError(f"--option {pair!r}: expected KEY=VALUE, e.g. slot_format=int8")
         options[key.strip()] = option_value(value)
+    text = read_text(path, "--input")
     model, tokenizer = load_model(args.model)
-    ids = tokenizer(path.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, : args.max_tokens]
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens]
     if ids.shape[1] < 2:
         raise ArmkvError(f"--input {path}: fewer than 2 tokens to score")
     limit = getattr(model.config, "max_position_embeddings", None)

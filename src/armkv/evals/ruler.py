@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from armkv.errors import ArmkvError
+from armkv.errors import ArmkvError, read_text
 from armkv.evals import common, words
 
 # scripts/data/synthetic/constants.py
@@ -175,7 +175,7 @@ def load_essay(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise ArmkvError(f"--haystack-file {path}: no such file")
-    raw = path.read_text(encoding="utf-8")
+    raw = read_text(path, "--haystack-file")
     if path.suffix == ".json":
         data = _read_json(path, "--haystack-file")
         if isinstance(data, dict) and "text" in data:

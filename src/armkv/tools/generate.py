@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from armkv.errors import ArmkvError
+from armkv.errors import ArmkvError, read_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,18 +39,17 @@ def read_requests(path: Path) -> list[dict]:
     if not path.is_file():
         raise ArmkvError(f"input file {path} does not exist")
     requests = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                request = json.loads(line)
-                check_request(request)
-            except (json.JSONDecodeError, ArmkvError) as e:
-                reason = f"not JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else str(e)
-                print(f"armkv generate: warning: {path}:{number}: skipped, {reason}", file=sys.stderr)
-                continue
-            requests.append(request)
+    for number, line in enumerate(read_text(path, "--input").split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            request = json.loads(line)
+            check_request(request)
+        except (json.JSONDecodeError, ArmkvError) as e:
+            reason = f"not JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else str(e)
+            print(f"armkv generate: warning: {path}:{number}: skipped, {reason}", file=sys.stderr)
+            continue
+        requests.append(request)
     if not requests:
         raise ArmkvError(f"{path} holds no request (one JSON object per line with 'id' and 'context' or 'prompt')")
     return requests
