@@ -182,6 +182,16 @@ def test_bad_input_is_one_line(gen):
         assert "\n" not in message
 
 
+@pytest.mark.parametrize("tool", ["ruler", "ablation"])
+def test_zero_samples_is_a_one_line_error(tmp_path, capsys, tool):
+    from armkv.cli import main
+
+    assert main(["eval", tool, "--lengths", "1k", "--samples", "0", "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--samples 0: give at least 1" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
 def needle_answer(method, request):
     """A fake model that reads the needle when it is 'full' and guesses otherwise."""
     if method != "full":

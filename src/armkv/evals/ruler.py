@@ -817,6 +817,8 @@ def prepare(args, tasks: list[str]):
     """Check the tasks' data and lengths, then load the model: ``(generator, lengths, info, model, tokenizer)``."""
     lengths = common.parse_list(args.lengths, "lengths", common.parse_length)
     depths = common.parse_list(args.depths, "depths", float) or None
+    if args.samples < 1:
+        raise ArmkvError(f"--samples {args.samples}: give at least 1 sample per task and length")
     haystack = load_essay(args.haystack_file) if args.haystack_file else None
     qa = load_qa_files(args.qa_file)
     override = None if getattr(args, "haystack", "task") == "task" else args.haystack
