@@ -164,6 +164,8 @@ def test_merge_runs(one_thread, tmp_path, capsys):
         (["--lengths", "1024,200000"], "beyond the limit of 131072"),
         (["--lengths", "1k,x"], "expected comma-separated integers"),
         (["--methods", "swa", "--budget", "0"], "--budget 0 must be"),
+        (["--methods", "swa", "--option", "kivi.bits=2"], "'kivi' is not among --methods swa"),
+        (["--methods", "arm", "--option", "sync=32"], "expected METHOD.KEY=VALUE"),
     ],
 )
 def test_bad_input_is_one_line(model_dir, capsys, extra, message):
@@ -174,6 +176,20 @@ def test_bad_input_is_one_line(model_dir, capsys, extra, message):
     assert len(err) == 1 and message in err[0], err
     assert err[0].startswith("armkv bench: error:")
     assert captured.out == ""
+
+
+def test_options_reach_the_method(one_thread):
+    """--option METHOD.KEY=VALUE is given to that method's cache (here fp32 slots instead of
+    k4v4: fewer slots in the same budget, so other bytes), recorded in the settings and the table."""
+    model = tiny_model("llama")
+    plain = run_bench(model, small_bench(methods=["arm", "swa"], lengths=[128]), progress=False)
+    fp32 = run_bench(model, small_bench(methods=["arm", "swa"], lengths=[128], options={"arm": {"slot_format": "model"}}), progress=False)
+    assert fp32["cache_bytes"]["arm"][128] != plain["cache_bytes"]["arm"][128]
+    assert fp32["cache_bytes"]["swa"] == plain["cache_bytes"]["swa"]
+    assert fp32["settings"]["options"] == {"arm": {"slot_format": "model"}}
+    assert 'arm options: {"slot_format": "model"}' in markdown(fp32)
+    with pytest.raises(ArmkvError, match="no_such_option"):
+        run_bench(model, small_bench(methods=["arm"], lengths=[128], options={"arm": {"no_such_option": 1}}), progress=False)
 
 
 def test_bad_config_in_python():

@@ -60,6 +60,7 @@ class DecodeBench:
     max_length: int = 131072  # refuse prompt lengths past this (a typo guard, not a model limit)
     clock: str = "wall"  # "wall", or "process": CPU time of the process (a CPU shared with other jobs)
     seed: int = 0
+    options: dict[str, dict] = field(default_factory=dict)  # method -> its make_cache options (--option arm.sync=32)
 
     def __post_init__(self) -> None:
         from armkv.methods.base import get_method
@@ -72,6 +73,11 @@ class DecodeBench:
             raise ArmkvError(f"--methods {','.join(self.methods)} names a method twice")
         for name in self.methods:
             get_method(name)  # one-line error for an unknown method
+        for name, opts in self.options.items():
+            if name not in self.methods:
+                raise ArmkvError(
+                    f"--option {name}.{next(iter(opts))}=...: {name!r} is not among --methods {','.join(self.methods)}"
+                )
         if not self.lengths:
             raise ArmkvError("--lengths is empty: give at least one prompt length")
         for what, values in (("--lengths", self.lengths), ("--gen-lengths", self.gen_lengths)):
@@ -189,7 +195,7 @@ class Session:
     def cache(self, method: str):
         from armkv.hf.attach import make_cache
 
-        return make_cache(self.model, method, self.bench.budget, self.bench.chunk)
+        return make_cache(self.model, method, self.bench.budget, self.bench.chunk, **self.bench.options.get(method, {}))
 
     def random_ids(self, n: int) -> torch.Tensor:
         ids = torch.randint(self.vocab_low, self.vocab_high, (1, n), generator=self.generator)
@@ -318,6 +324,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
             "max_full_length": bench.max_full_length,
             "beyond_full": bench.beyond_full,
             "clock": bench.clock,
+            "options": bench.options,
             "torch": torch.__version__,
             "cpu_count": os.cpu_count(),
         },
@@ -444,6 +451,7 @@ def markdown(result: dict) -> str:
         f"model {s['model']} ({s['dtype']}), budget {s['budget']}, chunk {s['chunk']}, device {result['device']}, "
         f"{result['threads']} torch threads; medians of {s['repeats']} steps after {s['warmup']} warm-up steps, "
         f"{s.get('clock', 'wall')} clock" + (f"; int4 slot read: {result['int4_read']}" if result.get("int4_read") else "")
+        + "".join(f"; {m} options: {json.dumps(o)}" for m, o in (s.get("options") or {}).items())
     )
     out.append("")
     out.append(f"Floor (full cache, {s['floor_context']}-token context): {result['floor_ms_per_token']:.2f} ms/token")
@@ -550,14 +558,15 @@ def merge_results(docs: list[dict]) -> dict:
     """
     if not docs:
         raise ArmkvError("--merge needs at least one results.json")
-    same = ("model", "dtype", "budget", "chunk", "clock")
+    same = ("model", "dtype", "budget", "chunk", "clock", "options")
     first = docs[0]
     for doc in docs[1:]:
         for key in ("threads", "device"):
             if doc[key] != first[key]:
                 raise ArmkvError(f"--merge: runs differ in {key} ({first[key]} vs {doc[key]}); merge like with like")
         for key in same:
-            if doc["settings"].get(key) != first["settings"].get(key):
+            empty = {} if key == "options" else None  # runs from before --option recorded none
+            if doc["settings"].get(key, empty) != first["settings"].get(key, empty):
                 raise ArmkvError(f"--merge: runs differ in {key}; merge like with like")
     merged = json.loads(json.dumps(first))
 
@@ -630,6 +639,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=("wall", "process"), default="wall",
                         help="wall time, or the process's CPU time (on a CPU shared with other jobs)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--option", action="append", metavar="METHOD.KEY=VALUE",
+                        help="a method option (repeatable), as the evals take it: arm.sync=32, kivi.bits=2")
     parser.add_argument("--output", default=None, help="folder for results.json, table.md and decode.png")
     parser.add_argument("--json", action="store_true", help="print only the JSON line on stdout")
     parser.add_argument("--merge", nargs="+", metavar="RESULTS_JSON", default=None,
@@ -638,6 +649,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_from_args(args) -> DecodeBench:
+    from armkv.evals.common import parse_options  # the evals' --option syntax, METHOD.KEY=VALUE
+
     return DecodeBench(
         methods=[m.strip() for m in args.methods.split(",") if m.strip()],
         lengths=int_list(args.lengths, "--lengths"),
@@ -651,6 +664,7 @@ def bench_from_args(args) -> DecodeBench:
         max_length=args.max_length,
         clock=args.clock,
         seed=args.seed,
+        options=parse_options(args.option),
     )
 
 
