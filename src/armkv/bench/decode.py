@@ -649,7 +649,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_from_args(args) -> DecodeBench:
-    from armkv.evals.common import parse_options  # the evals' --option syntax, METHOD.KEY=VALUE
+    from armkv.options import parse_options  # the evals' --option syntax, METHOD.KEY=VALUE
 
     return DecodeBench(
         methods=[m.strip() for m in args.methods.split(",") if m.strip()],

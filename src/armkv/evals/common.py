@@ -16,9 +16,10 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 from armkv.errors import ArmkvError
+from armkv.options import option_value, parse_options  # noqa: F401 (the evals' --option, shared with bench)
 
 
 @dataclass(frozen=True)
@@ -60,29 +61,6 @@ def parse_length(text: str) -> int:
     if not match:
         raise ValueError(text)
     return int(match.group(1)) * (1024 if match.group(2) else 1)
-
-
-def parse_options(pairs: Iterable[str] | None) -> dict[str, dict]:
-    """``["arm.adapter=run/x", "kivi.bits=2"]`` -> ``{"arm": {"adapter": "run/x"}, "kivi": {"bits": 2}}``.
-
-    Values are read as JSON where they parse (numbers, booleans), else kept as text.
-    """
-    options: dict[str, dict] = {}
-    for pair in pairs or ():
-        name, sep, value = pair.partition("=")
-        method, dot, key = name.strip().partition(".")
-        if not sep or not dot or not method or not key:
-            raise ArmkvError(f"--option {pair!r}: expected METHOD.KEY=VALUE, e.g. arm.adapter=PATH")
-        options.setdefault(method, {})[key] = option_value(value)
-    return options
-
-
-def option_value(text: str):
-    """An option's value: JSON where it parses (numbers, booleans), else the text itself."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 def add_common_arguments(parser, *, methods: str | None, samples: int, samples_help: str = "samples per task and length") -> None:
