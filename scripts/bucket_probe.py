@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import armkv.memory.write as arm_write
-from armkv.evals.common import option_value
+from armkv.options import option_value
 from armkv.evals.ppl import perplexity
 from armkv.hf.model import load_model
 

@@ -35,7 +35,7 @@ import torch
 
 import armkv.memory.module as arm_module
 import armkv.memory.write as arm_write
-from armkv.evals.common import option_value
+from armkv.options import option_value
 from armkv.evals.ruler import RulerGenerator, load_essay
 from armkv.hf.attach import make_cache
 from armkv.hf.model import load_model

@@ -19,7 +19,7 @@ import statistics
 import torch
 
 from armkv.bench.decode import cpu_session
-from armkv.evals.common import option_value
+from armkv.options import option_value
 from armkv.hf.attach import make_cache
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from armkv.errors import ArmkvError
-from armkv.options import option_value, parse_options  # noqa: F401 (the evals' --option, shared with bench)
+from armkv.options import parse_options
 
 
 @dataclass(frozen=True)

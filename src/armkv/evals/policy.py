@@ -98,11 +98,9 @@ def main(args) -> int:
     from armkv.hf.model import load_model
 
     path = Path(args.input)
-    if not path.is_file():
-        raise ArmkvError(f"--input {path}: no such file")
+    text = read_text(path, "--input")
     if args.inputs < 1 or args.tokens < 1:
         raise ArmkvError("--inputs and --tokens must be at least 1")
-    text = read_text(path, "--input")
     model, tokenizer = load_model(args.model)
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
     need = args.inputs * args.tokens

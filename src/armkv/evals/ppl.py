@@ -59,13 +59,12 @@ def perplexity(model, ids: torch.Tensor, method: str, budget: int | None, chunk:
 
 
 def main(args) -> int:
-    from armkv.evals.common import option_value
+    from armkv.options import option_value
     from armkv.hf.model import load_model
     from armkv.methods.base import get_method
 
     path = Path(args.input)
-    if not path.is_file():
-        raise ArmkvError(f"--input {path}: no such file")
+    text = read_text(path, "--input")
     spec = get_method(args.method)
     options = {}
     if args.adapter is not None:
@@ -77,7 +76,6 @@ def main(args) -> int:
         if not sep or not key.strip():
             raise ArmkvError(f"--option {pair!r}: expected KEY=VALUE, e.g. slot_format=int8")
         options[key.strip()] = option_value(value)
-    text = read_text(path, "--input")
     model, tokenizer = load_model(args.model)
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens]
     if ids.shape[1] < 2:

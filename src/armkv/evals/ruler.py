@@ -173,8 +173,6 @@ def load_essay(path: str | Path) -> list[str]:
     strings, or a list of objects with a ``text`` field.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ArmkvError(f"--haystack-file {path}: no such file")
     raw = read_text(path, "--haystack-file")
     if path.suffix == ".json":
         data = _read_json(path, "--haystack-file")

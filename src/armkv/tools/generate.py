@@ -32,12 +32,10 @@ def read_requests(path: Path) -> list[dict]:
 
     Raises
     ------
-    ArmkvError if the file is missing or holds no valid request.
+    ArmkvError if the file is missing, not UTF-8, or holds no valid request.
     """
     from armkv.hf.runner import check_request
 
-    if not path.is_file():
-        raise ArmkvError(f"input file {path} does not exist")
     requests = []
     for number, line in enumerate(read_text(path, "--input").split("\n"), start=1):
         if not line.strip():
