@@ -15,6 +15,8 @@ for this process only:
   policy loses from what the read loses);
 - ``local=L``: merge scores minus L * |distance in positions| / 256 (merges kept local);
 - ``exact_nn=S``: pools up to S slots search nearest neighbours exactly (S x S);
+- ``protect=all``: the oracle keeps every needle of the context (multi-needle tasks: the
+  distractors too);
 - ``protect_layers=A-B``: with ``protect=true``, the oracle holds only in layers A to B
   (which layers need the needle kept).
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 
 import torch
@@ -46,6 +49,16 @@ _room_similarity = arm_write.room_similarity
 _write = arm_module.ARMMemory.write
 
 
+def _in_needle(pos: torch.Tensor) -> torch.Tensor:
+    """True where a position lies in a protected span (PATCH["needle"]: (lo, hi) or a list of them)."""
+    spans = PATCH["needle"]
+    spans = [spans] if isinstance(spans, tuple) else spans
+    hit = torch.zeros_like(pos, dtype=torch.bool)
+    for lo, hi in spans:
+        hit |= (pos >= lo) & (pos < hi)
+    return hit
+
+
 def _protecting() -> bool:
     layers = PATCH["layers"]
     return PATCH["needle"] is not None and (layers is None or layers[0] <= PATCH["layer"] <= layers[1])
@@ -59,36 +72,58 @@ def _patched_room_similarity(metric, state, keys, values, cos, slot_pairs=True):
         ss = None if ss is None else ss - lam * (sp.unsqueeze(2) - sp.unsqueeze(1)).abs() / 256
         ts = ts - lam * (tok.unsqueeze(2) - sp.unsqueeze(1)).abs() / 256
     if _protecting():
-        lo, hi = PATCH["needle"]
-        slot = (state.count == 1) & (state.pos >= lo) & (state.pos < hi)
+        slot = (state.count == 1) & _in_needle(state.pos)
         if ss is not None:
             ss = ss.masked_fill(slot.unsqueeze(1) | slot.unsqueeze(2), -math.inf)
-        ts = ts.masked_fill(((tok >= lo) & (tok < hi)).unsqueeze(2) | slot.unsqueeze(1), -math.inf)
+        if ts is not None:  # None: the fused path scores tokens in _make_room (patched below)
+            ts = ts.masked_fill(_in_needle(tok).unsqueeze(2) | slot.unsqueeze(1), -math.inf)
     return ss, ts
+
+
+def _patched_make_room(state, leader, neighbours, token_sims, deficit, nearest_token=None):
+    if _protecting() and nearest_token is not None:
+        slot = (state.count == 1) & _in_needle(state.pos)
+        sim, idx = nearest_token
+        nearest_token = (sim.masked_fill(_in_needle(PATCH["pos"]) | slot.gather(1, idx), -math.inf), idx)
+    return _make_room(state, leader, neighbours, token_sims, deficit, nearest_token)
 
 
 def _patched_neighbours(metric, state, width=arm_write.BAND_WIDTH):
     sim, idx = _banded(metric, state, width)
     if _protecting():
-        lo, hi = PATCH["needle"]
-        slot = (state.count == 1) & (state.pos >= lo) & (state.pos < hi)
+        slot = (state.count == 1) & _in_needle(state.pos)
         sim = sim.masked_fill(slot | slot.gather(1, idx), -math.inf)
     return sim, idx
 
 
 _banded = arm_write.banded_neighbours
+_make_room = arm_write._make_room
 
 
-def _patched_write(self, state, keys, values, positions, valid, generator=None, config=None):
+def _patched_write(self, state, keys, values, positions, valid, generator=None, config=None, **kwargs):
     B, H, N, _ = keys.shape
     PATCH["layer"] = PATCH["seen"].setdefault(id(self), len(PATCH["seen"]))  # layers write in order
     PATCH["pos"] = positions.float().unsqueeze(1).expand(B, H, N).reshape(B * H, N)
-    return _write(self, state, keys, values, positions, valid, generator, config)
+    return _write(self, state, keys, values, positions, valid, generator, config, **kwargs)
 
 
 arm_write.room_similarity = _patched_room_similarity
 arm_write.banded_neighbours = _patched_neighbours
+arm_write._make_room = _patched_make_room
 arm_module.ARMMemory.write = _patched_write
+
+
+def needle_spans(ctx: list[int], tok) -> list[tuple[int, int]]:
+    """(lo, hi) token spans of every needle sentence ("... magic number(s) for KEY is: VALUE.")
+    in the context: the 20 tokens before each value, the value and two after."""
+    text = tok.decode(ctx)
+    spans = []
+    for m in re.finditer(r"special magic \w+ for [^.]*? is: (\S+?)\.", text):
+        value = tok(" " + m.group(1), add_special_tokens=False)["input_ids"]
+        at = find(ctx, value)
+        if at is not None:
+            spans.append((at - 20, at + len(value) + 2))
+    return spans
 
 
 def find(ids: list[int], sub: list[int]) -> int | None:
@@ -131,6 +166,8 @@ def main() -> None:
             ans = tok(" " + s["answers"][0], add_special_tokens=False)["input_ids"]
             at = find(ctx, ans)
             PATCH["needle"] = (at - 20, at + len(ans) + 2) if protect and at is not None else None
+            if protect == "all":  # every needle of the context, the distractors too
+                PATCH["needle"] = needle_spans(ctx, tok)
             PATCH["seen"] = {}
             cache = make_cache(model, method, a.budget if method != "full" else None, 256, **options)
             with torch.inference_mode():
