@@ -96,11 +96,24 @@ def test_retrieval_scores_equal_a_per_head_loop_and_restore_the_model(arch):
 def test_retrieval_layer_weights_favour_copying_layers_and_average_one():
     from armkv.train.calibrate import retrieval_layer_weights
 
-    w = retrieval_layer_weights([0.0, 0.01, 0.64, 0.16])
+    w = retrieval_layer_weights([0.0, 0.01, 0.64, 0.16], "sqrt")
     assert abs(sum(w) / len(w) - 1) < 1e-3
     assert w[0] < w[1] < w[3] < w[2]
     assert w[2] / w[0] == pytest.approx(2.5 / 0.5, rel=1e-3)  # (floor + spread) / floor at the top
     assert retrieval_layer_weights([0.0, 0.0]) == [1.0, 1.0]
+
+
+def test_split_layer_weights_give_the_retrieval_layers_five_times_the_others_share():
+    from armkv.train.calibrate import retrieval_layer_weights
+
+    # 0.64 / 8 = 0.08: the layers at 0.64 and 0.16 are retrieval layers, 0.07 is just under
+    w = retrieval_layer_weights([0.0, 0.07, 0.64, 0.16, 0.0])
+    assert sum(w) / len(w) == pytest.approx(1, abs=1e-3)
+    assert w[0] == w[1] == w[4] and w[2] == w[3]
+    assert w[2] / w[0] == pytest.approx(5, rel=1e-3)
+    assert w == retrieval_layer_weights([0.0, 0.07, 0.64, 0.16, 0.0], "split", threshold=0.125, ratio=5.0)
+    with pytest.raises(ArmkvError, match="rule"):
+        retrieval_layer_weights([0.1, 0.2], "cube")
 
 
 def test_adapter_layer_weights_set_each_layers_budget_and_even_overrides(tmp_path):
@@ -125,6 +138,38 @@ def test_adapter_layer_weights_set_each_layers_budget_and_even_overrides(tmp_pat
 
     weighted, even = slots(), slots(layer_weights="even")
     assert len(set(even)) == 1 and weighted[0] < even[0] < weighted[1]
+
+
+def test_named_share_rules_follow_the_adapters_retrieval_scores(tmp_path):
+    """layer_weights='split' / 'sqrt' apply that rule to the scores stored in the adapter; an
+    adapter without them is a one-line error that says what to do."""
+    import dataclasses
+
+    from armkv.hf.attach import make_cache
+    from armkv.train.arm import new_arm
+    from armkv.train.calibrate import retrieval_layer_weights
+
+    model = tiny_model("llama").eval()
+    L = model.config.num_hidden_layers
+    scores = [0.0] * (L - 1) + [0.5]
+    arm = new_arm(model, 96, None)
+    plain = arm.save(tmp_path / "plain")
+    arm.config = dataclasses.replace(arm.config, meta={**arm.config.meta, "retrieval_scores": scores})
+    path = arm.save(tmp_path / "a")
+    ids = torch.randint(0, 100, (1, 150))
+
+    def slots(adapter, **options):
+        cache = make_cache(model, "arm", 96, 16, adapter=str(adapter), **options)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+        return [layer.state.slots for layer in cache.layers]
+
+    split = slots(path, layer_weights="split")
+    explicit = slots(path, layer_weights=",".join(str(w) for w in retrieval_layer_weights(scores, "split")))
+    assert split == explicit and split[-1] > split[0]
+    assert slots(path, layer_weights="sqrt") == slots(path, layer_weights=retrieval_layer_weights(scores, "sqrt"))
+    with pytest.raises(ArmkvError, match="retrieval scores"):
+        slots(plain, layer_weights="split")
 
 
 def test_retrieval_passages_are_cut_from_the_documents_in_order():

@@ -618,6 +618,40 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
     return arm, runtime
 
 
+LAYER_SHARE_RULES = ("split", "sqrt")
+
+
+def retrieval_layer_weights(
+    scores: list[float],
+    rule: str = "split",
+    floor: float = 0.5,
+    spread: float = 2.0,
+    threshold: float = 0.125,
+    ratio: float = 5.0,
+) -> list[float]:
+    """Relative per-layer budgets from :func:`retrieval_scores`, scaled to mean 1.
+
+    rule "split" (the default since session 14): the layers scoring at least ``threshold``
+    times the top score (the layers with retrieval heads) get ``ratio`` times the share of
+    the others, RazorAttention's split of retrieval heads from the rest at layer granularity.
+    rule "sqrt" (sessions 6-13): floor + spread * sqrt(score / max score); the copying layers
+    get up to about (floor + spread) / floor times the share of those that do not. Both
+    keep every layer some memory. Measured in docs/memory.md (sessions 6 and 14); ``armkv calibrate`` stores the
+    shares and the scores in the adapter.
+    """
+    if rule not in LAYER_SHARE_RULES:
+        raise ArmkvError(f"layer share rule {rule!r} is not one of {', '.join(LAYER_SHARE_RULES)}")
+    top = max(scores)
+    if not top > 0:
+        return [1.0] * len(scores)
+    if rule == "split":
+        raw = [ratio if s >= threshold * top else 1.0 for s in scores]
+    else:
+        raw = [floor + spread * (max(s, 0.0) / top) ** 0.5 for s in scores]
+    mean = sum(raw) / len(raw)
+    return [round(w / mean, 4) for w in raw]
+
+
 def parse_layer_weights(spec, num_layers: int) -> list[float]:
     """Relative per-layer budgets: a sequence of ``num_layers`` numbers, or a string of them
     ("1,1,0.5,...") or of ranges ("0-9:0.5,10-29:1.25"; unlisted layers weigh 1), the items
@@ -738,8 +772,17 @@ def make_arm(
     weights = overrides.pop("layer_weights", None)
     fit_to_length = _flag(overrides.pop("fit_shares_to_length", False), "fit_shares_to_length")
     arm_model, runtime = resolve_arm(info, budget, adapter, arm, overrides)
-    # the adapter's calibrated per-layer shares of the budget, unless asked otherwise ("even": none)
+    # the adapter's calibrated per-layer shares of the budget, unless asked otherwise ("even": none;
+    # "split" / "sqrt": that rule applied to the retrieval scores the adapter was calibrated with)
     weights = arm_model.config.layer_weights if weights is None else weights
+    if isinstance(weights, str) and weights in LAYER_SHARE_RULES:
+        scores = arm_model.config.meta.get("retrieval_scores")
+        if not scores or len(scores) != info.num_layers:
+            raise ArmkvError(
+                f"layer_weights={weights!r} needs the retrieval scores of an adapter calibrated by this armkv "
+                "(`armkv calibrate --layer-weights-only --out ADAPTER` adds them); give the shares as numbers instead"
+            )
+        weights = retrieval_layer_weights(scores, weights)
     if weights is not None and weights != "even":
         need = None
         if horizon is not None and fit_to_length:

@@ -9,6 +9,7 @@ saving the adapter is :func:`build_adapter`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 from collections.abc import Iterable
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from armkv.errors import ArmkvError
+from armkv.methods.arm import LAYER_SHARE_RULES, retrieval_layer_weights
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -148,19 +150,6 @@ def retrieval_scores(model: torch.nn.Module, passages: Iterable[torch.Tensor]) -
     return (totals / n).cpu().tolist()
 
 
-def retrieval_layer_weights(scores: list[float], floor: float = 0.5, spread: float = 2.0) -> list[float]:
-    """Relative per-layer budgets from :func:`retrieval_scores`: floor + spread * sqrt(score /
-    max score), scaled to mean 1. The layers that copy from far back get up to about
-    (floor + spread) / floor times the share of those that do not; every layer keeps some
-    memory (the floor). Measured in docs/memory.md (session 6)."""
-    top = max(scores)
-    if not top > 0:
-        return [1.0] * len(scores)
-    raw = [floor + spread * (max(s, 0.0) / top) ** 0.5 for s in scores]
-    mean = sum(raw) / len(raw)
-    return [round(w / mean, 4) for w in raw]
-
-
 def retrieval_passages(documents: Iterable[str], tokenize, length: int, count: int) -> list[torch.Tensor]:
     """``count`` passages of ``length`` tokens, cut from the documents' tokens one after the
     other (fewer, or one shorter passage, when the data runs out first)."""
@@ -188,34 +177,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retrieval-tokens", type=int, default=768,
                         help="tokens per passage of the retrieval score that shares the budget over the layers (0: even shares)")
     parser.add_argument("--retrieval-passages", type=int, default=3, help="passages of the retrieval score")
+    parser.add_argument("--layer-shares", choices=LAYER_SHARE_RULES, default="split",
+                        help="how the retrieval scores share the budget: 'split' gives the layers scoring at least "
+                        "1/8 of the top 5x the others' share, 'sqrt' floor 0.5 + 2 sqrt(score / top) (sessions 6-13)")
     parser.add_argument("--layer-weights-only", action="store_true",
                         help="only (re)compute the per-layer budget shares of the adapter already in --out")
     parser.add_argument("--out", required=True, help="adapter directory to write")
 
 
 def build_adapter(
-    model: torch.nn.Module, keys: list[torch.Tensor], args: argparse.Namespace, layer_weights: list[float] | None = None
+    model: torch.nn.Module,
+    keys: list[torch.Tensor],
+    args: argparse.Namespace,
+    layer_weights: list[float] | None = None,
+    scores: list[float] | None = None,
 ) -> Path:
     """Build each layer's tree from its keys (hierarchical k-means) and save the adapter.
 
     ``keys[layer]`` is [Hkv, N, d] pre-RoPE keys; ``layer_weights`` the per-layer budget
-    shares (:func:`retrieval_layer_weights`), None for even shares.
+    shares (:func:`retrieval_layer_weights`), None for even shares; ``scores`` the retrieval
+    scores they came from, kept in the config's meta for the named share rules.
     """
     from armkv.train.arm import calibrate_arm
 
     arm = calibrate_arm(model, keys, args.budget, seed=args.seed, layer_weights=layer_weights)
+    if scores is not None:
+        arm.config = dataclasses.replace(arm.config, meta={**arm.config.meta, "retrieval_scores": [round(x, 6) for x in scores]})
     extra = {"calibration_tokens": args.tokens, "seq_len": args.seq_len, "max_keys_per_head": args.max_keys_per_head}
     return arm.save(args.out, extra=extra)
 
 
-def update_layer_weights(directory: str | Path, layer_weights: list[float] | None, how: dict) -> None:
-    """Set an existing adapter's per-layer budget shares; its parameters are not touched."""
+def update_layer_weights(
+    directory: str | Path, layer_weights: list[float] | None, how: dict, scores: list[float] | None = None
+) -> None:
+    """Set an existing adapter's per-layer budget shares (and the retrieval scores they came
+    from, which the named rules of ``--option layer_weights=`` need); its parameters are not touched."""
     from armkv.memory.module import ADAPTER_CONFIG, ARMModel, _atomic_write
 
     ARMModel.load(directory)  # a missing, foreign or corrupt adapter is a one-line error
     path = Path(directory) / ADAPTER_CONFIG
     meta = json.loads(path.read_text())
     meta["arm_config"]["layer_weights"] = layer_weights
+    if scores is not None:
+        meta["arm_config"].setdefault("meta", {})["retrieval_scores"] = [round(x, 6) for x in scores]
     meta.setdefault("extra", {})["layer_weights"] = how
     _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2)))
 
@@ -228,17 +232,18 @@ def main(args: argparse.Namespace) -> int:
     if args.tokens < args.seq_len:
         raise ArmkvError(f"--tokens {args.tokens} is less than one sequence (--seq-len {args.seq_len})")
     model, tokenizer = load_model(args)
-    layer_weights = None
+    layer_weights = scores = None
     if args.retrieval_tokens > 0:
         documents = source_from_args(args, args.seed).iter_epoch(0)
         passages = retrieval_passages(documents, hf_tokenize(tokenizer), args.retrieval_tokens, args.retrieval_passages)
         scores = retrieval_scores(model, passages)
-        layer_weights = retrieval_layer_weights(scores)
+        layer_weights = retrieval_layer_weights(scores, args.layer_shares)
         print("retrieval score per layer:", " ".join(f"{s:.3f}" for s in scores))
         print("budget share per layer:", " ".join(f"{w:.2f}" for w in layer_weights))
     if args.layer_weights_only:
         update_layer_weights(args.out, layer_weights, {"retrieval_tokens": args.retrieval_tokens,
-                                                       "retrieval_passages": args.retrieval_passages})
+                                                       "retrieval_passages": args.retrieval_passages,
+                                                       "rule": args.layer_shares}, scores)
         print(f"ARM adapter: {args.out} (per-layer budget shares updated)")
         return 0
     data = PackedSequences(source_from_args(args, args.seed), hf_tokenize(tokenizer), tokenizer.eos_token_id, args.seq_len, max_epochs=1)
@@ -250,6 +255,6 @@ def main(args: argparse.Namespace) -> int:
                         args.max_keys_per_head, seed=args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = build_adapter(model, keys, args, layer_weights)
+    path = build_adapter(model, keys, args, layer_weights, scores)
     print(f"ARM adapter: {path}")
     return 0
