@@ -101,13 +101,14 @@ def test_retrieval_layer_weights_favour_copying_layers_and_average_one():
     assert w[0] < w[1] < w[3] < w[2]
     assert w[2] / w[0] == pytest.approx(2.5 / 0.5, rel=1e-3)  # (floor + spread) / floor at the top
     assert retrieval_layer_weights([0.0, 0.0]) == [1.0, 1.0]
+    assert retrieval_layer_weights([0.0, 0.01, 0.64, 0.16]) == w  # sqrt is the default rule
 
 
 def test_split_layer_weights_give_the_retrieval_layers_five_times_the_others_share():
     from armkv.train.calibrate import retrieval_layer_weights
 
     # 0.64 / 8 = 0.08: the layers at 0.64 and 0.16 are retrieval layers, 0.07 is just under
-    w = retrieval_layer_weights([0.0, 0.07, 0.64, 0.16, 0.0])
+    w = retrieval_layer_weights([0.0, 0.07, 0.64, 0.16, 0.0], "split")
     assert sum(w) / len(w) == pytest.approx(1, abs=1e-3)
     assert w[0] == w[1] == w[4] and w[2] == w[3]
     assert w[2] / w[0] == pytest.approx(5, rel=1e-3)

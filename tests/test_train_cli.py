@@ -134,12 +134,12 @@ def test_calibrate_builds_an_adapter(model_dir, corpus, tmp_path):
     from armkv.train.calibrate import retrieval_layer_weights
 
     scores = arm.config.meta["retrieval_scores"]  # kept for the named share rules
-    assert weights == retrieval_layer_weights(scores, "split")
+    assert weights == retrieval_layer_weights(scores, "sqrt")
     # --layer-weights-only re-shares an existing adapter by another rule, its trees untouched
     assert main(["calibrate", "--model", str(model_dir), "--data", str(corpus), "--layer-weights-only",
-                 "--layer-shares", "sqrt", "--out", str(tmp_path / "adapter")]) == 0
+                 "--layer-shares", "split", "--out", str(tmp_path / "adapter")]) == 0
     again = ARMModel.load(tmp_path / "adapter")
-    assert again.config.layer_weights == retrieval_layer_weights(again.config.meta["retrieval_scores"], "sqrt")
+    assert again.config.layer_weights == retrieval_layer_weights(again.config.meta["retrieval_scores"], "split")
     torch.testing.assert_close(again.layers[0].router.weight, arm.layers[0].router.weight)
     # every router row is a centroid of real keys, not the random start
     w = arm.layers[0].router.weight

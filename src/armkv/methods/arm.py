@@ -623,7 +623,7 @@ LAYER_SHARE_RULES = ("split", "sqrt")
 
 def retrieval_layer_weights(
     scores: list[float],
-    rule: str = "split",
+    rule: str = "sqrt",
     floor: float = 0.5,
     spread: float = 2.0,
     threshold: float = 0.125,
@@ -631,10 +631,10 @@ def retrieval_layer_weights(
 ) -> list[float]:
     """Relative per-layer budgets from :func:`retrieval_scores`, scaled to mean 1.
 
-    rule "split" (the default since session 14): the layers scoring at least ``threshold``
+    rule "split" (session 14; an option): the layers scoring at least ``threshold``
     times the top score (the layers with retrieval heads) get ``ratio`` times the share of
     the others, RazorAttention's split of retrieval heads from the rest at layer granularity.
-    rule "sqrt" (sessions 6-13): floor + spread * sqrt(score / max score); the copying layers
+    rule "sqrt" (the default, since session 6): floor + spread * sqrt(score / max score); the copying layers
     get up to about (floor + spread) / floor times the share of those that do not. Both
     keep every layer some memory. Measured in docs/memory.md (sessions 6 and 14); ``armkv calibrate`` stores the
     shares and the scores in the adapter.
