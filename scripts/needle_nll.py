@@ -50,11 +50,9 @@ _write = arm_module.ARMMemory.write
 
 
 def _in_needle(pos: torch.Tensor) -> torch.Tensor:
-    """True where a position lies in a protected span (PATCH["needle"]: (lo, hi) or a list of them)."""
-    spans = PATCH["needle"]
-    spans = [spans] if isinstance(spans, tuple) else spans
+    """True where a position lies in a protected span (PATCH["needle"]: a list of (lo, hi))."""
     hit = torch.zeros_like(pos, dtype=torch.bool)
-    for lo, hi in spans:
+    for lo, hi in PATCH["needle"]:
         hit |= (pos >= lo) & (pos < hi)
     return hit
 
@@ -165,7 +163,7 @@ def main() -> None:
             ctx = stages[0]
             ans = tok(" " + s["answers"][0], add_special_tokens=False)["input_ids"]
             at = find(ctx, ans)
-            PATCH["needle"] = (at - 20, at + len(ans) + 2) if protect and at is not None else None
+            PATCH["needle"] = [(at - 20, at + len(ans) + 2)] if protect and at is not None else None
             if protect == "all":  # every needle of the context, the distractors too
                 PATCH["needle"] = needle_spans(ctx, tok)
             PATCH["seen"] = {}

@@ -631,13 +631,13 @@ def retrieval_layer_weights(
 ) -> list[float]:
     """Relative per-layer budgets from :func:`retrieval_scores`, scaled to mean 1.
 
-    rule "split" (session 14; an option): the layers scoring at least ``threshold``
-    times the top score (the layers with retrieval heads) get ``ratio`` times the share of
-    the others, RazorAttention's split of retrieval heads from the rest at layer granularity.
-    rule "sqrt" (the default, since session 6): floor + spread * sqrt(score / max score); the copying layers
-    get up to about (floor + spread) / floor times the share of those that do not. Both
-    keep every layer some memory. Measured in docs/memory.md (sessions 6 and 14); ``armkv calibrate`` stores the
-    shares and the scores in the adapter.
+    rule "sqrt" (the default, since session 6): floor + spread * sqrt(score / max score); the
+    copying layers get up to about (floor + spread) / floor times the share of the others.
+    rule "split" (session 14, an option): the layers scoring at least ``threshold`` times the
+    top score (those with retrieval heads) get ``ratio`` times the share of the others,
+    RazorAttention's split at layer granularity. Both keep every layer some memory. Measured
+    in docs/memory.md (sessions 6 and 14); ``armkv calibrate`` stores the shares and the
+    scores in the adapter.
     """
     if rule not in LAYER_SHARE_RULES:
         raise ArmkvError(f"layer share rule {rule!r} is not one of {', '.join(LAYER_SHARE_RULES)}")

@@ -202,7 +202,7 @@ def build_adapter(
 
     arm = calibrate_arm(model, keys, args.budget, seed=args.seed, layer_weights=layer_weights)
     if scores is not None:
-        arm.config = dataclasses.replace(arm.config, meta={**arm.config.meta, "retrieval_scores": [round(x, 6) for x in scores]})
+        arm.config = dataclasses.replace(arm.config, meta={**arm.config.meta, "retrieval_scores": scores})
     extra = {"calibration_tokens": args.tokens, "seq_len": args.seq_len, "max_keys_per_head": args.max_keys_per_head}
     return arm.save(args.out, extra=extra)
 
@@ -219,7 +219,7 @@ def update_layer_weights(
     meta = json.loads(path.read_text())
     meta["arm_config"]["layer_weights"] = layer_weights
     if scores is not None:
-        meta["arm_config"].setdefault("meta", {})["retrieval_scores"] = [round(x, 6) for x in scores]
+        meta["arm_config"].setdefault("meta", {})["retrieval_scores"] = scores
     meta.setdefault("extra", {})["layer_weights"] = how
     _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2)))
 
@@ -236,7 +236,7 @@ def main(args: argparse.Namespace) -> int:
     if args.retrieval_tokens > 0:
         documents = source_from_args(args, args.seed).iter_epoch(0)
         passages = retrieval_passages(documents, hf_tokenize(tokenizer), args.retrieval_tokens, args.retrieval_passages)
-        scores = retrieval_scores(model, passages)
+        scores = [round(s, 6) for s in retrieval_scores(model, passages)]  # as the adapter stores them
         layer_weights = retrieval_layer_weights(scores, args.layer_shares)
         print("retrieval score per layer:", " ".join(f"{s:.3f}" for s in scores))
         print("budget share per layer:", " ".join(f"{w:.2f}" for w in layer_weights))
