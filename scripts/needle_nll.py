@@ -124,6 +124,22 @@ def needle_spans(ctx: list[int], tok) -> list[tuple[int, int]]:
     return spans
 
 
+def answer_target(tok, answers: list[str], every: bool) -> tuple[list[int], torch.Tensor]:
+    """The teacher-forced continuation and a mask of the tokens scored: the first answer alone,
+    or (``every``) all answers as the numbered list the model writes, scoring their tokens only."""
+    if not every:
+        ids = tok(" " + answers[0], add_special_tokens=False)["input_ids"]
+        return ids, torch.ones(len(ids), dtype=torch.bool)
+    ids, scored = tok(":\n", add_special_tokens=False)["input_ids"], []
+    scored = [False] * len(ids)
+    for i, answer in enumerate(answers):
+        marker = tok(f"{i + 1}.", add_special_tokens=False)["input_ids"] if i == 0 else tok(f"\n{i + 1}.", add_special_tokens=False)["input_ids"]
+        value = tok(" " + answer, add_special_tokens=False)["input_ids"]
+        ids += marker + value
+        scored += [False] * len(marker) + [True] * len(value)
+    return ids, torch.tensor(scored)
+
+
 def find(ids: list[int], sub: list[int]) -> int | None:
     return next((i for i in range(len(ids) - len(sub) + 1) if ids[i : i + len(sub)] == sub), None)
 
@@ -139,6 +155,8 @@ def main() -> None:
     p.add_argument("--configs", default="full;arm")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--indices", default="", help="only these of the --samples samples, e.g. 5,8 (the ones an eval missed)")
+    p.add_argument("--all-answers", action="store_true", help="multi-answer tasks: score every answer, teacher-forced "
+                   "as the numbered list the model writes (':\\n1. A\\n2. B ...'), NLL over the answers' tokens only")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     model, tok = load_model(None)
@@ -161,8 +179,8 @@ def main() -> None:
         for s in samples:
             stages = runner.encode(s)
             ctx = stages[0]
-            ans = tok(" " + s["answers"][0], add_special_tokens=False)["input_ids"]
-            at = find(ctx, ans)
+            ans, scored = answer_target(tok, s["answers"], a.all_answers)
+            at = find(ctx, tok(" " + s["answers"][0], add_special_tokens=False)["input_ids"])
             PATCH["needle"] = [(at - 20, at + len(ans) + 2)] if protect and at is not None else None
             if protect == "all":  # every needle of the context, the distractors too
                 PATCH["needle"] = needle_spans(ctx, tok)
@@ -172,13 +190,13 @@ def main() -> None:
                 model(input_ids=torch.tensor([ctx]), past_key_values=cache, use_cache=True, logits_to_keep=1)
                 share = None
                 if at is not None and hasattr(cache.layers[0], "diagnostics"):
-                    where = torch.arange(at - 20, at + len(ans))
+                    where = torch.arange(at - 20, at + len(tok(" " + s["answers"][0], add_special_tokens=False)["input_ids"]))
                     share = [round(layer.diagnostics(where)["exact_share"], 2) for layer in cache.layers]
                 rest = sum(stages[1:], []) + ans
                 pos = torch.arange(len(ctx), len(ctx) + len(rest))[None]
                 logits = model(input_ids=torch.tensor([rest]), position_ids=pos, past_key_values=cache, use_cache=True).logits
-                lp = torch.log_softmax(logits[0, -len(ans) - 1 : -1].float(), -1)
-                target = torch.tensor(ans)
+                lp = torch.log_softmax(logits[0, -len(ans) - 1 : -1].float(), -1)[scored]
+                target = torch.tensor(ans)[scored]
                 rows.append((float(-lp.gather(1, target[:, None]).mean()), bool((lp.argmax(-1) == target).all()), share))
         nll = sum(r[0] for r in rows) / len(rows)
         em = sum(r[1] for r in rows) / len(rows)

@@ -117,6 +117,21 @@ def test_split_layer_weights_give_the_retrieval_layers_five_times_the_others_sha
         retrieval_layer_weights([0.1, 0.2], "cube")
 
 
+def test_lift_layer_weights_raise_the_layers_near_the_top_to_the_top_share():
+    from armkv.train.calibrate import retrieval_layer_weights
+
+    scores = [0.0, 0.01, 0.64, 0.2, 0.15]  # 0.64 / 4 = 0.16: 0.2 is lifted, 0.15 is not
+    w, sq = retrieval_layer_weights(scores, "lift"), retrieval_layer_weights(scores, "sqrt")
+    assert sum(w) / len(w) == pytest.approx(1, abs=1e-3)
+    assert w[2] == w[3] and w[4] < w[3]
+    # below the lift the shares keep the sqrt rule's proportions, only rescaled
+    assert [w[i] / w[0] for i in (1, 4)] == pytest.approx([sq[i] / sq[0] for i in (1, 4)], rel=1e-3)
+    assert w[2] / w[0] == pytest.approx(sq[2] / sq[0], rel=1e-3)
+    assert retrieval_layer_weights(scores, "lift", lift=0.24) == retrieval_layer_weights(scores, "lift", lift=0.3125) == w
+    low = retrieval_layer_weights(scores, "lift", lift=0.2)  # a lower lift takes in 0.15 as well
+    assert low[4] == low[3] == low[2] < w[2]
+
+
 def test_adapter_layer_weights_set_each_layers_budget_and_even_overrides(tmp_path):
     """An adapter's layer_weights are the default shares of make_cache; layer_weights='even' undoes them."""
     import dataclasses

@@ -618,7 +618,7 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
     return arm, runtime
 
 
-LAYER_SHARE_RULES = ("split", "sqrt")
+LAYER_SHARE_RULES = ("lift", "split", "sqrt")
 
 
 def retrieval_layer_weights(
@@ -628,6 +628,7 @@ def retrieval_layer_weights(
     spread: float = 2.0,
     threshold: float = 0.125,
     ratio: float = 5.0,
+    lift: float = 0.25,
 ) -> list[float]:
     """Relative per-layer budgets from :func:`retrieval_scores`, scaled to mean 1.
 
@@ -635,7 +636,11 @@ def retrieval_layer_weights(
     copying layers get up to about (floor + spread) / floor times the share of the others.
     rule "split" (session 14, an option): the layers scoring at least ``threshold`` times the
     top score (those with retrieval heads) get ``ratio`` times the share of the others,
-    RazorAttention's split at layer granularity. Both keep every layer some memory. Measured
+    RazorAttention's split at layer granularity.
+    rule "lift" (session 15): the sqrt shares, with every layer scoring at least ``lift`` times
+    the top score raised to the top layer's share (several layers copy from far back; sqrt
+    alone ranks them by their score, which is what the top layer needs, not what they need).
+    All keep every layer some memory. Measured
     in docs/memory.md (sessions 6 and 14); ``armkv calibrate`` stores the shares and the
     scores in the adapter.
     """
@@ -648,6 +653,8 @@ def retrieval_layer_weights(
         raw = [ratio if s >= threshold * top else 1.0 for s in scores]
     else:
         raw = [floor + spread * (max(s, 0.0) / top) ** 0.5 for s in scores]
+        if rule == "lift":
+            raw = [floor + spread if s >= lift * top else r for s, r in zip(scores, raw)]
     mean = sum(raw) / len(raw)
     return [round(w / mean, 4) for w in raw]
 

@@ -179,7 +179,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retrieval-passages", type=int, default=3, help="passages of the retrieval score")
     parser.add_argument("--layer-shares", choices=LAYER_SHARE_RULES, default="sqrt",
                         help="how the retrieval scores share the budget: 'sqrt' floor 0.5 + 2 sqrt(score / top), "
-                        "'split' gives the layers scoring at least 1/8 of the top 5x the others' share (docs/memory.md, session 14)")
+                        "'split' gives the layers scoring at least 1/8 of the top 5x the others' share (session 14), "
+                        "'lift' is sqrt with the layers scoring at least 1/4 of the top raised to the top's share (session 15; docs/memory.md)")
     parser.add_argument("--layer-weights-only", action="store_true",
                         help="only (re)compute the per-layer budget shares of the adapter already in --out")
     parser.add_argument("--out", required=True, help="adapter directory to write")
