@@ -101,7 +101,7 @@ def test_retrieval_layer_weights_favour_copying_layers_and_average_one():
     assert w[0] < w[1] < w[3] < w[2]
     assert w[2] / w[0] == pytest.approx(2.5 / 0.5, rel=1e-3)  # (floor + spread) / floor at the top
     assert retrieval_layer_weights([0.0, 0.0]) == [1.0, 1.0]
-    assert retrieval_layer_weights([0.0, 0.01, 0.64, 0.16]) == w  # sqrt is the default rule
+    assert retrieval_layer_weights([0.0, 0.01, 0.64, 0.16]) == retrieval_layer_weights([0.0, 0.01, 0.64, 0.16], "lift")
 
 
 def test_split_layer_weights_give_the_retrieval_layers_five_times_the_others_share():

@@ -623,7 +623,7 @@ LAYER_SHARE_RULES = ("lift", "split", "sqrt")
 
 def retrieval_layer_weights(
     scores: list[float],
-    rule: str = "sqrt",
+    rule: str = "lift",
     floor: float = 0.5,
     spread: float = 2.0,
     threshold: float = 0.125,
@@ -632,17 +632,15 @@ def retrieval_layer_weights(
 ) -> list[float]:
     """Relative per-layer budgets from :func:`retrieval_scores`, scaled to mean 1.
 
-    rule "sqrt" (the default, since session 6): floor + spread * sqrt(score / max score); the
+    rule "lift" (the default since session 15): the sqrt shares, with every layer scoring at
+    least ``lift`` times the top score raised to the top layer's share: a layer whose heads
+    copy from far back needs its needles held exactly whatever its rank among such layers.
+    rule "sqrt" (the default of sessions 6-14): floor + spread * sqrt(score / max score); the
     copying layers get up to about (floor + spread) / floor times the share of the others.
     rule "split" (session 14, an option): the layers scoring at least ``threshold`` times the
-    top score (those with retrieval heads) get ``ratio`` times the share of the others,
-    RazorAttention's split at layer granularity.
-    rule "lift" (session 15): the sqrt shares, with every layer scoring at least ``lift`` times
-    the top score raised to the top layer's share (several layers copy from far back; sqrt
-    alone ranks them by their score, which is what the top layer needs, not what they need).
-    All keep every layer some memory. Measured
-    in docs/memory.md (sessions 6 and 14); ``armkv calibrate`` stores the shares and the
-    scores in the adapter.
+    top score get ``ratio`` times the share of the others, RazorAttention's split at layer
+    granularity. All keep every layer some memory. Measured in docs/memory.md (sessions 6, 14
+    and 15); ``armkv calibrate`` stores the shares and the scores in the adapter.
     """
     if rule not in LAYER_SHARE_RULES:
         raise ArmkvError(f"layer share rule {rule!r} is not one of {', '.join(LAYER_SHARE_RULES)}")

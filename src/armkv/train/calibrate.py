@@ -177,7 +177,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retrieval-tokens", type=int, default=768,
                         help="tokens per passage of the retrieval score that shares the budget over the layers (0: even shares)")
     parser.add_argument("--retrieval-passages", type=int, default=3, help="passages of the retrieval score")
-    parser.add_argument("--layer-shares", choices=LAYER_SHARE_RULES, default="sqrt",
+    parser.add_argument("--layer-shares", choices=LAYER_SHARE_RULES, default="lift",
                         help="how the retrieval scores share the budget: 'sqrt' floor 0.5 + 2 sqrt(score / top), "
                         "'split' gives the layers scoring at least 1/8 of the top 5x the others' share (session 14), "
                         "'lift' is sqrt with the layers scoring at least 1/4 of the top raised to the top's share (session 15; docs/memory.md)")
