@@ -23,6 +23,9 @@ for this process only:
     python scripts/needle_nll.py --task niah_single_2 --length 2048 --samples 3 \\
         --haystack heldout.txt --configs "full;arm;arm:slot_format=model;arm:protect=true"
 
+``--all-answers`` scores every answer of a multi-answer task (multiquery, multivalue),
+teacher-forced as the numbered list the model writes; the exact shares stay the first answer's.
+
 (``python -m armkv.train.data heldout heldout.txt`` writes the held-out prose used in docs/memory.md.)
 """
 
