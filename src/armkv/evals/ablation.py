@@ -43,7 +43,6 @@ ROWS = [
     ("layers-even", "arm", {"layer_weights": "even"}),
     ("layers-sqrt", "arm", {"layer_weights": "sqrt"}),
     ("layers-split", "arm", {"layer_weights": "split"}),
-    ("layers-lift", "arm", {"layer_weights": "lift"}),
     ("shares-fit-to-length", "arm", {"fit_shares_to_length": True}),
 ]
 
