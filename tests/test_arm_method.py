@@ -184,6 +184,17 @@ def test_shipped_adapters_load_for_the_default_model_shape():
         ARMModel.load(folder).check_fits(30, 3, 64)
 
 
+def test_the_calibrated_adapters_shares_are_the_default_rule_on_its_scores():
+    """The shipped calibrated adapter's budget shares are what calibrate's default rule
+    (lift, docs/memory.md session 15) gives for the retrieval scores stored with them."""
+    from armkv.methods.arm import SHIPPED_ADAPTERS, retrieval_layer_weights
+    from armkv.memory.module import ARMModel
+
+    (folder,) = SHIPPED_ADAPTERS.glob("*-calibrated")
+    config = ARMModel.load(folder).config
+    assert config.layer_weights == retrieval_layer_weights(config.meta["retrieval_scores"])
+
+
 @pytest.mark.parametrize(
     "overrides",
     [{"slot_format": "k8v4"}, {"slot_format": "k8v4", "slot_mixing": False}, {"slot_format": "model"},
