@@ -133,10 +133,10 @@ def answer_target(tok, answers: list[str], every: bool) -> tuple[list[int], torc
     if not every:
         ids = tok(" " + answers[0], add_special_tokens=False)["input_ids"]
         return ids, torch.ones(len(ids), dtype=torch.bool)
-    ids, scored = tok(":\n", add_special_tokens=False)["input_ids"], []
+    ids = tok(":\n", add_special_tokens=False)["input_ids"]
     scored = [False] * len(ids)
     for i, answer in enumerate(answers):
-        marker = tok(f"{i + 1}.", add_special_tokens=False)["input_ids"] if i == 0 else tok(f"\n{i + 1}.", add_special_tokens=False)["input_ids"]
+        marker = tok(f"{chr(10) if i else ''}{i + 1}.", add_special_tokens=False)["input_ids"]
         value = tok(" " + answer, add_special_tokens=False)["input_ids"]
         ids += marker + value
         scored += [False] * len(marker) + [True] * len(value)
@@ -183,8 +183,9 @@ def main() -> None:
             stages = runner.encode(s)
             ctx = stages[0]
             ans, scored = answer_target(tok, s["answers"], a.all_answers)
-            at = find(ctx, tok(" " + s["answers"][0], add_special_tokens=False)["input_ids"])
-            PATCH["needle"] = [(at - 20, at + len(ans) + 2)] if protect and at is not None else None
+            first = tok(" " + s["answers"][0], add_special_tokens=False)["input_ids"]
+            at = find(ctx, first)
+            PATCH["needle"] = [(at - 20, at + len(first) + 2)] if protect and at is not None else None
             if protect == "all":  # every needle of the context, the distractors too
                 PATCH["needle"] = needle_spans(ctx, tok)
             PATCH["seen"] = {}
@@ -193,7 +194,7 @@ def main() -> None:
                 model(input_ids=torch.tensor([ctx]), past_key_values=cache, use_cache=True, logits_to_keep=1)
                 share = None
                 if at is not None and hasattr(cache.layers[0], "diagnostics"):
-                    where = torch.arange(at - 20, at + len(tok(" " + s["answers"][0], add_special_tokens=False)["input_ids"]))
+                    where = torch.arange(at - 20, at + len(first))
                     share = [round(layer.diagnostics(where)["exact_share"], 2) for layer in cache.layers]
                 rest = sum(stages[1:], []) + ans
                 pos = torch.arange(len(ctx), len(ctx) + len(rest))[None]

@@ -178,9 +178,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per passage of the retrieval score that shares the budget over the layers (0: even shares)")
     parser.add_argument("--retrieval-passages", type=int, default=3, help="passages of the retrieval score")
     parser.add_argument("--layer-shares", choices=LAYER_SHARE_RULES, default="lift",
-                        help="how the retrieval scores share the budget: 'sqrt' floor 0.5 + 2 sqrt(score / top), "
-                        "'split' gives the layers scoring at least 1/8 of the top 5x the others' share (session 14), "
-                        "'lift' is sqrt with the layers scoring at least 1/4 of the top raised to the top's share (session 15; docs/memory.md)")
+                        help="how the retrieval scores share the budget: 'sqrt' floor 0.5 + 2 sqrt(score / top); 'lift' "
+                        "(the default) is sqrt with the layers scoring at least 1/4 of the top raised to the top's share; "
+                        "'split' gives the layers scoring at least 1/8 of the top 5x the others' share (docs/memory.md, sessions 14-15)")
     parser.add_argument("--layer-weights-only", action="store_true",
                         help="only (re)compute the per-layer budget shares of the adapter already in --out")
     parser.add_argument("--out", required=True, help="adapter directory to write")
