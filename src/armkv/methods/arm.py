@@ -778,7 +778,7 @@ def make_arm(
     fit_to_length = _flag(overrides.pop("fit_shares_to_length", False), "fit_shares_to_length")
     arm_model, runtime = resolve_arm(info, budget, adapter, arm, overrides)
     # the adapter's calibrated per-layer shares of the budget, unless asked otherwise ("even": none;
-    # "split" / "sqrt": that rule applied to the retrieval scores the adapter was calibrated with)
+    # a rule of LAYER_SHARE_RULES: that rule applied to the retrieval scores the adapter was calibrated with)
     weights = arm_model.config.layer_weights if weights is None else weights
     if isinstance(weights, str) and weights in LAYER_SHARE_RULES:
         scores = arm_model.config.meta.get("retrieval_scores")
