@@ -101,7 +101,7 @@ def test_retrieval_layer_weights_favour_copying_layers_and_average_one():
     assert w[0] < w[1] < w[3] < w[2]
     assert w[2] / w[0] == pytest.approx(2.5 / 0.5, rel=1e-3)  # (floor + spread) / floor at the top
     assert retrieval_layer_weights([0.0, 0.0]) == [1.0, 1.0]
-    assert retrieval_layer_weights([0.0, 0.01, 0.64, 0.16]) == retrieval_layer_weights([0.0, 0.01, 0.64, 0.16], "lift")
+    assert retrieval_layer_weights([0.0, 0.01, 0.64, 0.16]) == retrieval_layer_weights([0.0, 0.01, 0.64, 0.16], "lift-late")
 
 
 def test_split_layer_weights_give_the_retrieval_layers_five_times_the_others_share():
@@ -130,6 +130,25 @@ def test_lift_layer_weights_raise_the_layers_near_the_top_to_the_top_share():
     assert retrieval_layer_weights(scores, "lift", lift=0.24) == retrieval_layer_weights(scores, "lift", lift=0.3125) == w
     low = retrieval_layer_weights(scores, "lift", lift=0.2)  # a lower lift takes in 0.15 as well
     assert low[4] == low[3] == low[2] < w[2]
+
+
+def test_lift_late_layer_weights_take_the_lift_from_the_layers_above_the_last_lifted_one():
+    from armkv.train.calibrate import retrieval_layer_weights
+
+    scores = [0.0, 0.01, 0.64, 0.2, 0.15, 0.05, 0.02]  # layers 2 and 3 are lifted; 4-6 lie above them
+    w, sq = retrieval_layer_weights(scores, "lift-late"), retrieval_layer_weights(scores, "sqrt")
+    assert sum(w) / len(w) == pytest.approx(1, abs=1e-3)
+    assert w[:2] == pytest.approx(sq[:2], abs=1e-4) and w[2] == w[3] == pytest.approx(sq[2], abs=1e-4)
+    # the late layers pay the lift (sq[2] - sq[3]) in proportion to their shares
+    keep = 1 - (sq[2] - sq[3]) / sum(sq[4:])
+    assert w[4:] == pytest.approx([x * keep for x in sq[4:]], abs=1e-3)
+    # with no layer above the last lifted one it is the lift paid by every layer
+    assert retrieval_layer_weights(scores[:4], "lift-late") == retrieval_layer_weights(scores[:4], "lift")
+    # the late layers give at most half their shares; the rest is taken from every layer evenly
+    thin = [0.0, 0.64, 0.2, 0.2, 0.2, 0.0]  # three layers lifted, one layer above them
+    t, tsq = retrieval_layer_weights(thin, "lift-late"), retrieval_layer_weights(thin, "sqrt")
+    assert t[5] / t[0] == pytest.approx(tsq[5] / tsq[0] / 2, rel=1e-3)
+    assert t[1] == t[2] == t[3] == t[4] and sum(t) / len(t) == pytest.approx(1, abs=1e-3)
 
 
 def test_adapter_layer_weights_set_each_layers_budget_and_even_overrides(tmp_path):

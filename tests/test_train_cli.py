@@ -134,7 +134,7 @@ def test_calibrate_builds_an_adapter(model_dir, corpus, tmp_path):
     from armkv.train.calibrate import retrieval_layer_weights
 
     scores = arm.config.meta["retrieval_scores"]  # kept for the named share rules
-    assert weights == retrieval_layer_weights(scores, "lift")  # calibrate's default rule
+    assert weights == retrieval_layer_weights(scores, "lift-late")  # calibrate's default rule
     # --layer-weights-only re-shares an existing adapter by another rule, its trees untouched
     assert main(["calibrate", "--model", str(model_dir), "--data", str(corpus), "--layer-weights-only",
                  "--layer-shares", "split", "--out", str(tmp_path / "adapter")]) == 0

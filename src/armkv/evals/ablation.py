@@ -41,6 +41,7 @@ ROWS = [
     ("merge-eager", "arm", {"lazy_merge": False}),
     ("demote-any-bucket", "arm", {"demote_scope": "any"}),
     ("layers-even", "arm", {"layer_weights": "even"}),
+    ("layers-lift", "arm", {"layer_weights": "lift"}),
     ("layers-sqrt", "arm", {"layer_weights": "sqrt"}),
     ("layers-split", "arm", {"layer_weights": "split"}),
     ("shares-fit-to-length", "arm", {"fit_shares_to_length": True}),

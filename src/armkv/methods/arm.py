@@ -618,12 +618,12 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
     return arm, runtime
 
 
-LAYER_SHARE_RULES = ("lift", "split", "sqrt")
+LAYER_SHARE_RULES = ("lift-late", "lift", "split", "sqrt")
 
 
 def retrieval_layer_weights(
     scores: list[float],
-    rule: str = "lift",
+    rule: str = "lift-late",
     floor: float = 0.5,
     spread: float = 2.0,
     threshold: float = 0.125,
@@ -632,7 +632,11 @@ def retrieval_layer_weights(
 ) -> list[float]:
     """Relative per-layer budgets from :func:`retrieval_scores`, scaled to mean 1.
 
-    rule "lift" (the default since session 15): the sqrt shares, with every layer scoring at
+    rule "lift-late" (the default since session 16): the lift, paid for by the layers above
+    the last lifted one rather than by every layer: those read after the copying is done, so
+    they need far-back tokens least, while the layers below keep their sqrt shares. The late
+    layers give at most half their shares; anything left is taken from every layer evenly.
+    rule "lift" (the default of session 15): the sqrt shares, with every layer scoring at
     least ``lift`` times the top score raised to the top layer's share: a layer whose heads
     copy from far back needs its needles held exactly whatever its rank among such layers.
     rule "sqrt" (the default of sessions 6-14): floor + spread * sqrt(score / max score); the
@@ -651,8 +655,15 @@ def retrieval_layer_weights(
         raw = [ratio if s >= threshold * top else 1.0 for s in scores]
     else:
         raw = [floor + spread * (max(s, 0.0) / top) ** 0.5 for s in scores]
-        if rule == "lift":
-            raw = [floor + spread if s >= lift * top else r for s, r in zip(scores, raw)]
+        if rule.startswith("lift"):
+            lifted = [i for i, s in enumerate(scores) if s >= lift * top]
+            extra = sum(floor + spread - raw[i] for i in lifted)
+            raw = [floor + spread if i in lifted else r for i, r in enumerate(raw)]
+            late = range(lifted[-1] + 1, len(raw)) if rule == "lift-late" else range(0)
+            paying = sum(raw[i] for i in late)
+            if paying > 0:
+                keep = max(0.5, 1 - extra / paying)
+                raw = [r * keep if i in late else r for i, r in enumerate(raw)]
     mean = sum(raw) / len(raw)
     return [round(w / mean, 4) for w in raw]
 

@@ -177,10 +177,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retrieval-tokens", type=int, default=768,
                         help="tokens per passage of the retrieval score that shares the budget over the layers (0: even shares)")
     parser.add_argument("--retrieval-passages", type=int, default=3, help="passages of the retrieval score")
-    parser.add_argument("--layer-shares", choices=LAYER_SHARE_RULES, default="lift",
+    parser.add_argument("--layer-shares", choices=LAYER_SHARE_RULES, default="lift-late",
                         help="how the retrieval scores share the budget: 'sqrt' floor 0.5 + 2 sqrt(score / top); 'lift' "
-                        "(the default) is sqrt with the layers scoring at least 1/4 of the top raised to the top's share; "
-                        "'split' gives the layers scoring at least 1/8 of the top 5x the others' share (docs/memory.md, sessions 14-15)")
+                        "is sqrt with the layers scoring at least 1/4 of the top raised to the top's share, paid by every "
+                        "layer; 'lift-late' (the default) has it paid by the layers above the last lifted one; "
+                        "'split' gives the layers scoring at least 1/8 of the top 5x the others' share (docs/memory.md, sessions 14-16)")
     parser.add_argument("--layer-weights-only", action="store_true",
                         help="only (re)compute the per-layer budget shares of the adapter already in --out")
     parser.add_argument("--out", required=True, help="adapter directory to write")
