@@ -634,8 +634,8 @@ def retrieval_layer_weights(
 
     rule "lift-late" (the default since session 16): the lift, paid for by the layers above
     the last lifted one rather than by every layer, so that the layers below keep their sqrt
-    shares (the early layers' needles decided RULER's noise 2k multiquery; the late layers'
-    loss costs 0.7% of 8k perplexity against the lift). The late layers give at most half
+    shares (the early layers' needles decided RULER's noise 2k multiquery; over six 8k-token
+    windows of held-out prose its perplexity equals the lift's). The late layers give at most half
     their shares; anything left is taken from every layer evenly.
     rule "lift" (the default of session 15): the sqrt shares, with every layer scoring at
     least ``lift`` times the top score raised to the top layer's share: a layer whose heads
