@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from armkv.hf.model import load_model
+from armkv.errors import read_text
+from armkv.hf.compat import transformers
+from armkv.hf.model import default_model_dir
 
 
 def main() -> None:
@@ -21,8 +23,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
-    _, tokenizer = load_model()
-    ids = tokenizer(a.input.read_text())["input_ids"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(default_model_dir()), local_files_only=True)
+    ids = tokenizer(read_text(a.input, "input"))["input_ids"]
     a.out.mkdir(parents=True, exist_ok=True)
     for k in range(len(ids) // a.tokens):
         text = tokenizer.decode(ids[k * a.tokens : (k + 1) * a.tokens + 64])
