@@ -103,3 +103,104 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype = torch.f
         tokenizer.pad_token = tokenizer.eos_token
     model = model.to(device or "cpu").eval()
     return model, tokenizer
+
+
+# ---------------------------------------------------------------------- models built from a config
+# Published architectures shipped as config.json files (hyper-parameters only, no weights):
+# llama-3.1-8b and llama-3.2-1b (meta-llama), qwen3-8b (Qwen), mistral-7b (Mistral-7B-v0.3).
+MODEL_CONFIGS_PACKAGE_DIR = ("data", "model_configs")
+
+
+def shipped_model_configs() -> dict[str, Path]:
+    """The configs shipped with armkv: {name: path of its config.json}."""
+    from importlib.resources import files
+
+    folder = Path(str(files("armkv").joinpath(*MODEL_CONFIGS_PACKAGE_DIR)))
+    return {p.stem: p for p in sorted(folder.glob("*.json"))}
+
+
+def model_config_path(name_or_path: str | Path) -> Path:
+    """The config.json of a shipped name (``llama-3.1-8b``), a .json file, or a model folder.
+
+    Raises
+    ------
+    ArmkvError naming the shipped configs when it is none of these.
+    """
+    shipped = shipped_model_configs()
+    if str(name_or_path) in shipped:
+        return shipped[str(name_or_path)]
+    path = Path(name_or_path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path / "config.json"
+    if path.is_file():
+        return path
+    raise ArmkvError(
+        f"model config {str(name_or_path)!r} is neither a shipped name ({', '.join(shipped)}) "
+        "nor a config.json file or model folder"
+    )
+
+
+def load_model_config(name_or_path: str | Path, **overrides):
+    """A transformers config from a shipped name or a config.json, with ``overrides`` applied
+    (e.g. ``num_hidden_layers=2`` for a quick look at a big shape).
+
+    Raises
+    ------
+    ArmkvError for an unknown name, a file that is not JSON, or a config without a known
+    ``model_type``.
+    """
+    import json
+
+    from armkv.hf.compat import transformers
+
+    path = model_config_path(name_or_path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ArmkvError(f"model config {path}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ArmkvError(f"model config {path}: expected a JSON object, as in a model's config.json")
+    model_type = data.get("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ArmkvError(f"model config {path}: model_type {model_type!r} is not one this transformers knows")
+    data.update(overrides)
+    config = transformers.CONFIG_MAPPING[model_type].from_dict(data)
+    config._name_or_path = str(name_or_path)
+    return config
+
+
+def build_model_from_config(
+    name_or_path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    **overrides,
+):
+    """A random-weight causal LM of a published shape, built where it will run (eval mode, sdpa).
+
+    The model is laid out on the meta device, then its memory is taken on ``device`` in
+    ``dtype`` (no CPU copy first) and filled once by transformers' own initialisation (normal
+    weights of the config's ``initializer_range``, unit norms, the RoPE tables) from
+    ``torch.manual_seed(seed)``: the same seed on the same device gives the same model. Built
+    the plain way, every linear layer would be initialised twice (torch's, then transformers').
+    On the ``meta`` device nothing is allocated, which checks a shape without its memory.
+    No tokenizer: feed token ids.
+
+    Parameters
+    ----------
+    name_or_path : a shipped name (:func:`shipped_model_configs`), a config.json or a model folder
+    dtype : the weights' dtype
+    device : where the weights are made
+    seed : the initialisation's seed
+    overrides : config fields to replace (``num_hidden_layers=2``)
+    """
+    from armkv.hf.compat import transformers
+
+    config = load_model_config(name_or_path, **overrides)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if torch.device(device).type != "meta":
+        model = model.to_empty(device=device)
+        torch.manual_seed(seed)
+        model.init_weights()  # initialises every parameter and buffer, and ties the embeddings again
+    return model.eval()
