@@ -100,7 +100,7 @@ def test_beyond_full_fill_times_decode_without_prefill(one_thread):
     # the filled cache holds what a prefilled one would: bytes linear in the length
     assert out["cache_bytes"]["full"][256] == 2 * out["cache_bytes"]["full"][128]
     assert "random keys and values" in markdown(out)
-    with pytest.raises(ArmkvError, match="fills the full cache only"):
+    with pytest.raises(ArmkvError, match="fills the full and native caches only"):
         small_bench(methods=["offload"], beyond_full="fill")
 
 

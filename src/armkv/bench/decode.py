@@ -12,6 +12,13 @@ For every method at one budget, on one model:
 (d) the floor: decode latency of the same model with a context of a few tokens, where the
     weights, not the cache, bound the step.
 
+The ``native`` row is the baseline a user has without armkv: the same model with transformers'
+own cache (``DynamicCache``, or ``StaticCache`` with ``--option native.cache=static``), timed
+under the same protocol; its prompt goes in one forward (``--option native.chunk=N`` splits it).
+The model is a local folder, the default model, or a random-weight model of a shipped shape
+(``--model-config llama-3.1-8b``, :func:`armkv.hf.model.build_model_from_config`). With
+``--batch B`` every step feeds B sequences: latency is per step, throughput ``B / step``.
+
 Latency is the median of ``repeats`` timed steps after ``warmup`` untimed ones. A step is
 one forward of one token whose id comes from the previous step's argmax on the device, so
 on CUDA the only host sync in a timed step is the ``torch.cuda.synchronize`` that ends it.
@@ -36,7 +43,9 @@ import torch
 from armkv.errors import ArmkvError
 from armkv.memory.kernels import describe as describe_int4_read
 
-DEFAULT_METHODS = "full,swa,sink,kivi,arm"
+NATIVE = "native"  # transformers' own cache, no armkv: not a registered method
+NATIVE_CACHES = ("dynamic", "static")
+DEFAULT_METHODS = "native,full,swa,sink,kivi,arm"
 DEFAULT_LENGTHS = "1024,2048,4096,8192,16384,32768"
 DEFAULT_GEN_LENGTHS = "64,128,256,512,1024"
 
@@ -61,6 +70,7 @@ class DecodeBench:
     clock: str = "wall"  # "wall", or "process": CPU time of the process (a CPU shared with other jobs)
     seed: int = 0
     options: dict[str, dict] = field(default_factory=dict)  # method -> its make_cache options (--option arm.sync=32)
+    batch: int = 1  # sequences decoded together (every step feeds one token of each)
 
     def __post_init__(self) -> None:
         from armkv.methods.base import get_method
@@ -72,7 +82,11 @@ class DecodeBench:
         if len(set(self.methods)) != len(self.methods):
             raise ArmkvError(f"--methods {','.join(self.methods)} names a method twice")
         for name in self.methods:
-            get_method(name)  # one-line error for an unknown method
+            if name != NATIVE:
+                get_method(name)  # one-line error for an unknown method
+        check_native_options(self.options.get(NATIVE, {}))
+        if self.batch < 1:
+            raise ArmkvError(f"--batch {self.batch} must be >= 1")
         for name, opts in self.options.items():
             if name not in self.methods:
                 raise ArmkvError(
@@ -92,8 +106,8 @@ class DecodeBench:
             raise ArmkvError(f"--chunk {self.chunk} must be >= 1")
         if self.beyond_full not in ("skip", "fill"):
             raise ArmkvError(f"--beyond-full {self.beyond_full!r} is not one of skip, fill")
-        if self.beyond_full == "fill" and any(get_method(m).bounded is False and m != "full" for m in self.methods):
-            raise ArmkvError("--beyond-full fill fills the full cache only: leave offload out or use skip")
+        if self.beyond_full == "fill" and any(not is_bounded(m) and m not in ("full", NATIVE) for m in self.methods):
+            raise ArmkvError("--beyond-full fill fills the full and native caches only: leave offload out or use skip")
         if self.clock not in ("wall", "process"):
             raise ArmkvError(f"--clock {self.clock!r} is not one of wall, process")
         if self.floor_context < 1:
@@ -105,11 +119,7 @@ class DecodeBench:
 
     def beyond(self, method: str, length: int) -> bool:
         """Whether an unbounded method is past --max-full-length at this prompt length."""
-        from armkv.methods.base import get_method
-
-        return (
-            self.max_full_length is not None and length > self.max_full_length and not get_method(method).bounded
-        )
+        return self.max_full_length is not None and length > self.max_full_length and not is_bounded(method)
 
     def skips(self, method: str, length: int) -> bool:
         """Whether this point is not measured at all (past --max-full-length, --beyond-full skip)."""
@@ -119,9 +129,69 @@ class DecodeBench:
         """Whether the prompt is replaced by random keys and values (past --max-full-length, fill)."""
         return self.beyond(method, length) and self.beyond_full == "fill"
 
+    def native_option(self, key: str):
+        """An option of the ``native`` row: ``cache`` (dynamic unless a compiled run asks for
+        static) or ``chunk`` (None: the whole prompt in one forward)."""
+        opts = self.options.get(NATIVE, {})
+        if key == "cache":
+            return opts.get("cache") or ("static" if getattr(self, "compile", False) else "dynamic")
+        return opts.get(key)
+
     def positions_needed(self) -> int:
         decode = self.warmup + self.repeats
         return max(max(self.lengths) + decode, self.floor_context + max(max(self.gen_lengths), decode)) + 1
+
+
+# ---------------------------------------------------------------------- the native row
+def is_bounded(method: str) -> bool:
+    """Whether a method's cache stays within its budget (``native`` grows like full)."""
+    from armkv.methods.base import get_method
+
+    return method != NATIVE and get_method(method).bounded
+
+
+def check_native_options(options: dict) -> None:
+    """The ``native`` row takes ``cache`` (dynamic, static) and ``chunk`` (prompt tokens per forward)."""
+    for key, value in options.items():
+        if key == "cache":
+            if value not in NATIVE_CACHES:
+                raise ArmkvError(f"--option native.cache={value}: expected one of {', '.join(NATIVE_CACHES)}")
+        elif key == "chunk":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ArmkvError(f"--option native.chunk={value}: expected a whole number of tokens >= 1")
+        else:
+            raise ArmkvError(f"--option native.{key}: the native row takes only cache= and chunk=")
+
+
+def native_cache(model, kind: str, max_length: int):
+    """transformers' own cache for ``model``: a ``DynamicCache`` that grows, or a ``StaticCache``
+    of ``max_length`` tokens allocated at the first forward (what a compiled step needs)."""
+    from armkv.hf.compat import transformers
+
+    if kind == "static":
+        return transformers.StaticCache(config=model.config, max_cache_len=max_length)
+    return transformers.DynamicCache(config=model.config)
+
+
+def cache_state_bytes(cache) -> int:
+    """Bytes a cache holds now: an armkv cache's own count, or the key and value tensors of a
+    transformers cache (a static one holds its whole length from the start)."""
+    if hasattr(cache, "state_bytes"):
+        return cache.state_bytes()
+    total = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def cache_peak_bytes(cache) -> int:
+    """The largest size a cache reached: an armkv cache tracks it per layer; a transformers
+    cache never shrinks, so it is its size now."""
+    if hasattr(cache, "peak_bytes"):
+        return cache.peak_bytes()
+    return cache_state_bytes(cache)
 
 
 # ---------------------------------------------------------------------- measurement
@@ -192,25 +262,40 @@ class Session:
         # ids from the upper part of the vocabulary keep clear of special tokens
         self.vocab_low, self.vocab_high = min(vocab - 1, 16), vocab
 
-    def cache(self, method: str):
-        from armkv.hf.attach import make_cache
+    def cache(self, method: str, horizon: int | None = None):
+        """A fresh cache of ``method``; ``horizon`` (the tokens it will see) sizes a static
+        ``native`` cache and is ignored by the others."""
+        from armkv.hf.attach import detach, make_cache
 
+        if method == NATIVE:
+            # the model as transformers runs it (an attached model would route through armkv's
+            # attention function, which hands other caches to sdpa, with a little more Python)
+            detach(self.model)
+            kind = self.bench.native_option("cache")
+            return native_cache(self.model, kind, horizon or self.bench.positions_needed())
         return make_cache(self.model, method, self.bench.budget, self.bench.chunk, **self.bench.options.get(method, {}))
 
+    def prefill_chunk(self, method: str, length: int) -> int:
+        """Tokens per forward of a prompt: P, or for ``native`` the whole prompt unless its chunk option says."""
+        if method == NATIVE:
+            return self.bench.native_option("chunk") or length
+        return self.bench.chunk
+
     def random_ids(self, n: int) -> torch.Tensor:
-        ids = torch.randint(self.vocab_low, self.vocab_high, (1, n), generator=self.generator)
+        """[batch, n] random token ids on the device."""
+        ids = torch.randint(self.vocab_low, self.vocab_high, (self.bench.batch, n), generator=self.generator)
         return ids.to(self.device)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        """ids, positions [1, T] on the device -> the next token [1, 1] (argmax, on the device)."""
+        """ids [B, T], positions [1, T] on the device -> the next token [B, 1] (argmax, on the device)."""
         out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].argmax(-1, keepdim=True)
 
-    def prefill(self, cache, length: int, progress=None) -> tuple[torch.Tensor, float]:
-        """Feed ``length`` random tokens in chunks of P. Returns (next token [1, 1], seconds)."""
+    def prefill(self, cache, length: int, progress=None, chunk: int | None = None) -> tuple[torch.Tensor, float]:
+        """Feed ``length`` random tokens in chunks of ``chunk`` (default P). Returns (next token [B, 1], seconds)."""
         ids = self.random_ids(length)
         positions = torch.arange(length, device=self.device)[None]
-        chunk = self.bench.chunk
+        chunk = chunk or self.bench.chunk
         start = self.clock()
         for s in range(0, length, chunk):
             token = self.forward(ids[:, s : s + chunk], positions[:, s : s + chunk], cache)
@@ -219,19 +304,27 @@ class Session:
         return token, self.clock() - start
 
     def fill(self, cache, length: int, progress=None) -> torch.Tensor:
-        """Give every layer of a ``full`` cache ``length`` random keys and values, as if a prompt
-        had been read: the decode step then costs what it costs at that context, without the
-        quadratic prefill. Returns a token to decode from [1, 1]."""
+        """Give every layer of a ``full`` (or ``native``) cache ``length`` random keys and values,
+        as if a prompt had been read: the decode step then costs what it costs at that context,
+        without the quadratic prefill. Returns a token to decode from [B, 1]."""
+        from armkv.hf.attach import model_info
+        from armkv.hf.cache import ArmkvCache
         from armkv.methods.full import FullLayer
 
-        info = cache.layers[0].info
-        shape = (1, info.num_kv_heads, length, info.head_dim)
-        for layer in cache.layers:
+        info = model_info(self.model)
+        shape = (self.bench.batch, info.num_kv_heads, length, info.head_dim)
+
+        def randn():
+            return torch.randn(shape, generator=self.generator).to(self.device, self.model.dtype)
+
+        for i, layer in enumerate(cache.layers):
+            if not isinstance(cache, ArmkvCache):
+                cache.update(randn(), randn(), i)  # transformers' cache stores them as a prompt's
+                continue
             if not isinstance(layer, FullLayer):
                 raise ArmkvError(f"--beyond-full fill needs the full cache, not {type(layer).__name__}")
-            layer.keys = torch.randn(shape, generator=self.generator).to(self.device, self.model.dtype)
-            layer.values = torch.randn(shape, generator=self.generator).to(self.device, self.model.dtype)
-            layer.valid = torch.ones(1, length, dtype=torch.bool, device=self.device)
+            layer.keys, layer.values = randn(), randn()
+            layer.valid = torch.ones(self.bench.batch, length, dtype=torch.bool, device=self.device)
             layer.seen = length
             layer.note_peak()
         if progress is not None:
@@ -239,7 +332,8 @@ class Session:
         return self.random_ids(1)
 
     def decode(self, cache, token: torch.Tensor, start: int, steps: int, progress=None):
-        """``steps`` decode steps from position ``start``. Returns (the seconds of each, the next token)."""
+        """``steps`` decode steps of all B sequences from position ``start``. Returns (the seconds
+        of each step, the next token [B, 1])."""
         positions = torch.arange(start, start + steps, device=self.device)[None]
         times = []
         for i in range(steps):
@@ -249,6 +343,11 @@ class Session:
             if progress is not None:
                 progress(1)
         return times, token
+
+
+# the per-prompt-length entries of the result: {method: {length: value or None}}
+POINT_KEYS = ("decode_ms_per_token", "decode_mean_ms_per_token", "decode_tokens_per_s", "cache_bytes",
+              "peak_cache_bytes", "prefill_tokens_per_s")  # fmt: skip
 
 
 def _median_ms(seconds: list[float]) -> float:
@@ -278,8 +377,9 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
 
     Returns
     -------
-    The JSON document: ``decode_ms_per_token``, ``cache_bytes``, ``prefill_tokens_per_s``
-    ({method: {length: value}}, None where skipped), ``floor_ms_per_token``, ``threads``,
+    The JSON document: ``decode_ms_per_token`` (per step of the batch), ``decode_tokens_per_s``
+    (batch / step), ``cache_bytes``, ``peak_cache_bytes``, ``prefill_tokens_per_s`` (all
+    sequences' tokens) ({method: {length: value}}, None where skipped), ``floor_ms_per_token``, ``threads``,
     ``device``, and the generation curve (a) under ``gen``, peak memory under ``peak``,
     skipped points under ``skipped``, and the settings. ``checkpoint`` (optional) is called
     with the partial result after every measured point, so a long run that is stopped keeps
@@ -291,7 +391,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
     old_limit = _extend_positions(model, bench.positions_needed())
     session = Session(model, bench)
     for method in bench.methods:
-        session.cache(method)  # a bad budget or option fails now, before any timing
+        session.cache(method, 1)  # a bad budget or option fails now, before any timing
     decode_steps = bench.warmup + bench.repeats
     runs = [(m, n) for m in bench.methods for n in bench.lengths]
     work = bench.floor_context + decode_steps
@@ -304,8 +404,10 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
         "decode_ms_per_token": empty(),
         # the mean of the same steps: with --repeats >= ARM's sync it counts the steps that write
         "decode_mean_ms_per_token": empty(),
+        "decode_tokens_per_s": empty(),  # batch x steps / time, from the median step
         "floor_ms_per_token": None,
         "cache_bytes": empty(),
+        "peak_cache_bytes": empty(),  # the largest the cache was during prefill and decode
         "prefill_tokens_per_s": empty(),
         "threads": torch.get_num_threads(),
         "device": str(session.device),
@@ -325,6 +427,9 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
             "beyond_full": bench.beyond_full,
             "clock": bench.clock,
             "options": bench.options,
+            "batch": bench.batch,
+            "native_cache": bench.native_option("cache") if NATIVE in bench.methods else None,
+            "native_chunk": bench.native_option("chunk") if NATIVE in bench.methods else None,
             "torch": torch.__version__,
             "cpu_count": os.cpu_count(),
         },
@@ -342,7 +447,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
             # (a) against generation length: one decode from a few-token prompt per method
             for method in bench.methods:
                 bar.set_postfix_str(f"{method} generation")
-                cache = session.cache(method)
+                cache = session.cache(method, bench.floor_context + max(bench.gen_lengths) + 1)
                 token, _ = session.prefill(cache, bench.floor_context, bar.update)
                 done: list[float] = []
                 for g in bench.gen_lengths:
@@ -353,7 +458,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
                     window = done[max(bench.warmup, min(start - bench.floor_context, len(done) - bench.repeats)) :]
                     window = window or done[-1:]
                     result["gen"]["decode_ms_per_token"][method][g] = _median_ms(window)
-                    result["gen"]["cache_bytes"][method][g] = cache.state_bytes()
+                    result["gen"]["cache_bytes"][method][g] = cache_state_bytes(cache)
                 del cache
                 gc.collect()
                 if checkpoint is not None:
@@ -363,7 +468,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
             for method, length in runs:
                 if bench.skips(method, length):
                     result["skipped"][method].append(length)
-                    for key in ("decode_ms_per_token", "decode_mean_ms_per_token", "cache_bytes", "prefill_tokens_per_s"):
+                    for key in POINT_KEYS:
                         result[key][method][length] = None
                     continue
                 bar.set_postfix_str(f"{method} {length}")
@@ -374,18 +479,22 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
                 _release_freed_memory()
                 _reset_peak_rss()
                 _device_peak_reset(session.device)
-                cache = session.cache(method)
+                cache = session.cache(method, length + decode_steps)
                 if bench.fills(method, length):
                     result["filled"][method].append(length)
                     token = session.fill(cache, length, bar.update)
                     result["prefill_tokens_per_s"][method][length] = None
                 else:
-                    token, seconds = session.prefill(cache, length, bar.update)
-                    result["prefill_tokens_per_s"][method][length] = length / seconds
-                result["cache_bytes"][method][length] = cache.state_bytes()
+                    chunk = session.prefill_chunk(method, length)
+                    token, seconds = session.prefill(cache, length, bar.update, chunk=chunk)
+                    result["prefill_tokens_per_s"][method][length] = bench.batch * length / seconds
+                result["cache_bytes"][method][length] = cache_state_bytes(cache)
                 times, token = session.decode(cache, token, length, decode_steps, bar.update)
-                result["decode_ms_per_token"][method][length] = _median_ms(times[bench.warmup :])
+                median_ms = _median_ms(times[bench.warmup :])
+                result["decode_ms_per_token"][method][length] = median_ms
                 result["decode_mean_ms_per_token"][method][length] = statistics.mean(times[bench.warmup :]) * 1e3
+                result["decode_tokens_per_s"][method][length] = bench.batch * 1e3 / median_ms
+                result["peak_cache_bytes"][method][length] = cache_peak_bytes(cache)
                 result["peak"]["rss_bytes"][method][length] = _peak_rss()
                 if result["peak"]["cuda_allocated_bytes"] is not None:
                     result["peak"]["cuda_allocated_bytes"][method][length] = _device_peak(session.device)
@@ -452,6 +561,10 @@ def markdown(result: dict) -> str:
         f"{result['threads']} torch threads; medians of {s['repeats']} steps after {s['warmup']} warm-up steps, "
         f"{s.get('clock', 'wall')} clock" + (f"; int4 slot read: {result['int4_read']}" if result.get("int4_read") else "")
         + "".join(f"; {m} options: {json.dumps(o)}" for m, o in (s.get("options") or {}).items())
+        + (f"; batch {s['batch']} (ms per step of all sequences)" if s.get("batch", 1) > 1 else "")
+        + (f"; native: transformers' {s['native_cache']} cache, prompt in "
+           + (f"chunks of {s['native_chunk']}" if s.get("native_chunk") else "one forward")
+           if s.get("native_cache") else "")
     )
     out.append("")
     out.append(f"Floor (full cache, {s['floor_context']}-token context): {result['floor_ms_per_token']:.2f} ms/token")
@@ -472,8 +585,12 @@ def markdown(result: dict) -> str:
     table("Decode latency against prompt length", result["decode_ms_per_token"], 1.0, 1, "ms/token")
     if result.get("decode_mean_ms_per_token"):
         table("Decode latency against prompt length, mean of the same steps", result["decode_mean_ms_per_token"], 1.0, 1, "ms/token")
+    if result.get("decode_tokens_per_s"):
+        table("Decode throughput, all sequences, from the median step", result["decode_tokens_per_s"], 1.0, 1, "tokens/s")
     table("Cache bytes after the prompt", result["cache_bytes"], 2**20, 2, "MiB")
-    table("Prefill throughput, budgeted chunked prefill", result["prefill_tokens_per_s"], 1.0, 0, "tokens/s")
+    if result.get("peak_cache_bytes"):
+        table("Peak cache bytes during prefill and decode", result["peak_cache_bytes"], 2**20, 2, "MiB")
+    table("Prefill throughput, all sequences, chunks of P (native: as in the header)", result["prefill_tokens_per_s"], 1.0, 0, "tokens/s")
     gen = result["gen"]
     table("Decode latency against generation length", gen["decode_ms_per_token"], 1.0, 1, "ms/token")
     table("Cache bytes against generation length", gen["cache_bytes"], 2**20, 2, "MiB")
@@ -558,14 +675,14 @@ def merge_results(docs: list[dict]) -> dict:
     """
     if not docs:
         raise ArmkvError("--merge needs at least one results.json")
-    same = ("model", "dtype", "budget", "chunk", "clock", "options")
+    same = ("model", "dtype", "budget", "chunk", "clock", "options", "batch")
     first = docs[0]
     for doc in docs[1:]:
         for key in ("threads", "device"):
             if doc[key] != first[key]:
                 raise ArmkvError(f"--merge: runs differ in {key} ({first[key]} vs {doc[key]}); merge like with like")
         for key in same:
-            empty = {} if key == "options" else None  # runs from before --option recorded none
+            empty = {"options": {}, "batch": 1}.get(key)  # runs from before --option, --batch recorded none
             if doc["settings"].get(key, empty) != first["settings"].get(key, empty):
                 raise ArmkvError(f"--merge: runs differ in {key}; merge like with like")
     merged = json.loads(json.dumps(first))
@@ -575,8 +692,8 @@ def merge_results(docs: list[dict]) -> dict:
             target.setdefault(method, {}).update(row)
 
     for doc in docs[1:]:
-        for key in ("decode_ms_per_token", "decode_mean_ms_per_token", "cache_bytes", "prefill_tokens_per_s"):
-            if key in doc:  # runs from before the mean was recorded have none
+        for key in POINT_KEYS:
+            if key in doc:  # runs from before a key was recorded have none
                 unite(merged.setdefault(key, {}), doc[key])
         for key in ("decode_ms_per_token", "cache_bytes"):
             unite(merged["gen"][key], doc["gen"][key])
@@ -622,6 +739,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help=f"prompt lengths of (b), (c) (default {DEFAULT_LENGTHS})")
     parser.add_argument("--gen-lengths", default=DEFAULT_GEN_LENGTHS, help=f"generation lengths of (a) (default {DEFAULT_GEN_LENGTHS})")
     parser.add_argument("--model", default=None, help="a local transformers model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model-config", default=None, metavar="NAME|CONFIG_JSON",
+                        help="instead of --model: a random-weight model of a shipped shape (llama-3.1-8b, llama-3.2-1b, "
+                             "qwen3-8b, mistral-7b) or of a config.json, made on --device in --dtype from --seed")  # fmt: skip
+    parser.add_argument("--batch", type=int, default=1,
+                        help="sequences decoded together; latency is per step, throughput batch/step (default 1)")
     parser.add_argument("--repeats", type=int, default=16,
                         help="timed decode steps per point; the median is reported and the mean beside it, which counts "
                              "ARM's write when this is at least its sync (default 16, the sync at budget 512)")
@@ -665,6 +787,7 @@ def bench_from_args(args) -> DecodeBench:
         clock=args.clock,
         seed=args.seed,
         options=parse_options(args.option),
+        batch=args.batch,
     )
 
 
@@ -689,6 +812,16 @@ def load_bench_model(model_dir: str | None, device: str, dtype: str):
         if bars:
             transformers.utils.logging.enable_progress_bar()
     return model.to(device).eval()
+
+
+def build_bench_model(model_config: str, device: str, dtype: str, seed: int = 0):
+    """A random-weight model of a shipped shape or a config.json, made on the device."""
+    from armkv.hf.model import build_model_from_config, model_config_path
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ArmkvError("--device cuda: torch sees no CUDA device here; use --device cpu")
+    model_config_path(model_config)  # an unknown name fails before anything is built
+    return build_model_from_config(model_config, getattr(torch, dtype), device, seed)
 
 
 def cpu_session(length: int, budget: int = 512, method: str = "arm"):
@@ -730,7 +863,12 @@ def main(args) -> int:
         if args.threads < 1:
             raise ArmkvError(f"--threads {args.threads} must be >= 1")
         torch.set_num_threads(args.threads)
-    model = load_bench_model(args.model, args.device, args.dtype)
+    if args.model_config is not None:
+        if args.model is not None:
+            raise ArmkvError("give --model (a folder with weights) or --model-config (random weights), not both")
+        model = build_bench_model(args.model_config, args.device, args.dtype, args.seed)
+    else:
+        model = load_bench_model(args.model, args.device, args.dtype)
     out = Path(args.output) if args.output else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
