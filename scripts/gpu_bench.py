@@ -1,0 +1,282 @@
+"""The GPU benchmark in one call: ``armkv bench decode`` on Llama-3.1-8B's shape (random
+weights, bf16, budget 1024, prefill chunk 1024) on one CUDA device, every run independent.
+
+Runs, in this order (each its own process under its own time limit, so a crash, an
+out-of-memory or a timeout loses that run alone; a run cut short keeps the points it
+measured, from its results.partial.json):
+
+  eager-METHOD     arm, full, native, sink (one run each) at contexts 4, 1k, 32k, 128k:
+                   decode ms/token, cache bytes, prefill tokens/s (32k and 128k among them)
+  compiled-METHOD  native, arm, full, sink, the same with ``--compile`` (native on
+                   transformers' StaticCache)
+  batch8-arm, batch8-full, batch32-arm, batch32-full
+                   decode tokens/s at batch 8 and 32 after 32k-token prompts, full against arm
+                   at the same budget (full at batch 32 x 32k needs 137 GB of KV: its failure
+                   is recorded, not fatal)
+
+The whole plan takes longer than one device call may (10 minutes): runs start while
+``--budget-s`` lasts, the rest are listed as not run, and ``--only`` does them in a second call.
+
+Everything comes back as three files under ``$OUT`` (default ``out/gpu_bench``):
+``gpu_bench.json`` (per run: the command, exit code, seconds, the result document or the
+partial one, the end of its log; and the environment), ``gpu_bench.log`` (all logs) and
+``tables.md`` (each run's tables). The last stdout line is a one-line JSON summary.
+
+On the device machine, transformers must be in armkv's tested range (>=5.20,<5.24). Where
+the installed one is not, a wheel under ``.whl/`` (carried with the tree) is installed with
+``--no-deps`` into a private folder for the runs; make it here first with
+``python scripts/gpu_bench.py --fetch-wheel`` (``.whl/`` must be git-ignored, e.g. listed in
+``.git/info/exclude``), then run there with ``carry=[".whl"]``:
+
+    python3 scripts/gpu_bench.py                      # everything, within --budget-s seconds
+    python3 scripts/gpu_bench.py --only batch8-arm,batch32-arm
+    python scripts/gpu_bench.py --dry-run             # the same plan on this CPU, tiny shape, seconds
+
+``--dry-run`` keeps every step and option but runs a two-layer model of the same
+architecture at toy widths and lengths in float32 on the CPU: a check of the plan, not a
+measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRANSFORMERS_RANGE = ((5, 20), (5, 24))  # [low, high): armkv.hf.compat.SUPPORTED
+WHEEL_VERSION = "5.23.0"  # what --fetch-wheel downloads
+
+# name -> the bench decode arguments of that run (model, dtype, device and budget are added)
+REAL = {
+    "model_config": "llama-3.1-8b",
+    "dtype": "bfloat16",
+    "device": "cuda",
+    "budget": "1024",
+    "chunk": "1024",
+    "repeats": "32",  # ARM's sync at budget 1024: the mean counts one write of every layer
+    "warmup": "4",
+    "lengths": "4,1k,32k,128k",
+    "gen_lengths": "32",
+    "batch_length": "32k",
+    "batch_repeats": "8",
+    "batches": (8, 32),
+}
+DRY = {
+    "model_config": None,  # written at run time: llama-3.1-8b's architecture at toy widths
+    "dtype": "float32",
+    "device": "cpu",
+    "budget": "64",
+    "chunk": "32",
+    "repeats": "3",
+    "warmup": "1",
+    "lengths": "4,96,160",
+    "gen_lengths": "8",
+    "batch_length": "96",
+    "batch_repeats": "2",
+    "batches": (2, 3),
+}
+DRY_SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=256, bos_token_id=1, eos_token_id=2)  # fmt: skip
+# seconds a run may take at most (the whole call also stops at --budget-s); ARM's prefill
+# of 161k tokens at 1.3k-2k tokens/s is the longest
+LIMITS = {"eager-arm": 240, "compiled-arm": 240}
+DEFAULT_LIMIT = 150
+DRY_LIMIT = 240
+
+
+def plan(p: dict) -> list[tuple[str, list[str]]]:
+    """[(run name, bench decode arguments)], in the order they run. The names are the same
+    in a dry run (whose batches are smaller)."""
+    common = ["--model-config", p["model_config"], "--dtype", p["dtype"], "--device", p["device"],
+              "--budget", p["budget"], "--chunk", p["chunk"], "--warmup", p["warmup"], "--no-progress"]  # fmt: skip
+    length = ["--lengths", p["lengths"], "--gen-lengths", p["gen_lengths"], "--repeats", p["repeats"]]
+    runs = [(f"eager-{m}", common + length + ["--methods", m]) for m in ("arm", "full", "native", "sink")]
+    runs += [(f"compiled-{m}", common + length + ["--methods", m, "--compile"]) for m in ("native", "arm", "full", "sink")]
+    batch = ["--lengths", p["batch_length"], "--gen-lengths", p["gen_lengths"], "--repeats", p["batch_repeats"]]
+    for name_b, b in zip(REAL["batches"], p["batches"]):
+        for m in ("arm", "full"):
+            runs.append((f"batch{name_b}-{m}", common + batch + ["--methods", m, "--batch", str(b)]))
+    return runs
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int(re.sub(r"\D.*", "", minor) or 0)
+
+
+def in_range(version: str) -> bool:
+    return TRANSFORMERS_RANGE[0] <= _version(version) < TRANSFORMERS_RANGE[1]
+
+
+def installed_transformers(env: dict) -> str | None:
+    out = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+                         env=env, capture_output=True, text=True)  # fmt: skip
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def prepare_env(log) -> tuple[dict, dict]:
+    """The runs' environment: ``src`` on the path, the CPU-only fused kernels off (they would
+    be compiled in every process and serve no CUDA tensor), and a transformers in the tested
+    range, installed from ``.whl`` if the machine's is not. Returns (env, what was found)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    env["ARMKV_KERNELS"] = "0"
+    env["PYTHONUNBUFFERED"] = "1"
+    info = {"transformers_found": installed_transformers(env)}
+    if info["transformers_found"] and in_range(info["transformers_found"]):
+        info["transformers"] = info["transformers_found"]
+        return env, info
+    wheels = sorted(p for p in (ROOT / ".whl").glob("transformers-*.whl") if in_range(p.name.split("-")[1]))
+    if not wheels:
+        info["transformers"] = None
+        info["error"] = (f"transformers {info['transformers_found']} is outside >=5.20,<5.24 and no wheel is under "
+                         ".whl/: run `python scripts/gpu_bench.py --fetch-wheel` where pip works, carry .whl")
+        return env, info
+    site = Path(tempfile.mkdtemp(prefix="armkv-site-"))
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+           "--no-cache-dir", "--target", str(site), str(wheels[-1])]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    log(f"$ {' '.join(cmd)}\n{done.stdout}{done.stderr}")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+    info["transformers"] = installed_transformers(env)
+    info["wheel"] = wheels[-1].name
+    if done.returncode != 0 or not info["transformers"]:
+        info["error"] = f"installing {wheels[-1].name} failed (exit {done.returncode})"
+    return env, info
+
+
+def environment(env: dict) -> dict:
+    """GPU, driver, torch and CUDA versions, as the runs will see them."""
+    code = ("import json, torch; c = torch.cuda.is_available(); print(json.dumps({'torch': torch.__version__, "
+            "'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0) if c else None, "
+            "'gpu_memory_bytes': torch.cuda.get_device_properties(0).total_memory if c else None}))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    info = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-2000:]}
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True)  # fmt: skip
+        info["nvidia_smi"] = smi.stdout.strip()
+    return info
+
+
+def run_one(name: str, args: list[str], env: dict, limit: float, work: Path) -> tuple[dict, str]:
+    """One ``armkv bench decode`` run under ``limit`` seconds. Returns (its record, its log)."""
+    out = work / name
+    cmd = [sys.executable, "-m", "armkv.cli", "bench", "decode", *args, "--output", str(out), "--json"]
+    record = {"command": "armkv bench decode " + " ".join(args), "limit_s": round(limit)}
+    start = time.monotonic()
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit, cwd=ROOT)
+        record["exit_code"], text = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        record["exit_code"] = "timeout"
+        text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+    record["seconds"] = round(time.monotonic() - start, 1)
+    for kind, path in (("complete", out / "results.json"), ("partial", out / "results.partial.json")):
+        if path.is_file():
+            try:
+                record["result"] = json.loads(path.read_text())
+                record["result_kind"] = kind
+                break
+            except ValueError:
+                pass
+    if record["exit_code"] != 0:
+        record["log_tail"] = text[-3000:]
+    return record, text
+
+
+def table(name: str, record: dict, out: Path) -> str:
+    """A run's markdown tables (the table.md ``bench decode`` wrote), or why there are none."""
+    head = f"## {name}\n\n`{record['command']}`: exit {record['exit_code']}, {record['seconds']} s"
+    if (out / "table.md").is_file():
+        return head + "\n\n" + (out / "table.md").read_text() + "\n"
+    kind = record.get("result_kind", "no")
+    return head + f", {kind} result (in gpu_bench.json)\n\n```\n" + record.get("log_tail", "")[-1500:] + "\n```\n"
+
+
+def fetch_wheel() -> int:
+    """Download the transformers wheel into .whl/ (here, where pip reaches the index)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(ROOT / ".whl"),
+           f"transformers=={WHEEL_VERSION}"]  # fmt: skip
+    print("$", " ".join(cmd))
+    return subprocess.run(cmd).returncode
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="the same plan on the CPU with a tiny shape, in seconds")
+    p.add_argument("--only", default="", help="comma-separated run names to do (default: all)")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="stop starting runs, and cut the one running, at this many seconds (default 540)")  # fmt: skip
+    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "out" / "gpu_bench"),
+                   help="where the three files go (default $OUT, else out/gpu_bench)")  # fmt: skip
+    p.add_argument("--fetch-wheel", action="store_true", help=f"download transformers {WHEEL_VERSION} into .whl/ and stop")
+    a = p.parse_args()
+    if a.fetch_wheel:
+        return fetch_wheel()
+
+    deadline = time.monotonic() + a.budget_s
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="armkv-gpu-bench-"))
+    logs: list[str] = []
+
+    def log(text: str) -> None:
+        logs.append(text)
+        print(text if len(text) < 400 else text[:400] + " ...", file=sys.stderr, flush=True)
+
+    settings = dict(DRY if a.dry_run else REAL)
+    if a.dry_run:
+        shape = json.loads((ROOT / "src/armkv/data/model_configs/llama-3.1-8b.json").read_text())
+        settings["model_config"] = str(work / "llama-3.1-8b-tiny.json")
+        Path(settings["model_config"]).write_text(json.dumps({**shape, **DRY_SHAPE}))
+    runs = plan(settings)
+    names = [n for n, _ in runs]
+    only = [n.strip() for n in a.only.split(",") if n.strip()]
+    unknown = [n for n in only if n not in names]
+    if unknown:
+        print(f"--only {','.join(unknown)}: not among the runs ({', '.join(names)})", file=sys.stderr)
+        return 2
+
+    env, found = prepare_env(log)
+    doc = {"settings": {k: v for k, v in settings.items()}, "dry_run": a.dry_run, "transformers": found,
+           "environment": environment(env), "runs": {}}  # fmt: skip
+    tables = []
+    for name, args in runs:
+        if only and name not in only:
+            continue
+        left = deadline - time.monotonic()
+        if "error" in found or left < 20:
+            why = found.get("error") or f"--budget-s {a.budget_s:.0f} spent"
+            doc["runs"][name] = {"command": "armkv bench decode " + " ".join(args), "exit_code": "not run", "why": why}
+            log(f"[{name}] not run: {why}")
+            continue
+        limit = min(DRY_LIMIT if a.dry_run else LIMITS.get(name, DEFAULT_LIMIT), left)
+        log(f"[{name}] start, limit {limit:.0f} s")
+        record, text = run_one(name, args, env, limit, work)
+        logs.append(f"===== {name}: {record['command']}\n{text}")
+        doc["runs"][name] = record
+        tables.append(table(name, record, work / name))
+        log(f"[{name}] exit {record['exit_code']} after {record['seconds']} s, {record.get('result_kind', 'no')} result")
+        (out / "gpu_bench.json").write_text(json.dumps(doc, indent=1) + "\n")  # what is done survives a kill
+
+    (out / "gpu_bench.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / "gpu_bench.log").write_text("\n".join(logs) + "\n")
+    (out / "tables.md").write_text("\n".join(tables))
+    shutil.rmtree(work, ignore_errors=True)
+    summary = {name: {"exit_code": r["exit_code"], "seconds": r.get("seconds"), "result": r.get("result_kind")}
+               for name, r in doc["runs"].items()}  # fmt: skip
+    print(json.dumps({"out": str(out), "environment": doc["environment"], "runs": summary}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

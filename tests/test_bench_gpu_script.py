@@ -1,0 +1,100 @@
+"""scripts/gpu_bench.py, the prepared GPU benchmark, in its CPU dry run: every run is its own
+process, a failing run is recorded and the others go on, and three files come back."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_bench.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(tmp_path, *args, timeout=600):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)  # fmt: skip
+    return done
+
+
+def test_the_plan_is_the_issue_s_matrix():
+    gpu = load_script()
+    runs = dict(gpu.plan(gpu.REAL | {"model_config": "llama-3.1-8b"}))
+    assert list(runs) == [
+        "eager-arm", "eager-full", "eager-native", "eager-sink",
+        "compiled-native", "compiled-arm", "compiled-full", "compiled-sink",
+        "batch8-arm", "batch8-full", "batch32-arm", "batch32-full",
+    ]  # fmt: skip
+    for name, args in runs.items():
+        settings = dict(zip(args, args[1:]))
+        assert settings["--model-config"] == "llama-3.1-8b" and settings["--dtype"] == "bfloat16"
+        assert settings["--device"] == "cuda" and settings["--budget"] == "1024" and settings["--chunk"] == "1024"
+        assert settings["--methods"] == name.split("-")[1]
+        assert ("--compile" in args) == name.startswith("compiled")
+        if name.startswith("batch"):
+            assert settings["--lengths"] == "32k" and settings["--batch"] == name[5:].split("-")[0]
+        else:
+            assert settings["--lengths"] == "4,1k,32k,128k"
+    # the dry run has the same runs, names and options
+    dry = dict(gpu.plan(gpu.DRY | {"model_config": "tiny.json"}))
+    assert list(dry) == list(runs)
+    assert all([a for a in dry[n] if a.startswith("--")] == [a for a in runs[n] if a.startswith("--")] for n in runs)
+
+
+def test_transformers_range():
+    gpu = load_script()
+    assert gpu.in_range("5.20.0") and gpu.in_range("5.23.1") and gpu.in_range("5.23.0.dev0")
+    assert not gpu.in_range("5.17.0") and not gpu.in_range("5.24.0") and not gpu.in_range("4.57.1")
+
+
+def test_dry_run_fails_soft(tmp_path):
+    """Three runs: two that work on this CPU and the compiled one, which fails where this
+    build of bench decode has no --compile; all are recorded, and the call succeeds."""
+    done = run(tmp_path, "--dry-run", "--only", "eager-native,compiled-native,batch8-arm")
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(summary["runs"]) == {"eager-native", "compiled-native", "batch8-arm"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_bench.json", "gpu_bench.log", "tables.md"]
+    doc = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert doc["dry_run"] is True and doc["transformers"]["transformers"]
+    native = doc["runs"]["eager-native"]
+    assert native["exit_code"] == 0 and native["result_kind"] == "complete"
+    result = native["result"]
+    assert set(result["decode_ms_per_token"]) == {"native"}
+    assert set(result["decode_ms_per_token"]["native"]) == {"4", "96", "160"}
+    assert result["prefill_tokens_per_s"]["native"]["160"] > 0
+    batch = doc["runs"]["batch8-arm"]["result"]
+    assert batch["settings"]["batch"] == 2 and batch["decode_tokens_per_s"]["arm"]["96"] > 0
+    compiled = doc["runs"]["compiled-native"]
+    if compiled["exit_code"] != 0:  # a build without --compile: the error is kept, the rest ran
+        assert "result" not in compiled and compiled["log_tail"]
+    tables = (tmp_path / "tables.md").read_text()
+    assert "## eager-native" in tables and "| native |" in tables and "## compiled-native" in tables
+
+
+def test_spent_budget_runs_nothing_and_says_so(tmp_path):
+    done = run(tmp_path, "--dry-run", "--budget-s", "0", timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert len(doc["runs"]) == 12
+    assert all(r["exit_code"] == "not run" and "spent" in r["why"] for r in doc["runs"].values())
+
+
+def test_unknown_run_name(tmp_path):
+    done = run(tmp_path, "--dry-run", "--only", "eager-nope", timeout=120)
+    assert done.returncode == 2 and "not among the runs" in done.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"]])
+def test_help(args):
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--dry-run" in done.stdout
