@@ -1,20 +1,22 @@
 """The GPU benchmark in one call: ``armkv bench decode`` on Llama-3.1-8B's shape (random
 weights, bf16, budget 1024, prefill chunk 1024) on one CUDA device, every run independent.
 
-Runs, in this order (each its own process under its own time limit, so a crash, an
-out-of-memory or a timeout loses that run alone; a run cut short keeps the points it
-measured, from its results.partial.json):
+Runs (each its own process under its own time limit, so a crash, an out-of-memory or a
+timeout loses that run alone; a run cut short keeps the points it measured, from its
+results.partial.json), most wanted first:
 
-  eager-METHOD     arm, full, native, sink (one run each) at contexts 4, 1k, 32k, 128k:
-                   decode ms/token, cache bytes, prefill tokens/s (32k and 128k among them)
-  compiled-METHOD  native, arm, full, sink, the same with ``--compile`` (native on
-                   transformers' StaticCache)
-  batch8-arm, batch8-full, batch32-arm, batch32-full
-                   decode tokens/s at batch 8 and 32 after 32k-token prompts, full against arm
+  eager-METHOD     one method at contexts 4, 1k, 32k, 128k: decode ms/token, cache bytes,
+                   prefill tokens/s (32k and 128k among them)
+  compiled-METHOD  the same with ``--compile`` (native on transformers' StaticCache); the
+                   unbounded native and full get random KV past 32k instead of a prefill
+                   (their prefill is the eager runs')
+  batchB-METHOD    decode tokens/s at batch 8 and 32 after 32k-token prompts, full against arm
                    at the same budget (full at batch 32 x 32k needs 137 GB of KV: its failure
                    is recorded, not fatal)
 
-The whole plan takes longer than one device call may (10 minutes): runs start while
+in the order eager-arm, eager-full, compiled-native, compiled-full, compiled-arm,
+eager-native, batch8-arm, batch8-full, batch32-arm, batch32-full, eager-sink, compiled-sink.
+The whole plan may take longer than one device call (10 minutes): runs start while
 ``--budget-s`` lasts, the rest are listed as not run, and ``--only`` does them in a second call.
 
 Everything comes back as three files under ``$OUT`` (default ``out/gpu_bench``):
@@ -68,6 +70,7 @@ REAL = {
     "batch_length": "32k",
     "batch_repeats": "8",
     "batches": (8, 32),
+    "fill_past": "32768",  # compiled native and full: random KV instead of a prefill past this
 }
 DRY = {
     "model_config": None,  # written at run time: llama-3.1-8b's architecture at toy widths
@@ -82,12 +85,13 @@ DRY = {
     "batch_length": "96",
     "batch_repeats": "2",
     "batches": (2, 3),
+    "fill_past": "96",
 }
 DRY_SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=256, bos_token_id=1, eos_token_id=2)  # fmt: skip
 # seconds a run may take at most (the whole call also stops at --budget-s); ARM's prefill
 # of 161k tokens at 1.3k-2k tokens/s is the longest
-LIMITS = {"eager-arm": 240, "compiled-arm": 240}
+LIMITS = {"eager-arm": 240, "compiled-arm": 240, "batch32-arm": 240}
 DEFAULT_LIMIT = 150
 DRY_LIMIT = 240
 
@@ -98,13 +102,19 @@ def plan(p: dict) -> list[tuple[str, list[str]]]:
     common = ["--model-config", p["model_config"], "--dtype", p["dtype"], "--device", p["device"],
               "--budget", p["budget"], "--chunk", p["chunk"], "--warmup", p["warmup"], "--no-progress"]  # fmt: skip
     length = ["--lengths", p["lengths"], "--gen-lengths", p["gen_lengths"], "--repeats", p["repeats"]]
-    runs = [(f"eager-{m}", common + length + ["--methods", m]) for m in ("arm", "full", "native", "sink")]
-    runs += [(f"compiled-{m}", common + length + ["--methods", m, "--compile"]) for m in ("native", "arm", "full", "sink")]
+    fill = ["--max-full-length", p["fill_past"], "--beyond-full", "fill"]
     batch = ["--lengths", p["batch_length"], "--gen-lengths", p["gen_lengths"], "--repeats", p["batch_repeats"]]
+    runs = {f"eager-{m}": common + length + ["--methods", m] for m in ("arm", "full", "native", "sink")}
+    for m in ("native", "full", "arm", "sink"):
+        runs[f"compiled-{m}"] = common + length + ["--methods", m, "--compile"] + (fill if m in ("native", "full") else [])
     for name_b, b in zip(REAL["batches"], p["batches"]):
         for m in ("arm", "full"):
-            runs.append((f"batch{name_b}-{m}", common + batch + ["--methods", m, "--batch", str(b)]))
-    return runs
+            runs[f"batch{name_b}-{m}"] = common + batch + ["--methods", m, "--batch", str(b)]
+    return [(name, runs[name]) for name in ORDER]
+
+
+ORDER = ["eager-arm", "eager-full", "compiled-native", "compiled-full", "compiled-arm", "eager-native",
+         "batch8-arm", "batch8-full", "batch32-arm", "batch32-full", "eager-sink", "compiled-sink"]  # fmt: skip
 
 
 def _version(text: str) -> tuple[int, int]:
@@ -148,7 +158,7 @@ def prepare_env(log) -> tuple[dict, dict]:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
     info["transformers"] = installed_transformers(env)
     info["wheel"] = wheels[-1].name
-    if done.returncode != 0 or not info["transformers"]:
+    if done.returncode != 0 or not info["transformers"] or not in_range(info["transformers"]):
         info["error"] = f"installing {wheels[-1].name} failed (exit {done.returncode})"
     return env, info
 

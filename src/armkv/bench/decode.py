@@ -762,7 +762,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wall time, or the process's CPU time (on a CPU shared with other jobs)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--option", action="append", metavar="METHOD.KEY=VALUE",
-                        help="a method option (repeatable), as the evals take it: arm.sync=32, kivi.bits=2")
+                        help="a method option (repeatable), as the evals take it: arm.sync=32, kivi.bits=2; the native "
+                             "row takes native.cache=dynamic|static and native.chunk=N (default: the prompt in one forward)")
     parser.add_argument("--output", default=None, help="folder for results.json, table.md and decode.png")
     parser.add_argument("--json", action="store_true", help="print only the JSON line on stdout")
     parser.add_argument("--merge", nargs="+", metavar="RESULTS_JSON", default=None,
