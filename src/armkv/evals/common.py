@@ -20,6 +20,7 @@ from typing import Callable
 
 from armkv.errors import ArmkvError
 from armkv.options import parse_options
+from armkv.tools.results import compare_settings
 
 
 @dataclass(frozen=True)
@@ -195,13 +196,7 @@ def check_settings(folder: Path, settings: dict) -> None:
     path = folder / "config.json"
     settings = json.loads(json.dumps(settings))  # normalise tuples and paths as JSON sees them
     if path.exists():
-        old = json.loads(path.read_text())
-        for key in sorted(set(old) | set(settings)):
-            if old.get(key) != settings.get(key):
-                raise ArmkvError(
-                    f"{folder} holds results for {key}={old.get(key)!r}, not {settings.get(key)!r}: "
-                    "pass another --output to keep both"
-                )
+        compare_settings(json.loads(path.read_text()), settings, str(folder))
     path.write_text(json.dumps(settings, indent=2) + "\n")
 
 

@@ -517,6 +517,22 @@ class ARMLayer(CacheLayer):
 # ---------------------------------------------------------------------- registration
 @functools.lru_cache(maxsize=8)
 def _load_adapter(path: str) -> ARMModel:
+    """The adapter in folder ``path``, read once per version of its files: every layer of
+    every cache resolves its adapter, and a reread each time cost more than the request."""
+    from armkv.memory.module import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    stamp = []
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        try:
+            st = (Path(path) / name).stat()
+            stamp.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            stamp.append(None)  # ARMModel.load reports the missing file
+    return _read_adapter(str(Path(path).resolve()), tuple(stamp))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_adapter(path: str, stamp: tuple) -> ARMModel:
     return ARMModel.load(path).eval()
 
 

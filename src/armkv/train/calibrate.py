@@ -165,7 +165,6 @@ def retrieval_passages(documents: Iterable[str], tokenize, length: int, count: i
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from armkv.train.data import add_data_arguments
 
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: the default model)")
     parser.add_argument("--gguf-file", help="GGUF file inside --model to load")
     add_data_arguments(parser)

@@ -30,7 +30,6 @@ METHODS = ("arm", "lm")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.add_argument("--method", choices=METHODS, default="arm",
                         help="arm: train the ARM parameters (router, writes, policy); lm: train the model itself (needs --unfreeze all or --lora-rank)")
     parser.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: the default model)")
