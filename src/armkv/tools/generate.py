@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="results, one JSON object per line ('-': standard output). An existing file is resumed: "
                         "ids already answered under the same settings are kept and skipped")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace the results already in --output instead of resuming them")  # fmt: skip
+                        help="replace the results already in --output instead of resuming them (the output is "
+                        "replaced when the run has as many results)")  # fmt: skip
     parser.add_argument("--model", default=None, help="local transformers model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--adapter", default=None,
                         help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default), 'trained' or 'random'")  # fmt: skip
@@ -135,7 +136,8 @@ class Output:
     ----------
     path : the --output path, or "-"
     settings : what every result was produced under (stored on each line)
-    overwrite : start over instead of keeping the results already there
+    overwrite : replace the results the output holds (an interrupted --overwrite's own
+        results, left in the .partial, are still resumed)
     input_path : the --input path (never written over)
     """
 
@@ -153,20 +155,22 @@ class Output:
         check_output_path(self.path, input_path)
         previous = read_records(self.path)
         self.before = len(previous)
-        if not overwrite:
-            # an interrupted run that could not rename leaves its whole lines in the .partial
-            by_id = {}
-            for source in (self.path, self.partial):
-                records = previous if source == self.path else read_records(source)
-                for record in records:
-                    if "id" not in record:
-                        raise ArmkvError(f"{source} holds a line without an 'id': not an armkv generate output")
-                    compare_settings(
-                        record.get("settings", {}), settings, str(source),
-                        "pass another --output, or --overwrite to replace them",
-                    )  # fmt: skip
-                    by_id[id_key(record["id"])] = record
-            self.kept = list(by_id.values())
+        # A run that could not rename (killed, or an interrupted --overwrite) leaves its whole
+        # lines in the .partial: resumed like the output, by --overwrite too where its settings match.
+        by_id = {}
+        for source in (self.path, self.partial):
+            records = previous if source == self.path else read_records(source)
+            if overwrite and (source == self.path or not all(r.get("settings") == settings for r in records)):
+                continue
+            for record in records:
+                if "id" not in record:
+                    raise ArmkvError(f"{source} holds a line without an 'id': not an armkv generate output")
+                compare_settings(
+                    record.get("settings", {}), settings, str(source),
+                    "pass another --output, or --overwrite to replace them",
+                )  # fmt: skip
+                by_id[id_key(record["id"])] = record
+        self.kept = list(by_id.values())
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.file = self.partial.open("w", encoding="utf-8")  # before the model loads: a path we cannot write fails now
