@@ -248,3 +248,14 @@ def test_empty_outputs_get_a_chat_hint(tmp_path, tiny_model_dir, capsys, monkeyp
     assert "note: 2 of 2 outputs are empty" in capsys.readouterr().err
     assert generate(tiny_model_dir, src, tmp_path / "chat.jsonl", "--method", "full", "--chat") == 0
     assert "outputs are empty" not in capsys.readouterr().err
+
+
+def test_a_run_that_produces_nothing_leaves_no_output(tmp_path, tiny_model_dir, monkeypatch):
+    def broken(*a, **k):
+        raise armkv.errors.ArmkvError("the model cannot load")
+
+    import armkv.errors
+
+    monkeypatch.setattr(armkv.hf.model, "load_model", broken)
+    assert generate(tiny_model_dir, write_requests(tmp_path / "in.jsonl", requests(1)), tmp_path / "out.jsonl", "--method", "full") == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]

@@ -203,6 +203,9 @@ class Output:
         self.file = None
         if len(self.kept) + self.added < self.before:
             return False
+        if not self.kept and not self.added and not self.path.exists():
+            self.partial.unlink()  # nothing was produced: no empty output
+            return True
         os.replace(self.partial, self.path)
         return True
 
