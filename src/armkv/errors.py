@@ -24,8 +24,9 @@ def read_text(path: str | Path, what: str) -> str:
             raise ArmkvError(f"{what} {path}: not a file")
         data, name = path.read_bytes(), str(path)
     try:
-        return data.decode("utf-8-sig")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ArmkvError(
             f"{what} {name}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); save it as UTF-8"
         ) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # newlines as Path.read_text reads them

@@ -639,6 +639,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=("wall", "process"), default="wall",
                         help="wall time, or the process's CPU time (on a CPU shared with other jobs)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--adapter", default=None,
+                        help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default), 'trained' or 'random'")  # fmt: skip
     parser.add_argument("--option", action="append", metavar="METHOD.KEY=VALUE",
                         help="a method option (repeatable), as the evals take it: arm.sync=32, kivi.bits=2")
     parser.add_argument("--output", default=None, help="folder for results.json, table.md and decode.png")
@@ -649,10 +651,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_from_args(args) -> DecodeBench:
-    from armkv.options import parse_options  # the evals' --option syntax, METHOD.KEY=VALUE
+    from armkv.options import parse_options, with_adapter  # the evals' --option syntax, METHOD.KEY=VALUE
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
 
     return DecodeBench(
-        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        methods=methods,
         lengths=int_list(args.lengths, "--lengths"),
         gen_lengths=int_list(args.gen_lengths, "--gen-lengths"),
         budget=args.budget,
@@ -664,7 +668,7 @@ def bench_from_args(args) -> DecodeBench:
         max_length=args.max_length,
         clock=args.clock,
         seed=args.seed,
-        options=parse_options(args.option),
+        options=with_adapter(parse_options(args.option), getattr(args, "adapter", None), methods),
     )
 
 

@@ -579,6 +579,9 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
     overrides : run-time ARMConfig fields (ablations), see RUNTIME_FIELDS
     """
     overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ARMConfig)})
+    if unknown:
+        raise ArmkvError(f"arm has no option {', '.join(unknown)}; its options: {', '.join(sorted(RUNTIME_FIELDS))}")
     bad = sorted(set(overrides) - RUNTIME_FIELDS)
     if bad:
         raise ArmkvError(

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from armkv.errors import ArmkvError, read_text
-from armkv.options import parse_options
+from armkv.options import options_for
 from armkv.tools.preflight import DEFAULT_BUDGET, check_method, resolve_budget, warn
 from armkv.tools.results import compare_settings, read_records
 
@@ -111,21 +111,6 @@ def sampling_of(args: argparse.Namespace) -> dict | None:
     if t is None and p is None and k is None:
         return None
     return {"temperature": t, "top_p": p, "top_k": k, "seed": args.seed}
-
-
-def method_options(args: argparse.Namespace) -> dict:
-    """``--option METHOD.KEY=VALUE`` for ``--method`` (another method's is an error) and ``--adapter``."""
-    options = parse_options(args.option)
-    other = sorted(set(options) - {args.method})
-    if other:
-        key = next(iter(options[other[0]]))
-        raise ArmkvError(f"--option {other[0]}.{key}=...: this run's method is {args.method!r}, not {other[0]!r}")
-    options = dict(options.get(args.method, {}))
-    if args.adapter is not None:
-        if "adapter" in options:
-            raise ArmkvError("give the adapter once: --adapter or --option METHOD.adapter=, not both")
-        options["adapter"] = args.adapter
-    return options
 
 
 class Output:
@@ -231,7 +216,7 @@ def main(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ArmkvError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     sampling = sampling_of(args)
-    options = method_options(args)
+    options = options_for(args.method, args.option, args.adapter)
     budget = resolve_budget(args.method, args.budget, warn(TOOL))
     check_method(args.method, budget, args.chunk, options, args.model)
     requests = read_requests(args.input)

@@ -123,7 +123,18 @@ def check_method(
     info, rotary = model_info_from_config(model_dir)
     if info is None:
         return
-    if budget is not None and spec.bounded:
+    if spec.bounded:
+        check_budget(budget, model_dir, info)
+    for layer_idx in range(info.num_layers):  # bad values and budget shares fail here, cheaply (no state yet)
+        spec.make_layer(layer_idx, info, rotary, budget if spec.bounded else None, chunk, **options)
+
+
+def check_budget(budget: int | None, model_dir: str | Path | None = None, info=None) -> None:
+    """Raise ArmkvError for a budget beyond the model's positions (no cache holds more tokens
+    than the model can see) or whose cache would not fit in this machine's memory."""
+    if info is None:
+        info, _ = model_info_from_config(model_dir)
+    if info is not None and budget is not None:
         if budget > info.max_positions:
             raise ArmkvError(
                 f"--budget {budget} is more than the model's {info.max_positions} positions: a cache never holds "
@@ -136,8 +147,6 @@ def check_method(
                 f"--budget {budget} needs up to {need / 2**30:.1f} GiB of cache ({info.num_layers} layers), more than "
                 f"this machine's {memory / 2**30:.1f} GiB; lower --budget"
             )
-    for layer_idx in range(info.num_layers):  # bad values and budget shares fail here, cheaply (no state yet)
-        spec.make_layer(layer_idx, info, rotary, budget if spec.bounded else None, chunk, **options)
 
 
 def warn(tool: str):
