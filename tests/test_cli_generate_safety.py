@@ -259,3 +259,11 @@ def test_a_run_that_produces_nothing_leaves_no_output(tmp_path, tiny_model_dir, 
     monkeypatch.setattr(armkv.hf.model, "load_model", broken)
     assert generate(tiny_model_dir, write_requests(tmp_path / "in.jsonl", requests(1)), tmp_path / "out.jsonl", "--method", "full") == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_an_output_without_settings_is_not_mixed(tmp_path, tiny_model_dir, capsys, no_model):
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": "r0", "method": "sink", "output": "x"}) + "\n")
+    assert generate(tiny_model_dir, write_requests(tmp_path / "in.jsonl", requests(2)), out, "--method", "sink") == 2
+    assert "holds results without the settings they were made under" in capsys.readouterr().err
+    assert json.loads(out.read_text())["output"] == "x"

@@ -150,6 +150,11 @@ class Output:
             for record in records:
                 if "id" not in record:
                     raise ArmkvError(f"{source} holds a line without an 'id': not an armkv generate output")
+                if "settings" not in record:
+                    raise ArmkvError(
+                        f"{source} holds results without the settings they were made under: pass another --output, "
+                        "or --overwrite to replace them"
+                    )
                 compare_settings(
                     record.get("settings", {}), settings, str(source),
                     "pass another --output, or --overwrite to replace them",
