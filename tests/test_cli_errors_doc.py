@@ -24,9 +24,10 @@ DOC = ROOT / "docs" / "cli-errors.md"
 
 GOOD = json.dumps({"id": "q1", "prompt": "The sky is blue."})
 
-# (what the user did, argv, lines of in.jsonl); argv names files in the scratch folder
+# (what the user did, argv, lines of in.jsonl); argv names files in the scratch folder: in.jsonl,
+# folder/, plain.txt, utf16.jsonl (UTF-16), text.txt and done.jsonl (one result made at budget 64)
 CASES = [
-    ("output is a folder", ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
+    ("output is a folder", ["generate", "--method", "full", "--input", "in.jsonl", "--output", "folder"], [GOOD]),
     ("output under a file", ["generate", "--method", "full", "--input", "in.jsonl", "--output", "plain.txt/out.jsonl"], [GOOD]),
     ("output is the input", ["generate", "--method", "full", "--input", "in.jsonl", "--output", "in.jsonl"], [GOOD]),
     ("rerun into an output made with another budget",
@@ -113,7 +114,7 @@ def render() -> str:
     for what, argv, lines in CASES:
         code, said = run_case(argv, lines)
         command = "armkv " + " ".join(argv)
-        if lines:
+        if lines != [GOOD]:  # the requests, where they are what is wrong
             command += " (in.jsonl: " + ", ".join(line if len(line) < 40 else line[:37] + "..." for line in lines) + ")"
         cell = lambda s: s.replace("|", "\\|")  # noqa: E731
         rows.append(f"| {cell(what)}: `{cell(command)}` | {code} | {cell(said)} |")
