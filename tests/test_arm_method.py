@@ -4,6 +4,7 @@ covers every registered method, arm and fifo included)."""
 import pytest
 import torch
 
+from armkv.config import slot_bytes
 from armkv.errors import ArmkvError
 from armkv.hf.attach import make_cache
 from conftest import tiny_model
@@ -52,7 +53,7 @@ def test_packed_slots_buy_more_slots_and_read_close_to_exact(slot_format, tol):
     torch.testing.assert_close(logits, ref, rtol=tol, atol=tol)  # only the storage rounding differs
     _, plain = _run(model, ids, budget=512, arm_overrides={"sync": 1, "slot_format": "model"})
     layer, base = cache.layers[0], plain.layers[0]
-    assert layer.state.slots > 1.8 * base.state.slots  # the same bytes hold more slots
+    assert layer.slots > 1.8 * base.slots  # the same bytes hold more slots
     assert layer.state.key.element_size() < 4
     kv, d = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
     assert layer.peak_bytes <= 2 * 512 * 2 * kv * d * 4  # two sequences within the budget in bytes
@@ -101,7 +102,9 @@ def test_slot_ladder_keeps_precise_codes_until_a_write_would_merge(monkeypatch):
     with torch.no_grad():
         short = model(ids[:, :60], past_key_values=ladder, use_cache=True).logits
     assert not climbs and layer.rung == 0 and layer.state.key.dtype == torch.int8 and layer.state.count.max() == 1
-    held = layer.state.nbytes() + layer.reserve.nbytes  # the slots and the bytes reserved beside them
+    # a part-filled pool holds only what it has grown to, nothing reserved
+    whole = layer.state.groups * max(s * slot_bytes(f, layer.info.head_dim, 4) for f, s in layer.rungs)
+    assert layer.reserve is None and layer.state.nbytes() < whole
     # the same reads as a plain int8 pool with the first rung's slots
     plain = make_cache(model, "arm", budget=96, chunk=16, arm_overrides={"slot_format": "int8", "slots": layer.rungs[0][1]})
     with torch.no_grad():
@@ -110,7 +113,7 @@ def test_slot_ladder_keeps_precise_codes_until_a_write_would_merge(monkeypatch):
         long = torch.randint(0, 100, (2, 300))
         model(long, past_key_values=ladder, use_cache=True)
     assert climbs and all(lyr.rung == 2 and lyr.state.key.dtype == torch.uint8 for lyr in ladder.layers)
-    assert layer.state.nbytes() + layer.reserve.nbytes == held  # the same footprint on every rung
+    assert layer.state.nbytes() + layer.reserve.nbytes == whole  # the largest rung's footprint once whole
     # no rung but the last ever wrote with fewer free slots than tokens (which would merge)
     assert all(free >= need for rung, last, free, need in writes if rung < last)
     assert all(lyr.peak_bytes <= bound for lyr in ladder.layers)
@@ -142,7 +145,7 @@ def test_reads_stop_at_the_last_slot_any_row_holds(overrides, monkeypatch):
 
     got, cache = run()
     layer = cache.layers[0]
-    assert 0 < layer.reach < layer.state.slots  # the pool is part-filled: reads skip its tail
+    assert 0 < layer.reach < layer.slots  # the pool is part-filled: reads skip its tail
     assert (layer.state.count[:, layer.reach :] == 0).all()
     monkeypatch.setattr(ARMLayer, "_readable", lambda self: self.state)
     want, _ = run()
@@ -391,7 +394,7 @@ def test_layer_weights_share_the_model_budget_unevenly_within_its_total():
     total = L * 96 * 2 * kv * d * 4
     assert sum(layer.peak_bytes for layer in cache.layers) <= total
     if L > 1:
-        assert cache.layers[0].state.slots < even.layers[0].state.slots < cache.layers[1].state.slots
+        assert cache.layers[0].slots < even.layers[0].slots < cache.layers[1].slots
     # every layer writes at the same decode steps: the whole budget's sync, whatever its share
     assert {layer.config.sync for layer in cache.layers} == {even.layers[0].config.sync}
     with pytest.raises(ArmkvError, match="layer_weights"):
@@ -465,8 +468,8 @@ def test_a_horizon_refits_the_shares_and_other_methods_ignore_it():
     need = budget_for_tokens(120, d, 4, "k4v4")
     shares = layer_budgets(96, tuple([3.0] + [0.5] * (L - 1)), need)
     assert shares[0] == max(need, 96) and sum(shares) <= 96 * L
-    assert short.layers[0].state.slots < static.layers[0].state.slots  # the big share no longer holds empty room
-    assert all(a.state.slots > b.state.slots for a, b in zip(short.layers[1:], static.layers[1:]))
+    assert short.layers[0].slots < static.layers[0].slots  # the big share no longer holds empty room
+    assert all(a.slots > b.slots for a, b in zip(short.layers[1:], static.layers[1:]))
     assert sum(layer.peak_bytes for layer in short.layers) <= L * 96 * 2 * kv * d * 4
     make_cache(model, "sink", budget=96, chunk=16, horizon=120)  # no error: sink does not plan by length
     with pytest.raises(ArmkvError, match="fit_shares_to_length"):

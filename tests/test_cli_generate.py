@@ -8,7 +8,8 @@ import pytest
 
 from armkv.cli import main
 
-FIELDS = {"id", "method", "output", "prompt_tokens", "cache_bytes", "prefill_seconds", "decode_seconds_per_token"}
+FIELDS = {"id", "method", "output", "prompt_tokens", "cache_bytes", "prefill_seconds", "decode_seconds_per_token",
+          "settings"}
 
 
 def write_lines(path, lines):
@@ -53,9 +54,8 @@ def test_generate_chat_mode(tmp_path, tiny_model_dir):
     [
         (["--method", "nope"], None, "unknown method 'nope'"),
         (["--method", "sink", "--budget", "3"], None, "too small"),
-        (["--method", "swa"], None, "needs a budget"),
         (["--method", "full"], [], "holds no request"),
-        (["--method", "full", "--adapter", "random"], None, "takes no option adapter"),
+        (["--method", "full", "--adapter", "random"], None, "method 'full' has no option adapter; its options: none"),
     ],
 )
 def test_generate_errors_are_one_line(tmp_path, tiny_model_dir, capsys, extra, lines, message):

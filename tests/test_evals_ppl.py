@@ -60,4 +60,4 @@ def test_bad_option_is_a_one_line_error(tmp_path, capsys):
     text.write_text("hello world " * 20)
     assert main(["eval", "ppl", "--method", "full", "--input", str(text), "--option", "oops"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "expected KEY=VALUE" in err[0]
+    assert len(err) == 1 and "expected METHOD.KEY=VALUE" in err[0]

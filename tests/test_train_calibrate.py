@@ -169,7 +169,7 @@ def test_adapter_layer_weights_set_each_layers_budget_and_even_overrides(tmp_pat
         cache = make_cache(model, "arm", 96, 16, adapter=str(path), **options)
         with torch.no_grad():
             model(ids, past_key_values=cache, use_cache=True)
-        return [layer.state.slots for layer in cache.layers]
+        return [layer.slots for layer in cache.layers]
 
     weighted, even = slots(), slots(layer_weights="even")
     assert len(set(even)) == 1 and weighted[0] < even[0] < weighted[1]
@@ -197,7 +197,7 @@ def test_named_share_rules_follow_the_adapters_retrieval_scores(tmp_path):
         cache = make_cache(model, "arm", 96, 16, adapter=str(adapter), **options)
         with torch.no_grad():
             model(ids, past_key_values=cache, use_cache=True)
-        return [layer.state.slots for layer in cache.layers]
+        return [layer.slots for layer in cache.layers]
 
     split = slots(path, layer_weights="split")
     explicit = slots(path, layer_weights=",".join(str(w) for w in retrieval_layer_weights(scores, "split")))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 
@@ -11,15 +12,21 @@ class ArmkvError(ValueError):
 
 def read_text(path: str | Path, what: str) -> str:
     """A user's text file as a string, or an ArmkvError that names it and says what is wrong
-    (missing, a folder, not UTF-8). ``what`` names where the path came from, e.g. "--input"."""
-    path = Path(path)
-    if not path.exists():
-        raise ArmkvError(f"{what} {path}: no such file")
-    if not path.is_file():
-        raise ArmkvError(f"{what} {path}: not a file")
+    (missing, a folder, not UTF-8). ``what`` names where the path came from, e.g. "--input".
+    ``-`` reads standard input. A UTF-8 byte-order mark is dropped."""
+    if str(path) == "-":
+        data, name = sys.stdin.buffer.read(), "<stdin>"
+    else:
+        path = Path(path)
+        if not path.exists():
+            raise ArmkvError(f"{what} {path}: no such file")
+        if not path.is_file():
+            raise ArmkvError(f"{what} {path}: not a file")
+        data, name = path.read_bytes(), str(path)
     try:
-        return path.read_text(encoding="utf-8")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ArmkvError(
-            f"{what} {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); save it as UTF-8"
+            f"{what} {name}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); save it as UTF-8"
         ) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # newlines as Path.read_text reads them

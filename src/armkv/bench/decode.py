@@ -750,8 +750,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps before them (default 2)")
     parser.add_argument("--chunk", type=int, default=256, help="P, the prefill chunk: tokens per forward (default 256)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="the model's dtype")
     parser.add_argument("--max-full-length", type=int, default=None,
                         help="skip unbounded methods (full, offload) at prompt lengths beyond this, noted in the table")  # fmt: skip
     parser.add_argument("--beyond-full", choices=("skip", "fill"), default="skip",
@@ -760,7 +760,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-length", type=int, default=131072, help="refuse prompt lengths beyond this (default 131072)")
     parser.add_argument("--clock", choices=("wall", "process"), default="wall",
                         help="wall time, or the process's CPU time (on a CPU shared with other jobs)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--adapter", default=None,
+                        help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default), 'trained' or 'random'")  # fmt: skip
     parser.add_argument("--option", action="append", metavar="METHOD.KEY=VALUE",
                         help="a method option (repeatable), as the evals take it: arm.sync=32, kivi.bits=2; the native "
                              "row takes native.cache=dynamic|static and native.chunk=N (default: the prompt in one forward)")
@@ -772,10 +774,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_from_args(args) -> DecodeBench:
-    from armkv.options import parse_options  # the evals' --option syntax, METHOD.KEY=VALUE
+    from armkv.options import parse_options, with_adapter  # the evals' --option syntax, METHOD.KEY=VALUE
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
 
     return DecodeBench(
-        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        methods=methods,
         lengths=int_list(args.lengths, "--lengths"),
         gen_lengths=int_list(args.gen_lengths, "--gen-lengths"),
         budget=args.budget,
@@ -787,7 +791,7 @@ def bench_from_args(args) -> DecodeBench:
         max_length=args.max_length,
         clock=args.clock,
         seed=args.seed,
-        options=parse_options(args.option),
+        options=with_adapter(parse_options(args.option), getattr(args, "adapter", None), methods),
         batch=args.batch,
     )
 

@@ -36,15 +36,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens written for the scan timing")
     parser.add_argument("--chunk", type=int, default=256, help="P, tokens per chunk")
     parser.add_argument("--slots", type=int, default=433, help="pool size (433 = the budget-512 split for d=64)")
-    parser.add_argument("--kv-heads", type=int, default=3)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--kv-heads", type=int, default=3, help="KV heads of the memory")
+    parser.add_argument("--head-dim", type=int, default=64, help="head dimension d")
     parser.add_argument("--buckets", default="256,1024,4096,16384", help="tree sizes for the read timing (powers of 4)")
     parser.add_argument("--m", type=int, default=16, help="fixed M for the read timing")
-    parser.add_argument("--queries", type=int, default=64)
+    parser.add_argument("--queries", type=int, default=64, help="queries per read")
     parser.add_argument("--int4-slots", default="2706,8295",
                         help="pool sizes for the int4 read timing (2706: budget 512, d = 64; 8295: the largest calibrated share)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
 
 

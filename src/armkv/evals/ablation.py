@@ -113,7 +113,7 @@ def main(args) -> int:
     for task in tasks:
         if task not in NEEDLE_TASKS:
             raise ArmkvError(f"the ablation runs RULER's needle tasks; {task!r} is not one ({', '.join(NEEDLE_TASKS)})")
-    options = common.parse_options(args.option)
+    options = common.method_options(args)
     generator, lengths, depths, info, model, tokenizer = ruler.prepare(args, tasks)
     rows = resolve_rows(
         [known[name] for name in names], num_buckets_of(info, args.budget, options.get("arm", {}).get("adapter")), options

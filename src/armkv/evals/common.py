@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Callable
 
 from armkv.errors import ArmkvError
-from armkv.options import parse_options
+from armkv.options import parse_options, with_adapter
+from armkv.tools.results import compare_settings
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ def add_common_arguments(parser, *, methods: str | None, samples: int, samples_h
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the generated samples (default: %(default)s, RULER's)")
-    parser.add_argument("--option", action="append", metavar="METHOD.KEY=VALUE", help="a method option (repeatable), e.g. arm.adapter=PATH or kivi.bits=2")
+    parser.add_argument("--adapter", default=None, help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default), 'trained' or 'random'")
+    parser.add_argument("--option", action="append", metavar="METHOD.KEY=VALUE", help="a method option (repeatable), e.g. arm.slot_format=int8 or kivi.bits=2")
 
 
 def method_rows(text: str, options: dict[str, dict] | None = None) -> list[Row]:
@@ -96,6 +98,13 @@ def unbounded(rows: list[Row]) -> list[str]:
     return [row.label for row in rows if not get_method(row.method).bounded]
 
 
+def method_options(args) -> dict[str, dict]:
+    """``{method: options}`` from ``--option METHOD.KEY=VALUE`` and ``--adapter`` (given to arm and
+    fifo where --methods names them; the ablation's rows take arm's options)."""
+    methods = parse_list(args.methods, "methods") if getattr(args, "methods", None) else ["arm"]
+    return with_adapter(parse_options(args.option), getattr(args, "adapter", None), methods)
+
+
 def settings_of(args, eval_name: str, **extra) -> dict:
     """What a folder's samples were produced under (see :func:`check_settings`)."""
     return {
@@ -105,7 +114,7 @@ def settings_of(args, eval_name: str, **extra) -> dict:
         "chunk": args.chunk,
         "chat": args.chat,
         "seed": args.seed,
-        "options": parse_options(args.option),
+        "options": method_options(args),
         **extra,
     }
 
@@ -114,7 +123,9 @@ def load(args):
     """``(model, tokenizer, info)`` for ``--model`` (default: the packaged model)."""
     from armkv.hf.attach import model_info
     from armkv.hf.model import load_model
+    from armkv.tools.preflight import check_budget
 
+    check_budget(args.budget, args.model)
     model, tokenizer = load_model(args.model)
     return model, tokenizer, model_info(model)
 
@@ -195,13 +206,7 @@ def check_settings(folder: Path, settings: dict) -> None:
     path = folder / "config.json"
     settings = json.loads(json.dumps(settings))  # normalise tuples and paths as JSON sees them
     if path.exists():
-        old = json.loads(path.read_text())
-        for key in sorted(set(old) | set(settings)):
-            if old.get(key) != settings.get(key):
-                raise ArmkvError(
-                    f"{folder} holds results for {key}={old.get(key)!r}, not {settings.get(key)!r}: "
-                    "pass another --output to keep both"
-                )
+        compare_settings(json.loads(path.read_text()), settings, str(folder))
     path.write_text(json.dumps(settings, indent=2) + "\n")
 
 

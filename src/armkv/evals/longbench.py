@@ -374,7 +374,7 @@ def main(args) -> int:
     datasets = common.parse_list(args.tasks, "tasks")
     for d in datasets:
         dataset_path(args.data_dir, d)  # one-line errors before the model loads
-    rows = common.method_rows(args.methods, common.parse_options(args.option))
+    rows = common.method_rows(args.methods, common.method_options(args))
     model, tokenizer, info = common.load(args)
     max_length = args.max_length or info.max_positions - max(DATASET2MAXLEN[d] for d in datasets)
     evaluate(

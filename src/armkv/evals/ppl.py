@@ -28,8 +28,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     parser.add_argument(
-        "--option", action="append", default=None, metavar="KEY=VALUE",
-        help="a method option (repeatable), e.g. slot_format=int8 or merge_metric=kv for arm, bits=2 for kivi",
+        "--option", action="append", default=None, metavar="METHOD.KEY=VALUE",
+        help="a method option (repeatable), e.g. arm.slot_format=int8 or kivi.bits=2",
     )
 
 
@@ -59,23 +59,15 @@ def perplexity(model, ids: torch.Tensor, method: str, budget: int | None, chunk:
 
 
 def main(args) -> int:
-    from armkv.options import option_value
+    from armkv.options import options_for
+    from armkv.tools.preflight import check_method, resolve_budget
     from armkv.hf.model import load_model
-    from armkv.methods.base import get_method
 
     path = Path(args.input)
     text = read_text(path, "--input")
-    spec = get_method(args.method)
-    options = {}
-    if args.adapter is not None:
-        if args.method not in ("arm", "fifo"):
-            raise ArmkvError("--adapter applies to the arm and fifo methods")
-        options["adapter"] = args.adapter
-    for pair in args.option or ():
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise ArmkvError(f"--option {pair!r}: expected KEY=VALUE, e.g. slot_format=int8")
-        options[key.strip()] = option_value(value)
+    options = options_for(args.method, args.option, args.adapter)
+    budget = resolve_budget(args.method, args.budget)
+    check_method(args.method, budget, args.chunk, options, args.model)
     model, tokenizer = load_model(args.model)
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens]
     if ids.shape[1] < 2:
@@ -83,7 +75,6 @@ def main(args) -> int:
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and ids.shape[1] > limit:
         raise ArmkvError(f"--max-tokens {ids.shape[1]} is beyond the model's {limit} positions")
-    budget = args.budget if spec.bounded else None
     result = perplexity(model, ids, args.method, budget, args.chunk, **options)
     result.update(method=args.method, budget=budget, adapter=args.adapter, options=options, input=str(path))
     if not args.json:

@@ -838,7 +838,7 @@ def chat_template_tokens(tokenizer) -> int:
 
 def main(args) -> int:
     tasks = parse_tasks(args.tasks)
-    rows = common.method_rows(args.methods, common.parse_options(args.option))
+    rows = common.method_rows(args.methods, common.method_options(args))
     generator, lengths, depths, info, model, tokenizer = prepare(args, tasks)
     evaluate(
         generator,

@@ -29,7 +29,7 @@ def check_transformers():
     try:
         import transformers
     except ModuleNotFoundError:
-        raise ArmkvError('transformers is not installed: pip install -e ".[hf]"') from None
+        raise ArmkvError("needs the 'hf' extra (No module named 'transformers'): pip install 'armkv[hf]'") from None
     version = _parse(transformers.__version__)
     if not SUPPORTED[0] <= version < SUPPORTED[1]:
         low, high = (".".join(map(str, v)) for v in SUPPORTED)

@@ -17,8 +17,11 @@ from armkv.hf.attach import make_cache, model_info
 
 
 def check_request(request: dict) -> None:
-    """Raise ArmkvError unless ``request`` has an id and either a context or a prompt (strings)."""
-    if not isinstance(request, dict) or "id" not in request:
+    """Raise ArmkvError unless ``request`` is a JSON object with an id and either a context or a
+    prompt (strings), and some text to feed."""
+    if not isinstance(request, dict):
+        raise ArmkvError(f"a request is a JSON object with an 'id', not {type(request).__name__} {request!r:.40}")
+    if "id" not in request:
         raise ArmkvError("a request needs an 'id'")
     has_context, has_prompt = "context" in request, "prompt" in request
     if has_context == has_prompt:
@@ -26,6 +29,8 @@ def check_request(request: dict) -> None:
     for key in ("context", "question", "answer_prefix", "prompt"):
         if key in request and not isinstance(request[key], str):
             raise ArmkvError(f"request {request['id']!r}: {key!r} must be a string")
+    if not any(request.get(key) for key in ("context", "question", "answer_prefix", "prompt")):
+        raise ArmkvError(f"request {request['id']!r}: the prompt is empty")
 
 
 class Runner:
@@ -107,8 +112,13 @@ class Runner:
         top_k: int | None = None,
         top_p: float | None = None,
         progress=None,
+        seed: int | None = None,
     ) -> list[dict]:
         """Answer each request, one at a time, each with a fresh cache.
+
+        With ``do_sample``, unset ``temperature`` / ``top_k`` / ``top_p`` come from the model's
+        generation config; ``seed`` (optional) seeds each request's draws afresh, so a request's
+        answer does not depend on the requests before it (a resumed run gives the same answers).
 
         Returns
         -------
@@ -121,7 +131,7 @@ class Runner:
             stages = self.encode(request)
             tokens, timing, cache = self.generate_ids(
                 stages, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                request_id=request["id"], watch=request.get("watch"),
+                request_id=request["id"], watch=request.get("watch"), seed=seed,
             )
             results.append(
                 {
@@ -148,6 +158,7 @@ class Runner:
         top_p: float | None = None,
         request_id=None,
         watch: list[str] | None = None,
+        seed: int | None = None,
     ):
         """Prefill each stage in turn, then decode one sequence.
 
@@ -170,7 +181,7 @@ class Runner:
             )
         device = self.model.device
         cache = self.new_cache(horizon=prompt_tokens + max_new_tokens)
-        pick = self._sampler(do_sample, temperature, top_k, top_p)
+        pick = self._sampler(do_sample, temperature, top_k, top_p, seed)
         start = time.perf_counter()
         position = 0
         for stage in stages:
@@ -233,9 +244,10 @@ class Runner:
         out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
 
-    def _sampler(self, do_sample: bool, temperature, top_k, top_p):
+    def _sampler(self, do_sample: bool, temperature, top_k, top_p, seed: int | None = None):
         """logits [1, V] -> next token id, as ``model.generate`` picks it (argmax, or the same
-        temperature / top-k / top-p warpers in the same order, then one multinomial draw)."""
+        temperature / top-k / top-p warpers in the same order, then one multinomial draw; from
+        a generator seeded with ``seed`` where one is given)."""
         if not do_sample:
             return lambda logits: int(logits.argmax(-1))
         from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -252,8 +264,12 @@ class Runner:
         if top_p is not None and top_p < 1.0:
             warpers.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
 
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.model.device).manual_seed(int(seed))
+
         def pick(logits: torch.Tensor) -> int:
             scores = warpers(None, logits)
-            return int(torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1))
+            return int(torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator))
 
         return pick

@@ -39,6 +39,10 @@ RUNTIME_FIELDS = {
 
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
 
+# Slots a growing pool (ARMLayer._grows) starts with; it doubles (at least) whenever a write
+# would find too few free ones, up to the slots the budget buys.
+INITIAL_SLOTS = 64
+
 
 class ARMLayer(CacheLayer):
     """One layer of the ARM cache.
@@ -87,6 +91,11 @@ class ARMLayer(CacheLayer):
         return rungs + [(c.slot_format, c.pool_slots)]
 
     @property
+    def slots(self) -> int:
+        """The slots the budget buys on the current rung (a growing pool allocates them as it fills)."""
+        return self.rungs[self.rung][1]
+
+    @property
     def slot_format(self) -> str:
         """The format the slots are stored in now (``slot_format`` unless a ladder's earlier rung)."""
         return self.rungs[self.rung][0]
@@ -97,18 +106,60 @@ class ARMLayer(CacheLayer):
         c = self.config
         self.buffer = ExactBuffer(c.sinks, c.window, B, H, d, key.dtype, key.device)
         self.rung = len(self.rungs) - 1 if self.memory.training else 0  # (training keeps the model's dtype)
-        slots = dataclasses.replace(c, slots=self.rungs[self.rung][1])
-        self.state = self._stored(self.memory.init_state(B, key.dtype, key.device, slots))
+        slots = self.rungs[self.rung][1]
+        if self._grows():
+            slots = min(slots, INITIAL_SLOTS)
+        self.state = self._stored(self.memory.init_state(B, key.dtype, key.device, dataclasses.replace(c, slots=slots)))
         self.reach = 0
         self._reserve_ladder_bytes()
 
+    def _grows(self) -> bool:
+        """Whether the pool is allocated as it fills rather than at once: at inference, in the
+        shared pool under lazy merging with the similarity scorer (not fifo). There a write
+        whose tokens all find free slots puts each in the lowest free one, whatever else the
+        pool holds (``write.roomy_groups``), so free slots past the last one used change
+        nothing, and :meth:`_grow` adds them only before a write that needs them."""
+        c, mem = self.config, self.memory
+        return (
+            not mem.training and c.pool == "shared" and c.lazy_merge and c.write != "fifo"
+            and mem.writes.scorer_kind == "similarity"
+        )  # fmt: skip
+
+    def _grow(self, packed: MemoryState, valid: torch.Tensor, dtype: torch.dtype) -> MemoryState:
+        """The stored state with free slots appended so that every group has room for the
+        most valid tokens a row writes now (as :meth:`_make_room` counts room), at least
+        doubling it, never past the slots of the current rung (the budget's); unchanged where
+        it has that room or is whole already."""
+        G, S = packed.count.shape
+        whole = self.slots
+        if S >= whole:
+            return packed
+        short = int(valid.sum(1).max()) - int((packed.count == 0).sum(1).min())
+        if short <= 0:
+            return packed
+        extra = min(whole, max(2 * S, S + short)) - S
+        free = self._stored(MemoryState.empty(G, extra, self.memory.head_dim, dtype, packed.count.device))
+        along = -1 if packed.key_scale is not None else 1  # quantised keys are channel-major [G, width, S]
+        grown = dataclasses.replace(
+            packed,
+            key=torch.cat([packed.key, free.key], along),
+            **{
+                name: torch.cat([getattr(packed, name), getattr(free, name)], 1)
+                for name in ("value", "pos", "count", "bucket", "key_scale", "value_scale")
+                if getattr(packed, name) is not None
+            },
+        )
+        self.state = grown
+        self._reserve_ladder_bytes()
+        return grown
+
     def _reserve_ladder_bytes(self) -> None:
-        """Hold, beside a ladder rung's state, the bytes that make every rung's footprint the
-        same (the largest rung's: their slot counts round the same pool bytes down to whole
-        slots of different sizes), so that the cache's size never depends on how long its
-        context is. Nothing without a ladder, and nothing in training."""
+        """Hold, beside a ladder rung's whole state, the bytes that make every rung's footprint
+        the same (the largest rung's: their slot counts round the same pool bytes down to whole
+        slots of different sizes), so that a full pool's size does not depend on the rung it
+        reached. Nothing without a ladder, in training, or while the pool is still growing."""
         st, info = self.state, self.info
-        if len(self.rungs) == 1 or self.memory.training:
+        if len(self.rungs) == 1 or self.memory.training or st.slots < self.slots:
             self.reserve = None
             return
         target = st.groups * max(slots * slot_bytes(fmt, info.head_dim, info.dtype_bytes) for fmt, slots in self.rungs)
@@ -308,6 +359,8 @@ class ARMLayer(CacheLayer):
         if mem.training and c.write != "fifo":
             self.aux["balance"] = self.aux.get("balance", 0) + mem.router.balance_loss(k_pre, valid)
         packed = self.state
+        if self._grows():
+            packed = self._grow(packed, valid, keys.dtype)
         if self.rung < len(self.rungs) - 1:
             packed = self._make_room(packed, valid, keys.dtype)
         if self.skip_roomy_unpack and self._roomy(packed, keys, valid):
@@ -491,7 +544,7 @@ class ARMLayer(CacheLayer):
         used = st.count > 0
         out = {
             "slots_used": float(used.float().sum(-1).mean()),
-            "slots": st.slots,
+            "slots": self.slots,  # the budget's, allocated or not yet
             "tokens_per_slot": float(st.count.sum() / used.sum().clamp_min(1)),
         }
         if positions is not None:
@@ -563,6 +616,9 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
     overrides : run-time ARMConfig fields (ablations), see RUNTIME_FIELDS
     """
     overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ARMConfig)})
+    if unknown:
+        raise ArmkvError(f"arm has no option {', '.join(unknown)}; its options: {', '.join(sorted(RUNTIME_FIELDS))}")
     bad = sorted(set(overrides) - RUNTIME_FIELDS)
     if bad:
         raise ArmkvError(

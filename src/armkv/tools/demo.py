@@ -42,8 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local transformers model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--adapter", default=None, help="ARM parameters for arm-family methods (folder, 'calibrated', 'random')")
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk P")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="most tokens generated per answer")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the needles and their depths")
     parser.add_argument("--output", default="armkv-demo", help="folder for table.md, results.json, demo.png")
 
 
@@ -97,6 +97,9 @@ def main(args: argparse.Namespace) -> int:
     if not lengths or min(lengths) < 64 or args.samples < 1:
         raise ArmkvError("--lengths needs lengths of at least 64 tokens and --samples at least 1")
     methods, notes = pick_methods(args.methods)
+    from armkv.tools.preflight import check_budget
+
+    check_budget(args.budget, args.model)
     model, tokenizer = load_model(args.model)
     samples = make_samples(tokenizer, lengths, args.samples, args.seed)
     out_dir = Path(args.output)

@@ -165,14 +165,13 @@ def retrieval_passages(documents: Iterable[str], tokenize, length: int, count: i
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from armkv.train.data import add_data_arguments
 
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: the default model)")
     parser.add_argument("--gguf-file", help="GGUF file inside --model to load")
     add_data_arguments(parser)
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per forward pass")
     parser.add_argument("--tokens", type=int, default=65_536, help="calibration tokens to run through the model")
     parser.add_argument("--max-keys-per-head", type=int, default=8192, help="keys kept per layer and KV head for the tree")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data sampling and the k-means")
     parser.add_argument("--budget", type=int, default=512, help="memory budget the tree is sized for (token-equivalents)")
     parser.add_argument("--retrieval-tokens", type=int, default=768,
                         help="tokens per passage of the retrieval score that shares the budget over the layers (0: even shares)")

@@ -30,7 +30,6 @@ METHODS = ("arm", "lm")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.add_argument("--method", choices=METHODS, default="arm",
                         help="arm: train the ARM parameters (router, writes, policy); lm: train the model itself (needs --unfreeze all or --lora-rank)")
     parser.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: the default model)")
@@ -51,11 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=d.min_lr, help="learning rate at the end of the cosine")
     g.add_argument("--warmup", type=float, default=d.warmup, help="fraction of steps of linear warm-up")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    g.add_argument("--betas", type=float, nargs=2, default=list(d.betas), metavar=("B1", "B2"))
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    g.add_argument("--betas", type=float, nargs=2, default=list(d.betas), metavar=("B1", "B2"), help="AdamW betas")
     g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm (0: off)")
-    g.add_argument("--precision", choices=("fp32", "bf16"), default=d.precision)
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--precision", choices=("fp32", "bf16"), default=d.precision, help="autocast precision of the forward")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the initialisation, data order and sampling")
 
     g = parser.add_argument_group("loss")
     g.add_argument("--ce-weight", type=float, default=1.0, help="weight of next-token cross-entropy")
@@ -64,15 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--alpha", type=float, default=0.01, help="weight of the router balance loss")
     g.add_argument("--budget-penalty", type=float, default=0.01, help="lambda: weight of the policy's read cost E[M]/N_b")
     g.add_argument("--tau", type=float, nargs=2, default=[1.0, 0.1], metavar=("START", "END"), help="Gumbel-Softmax temperature over the run")
-    g.add_argument("--tau-schedule", choices=("linear", "cosine", "constant"), default="linear")
+    g.add_argument("--tau-schedule", choices=("linear", "cosine", "constant"), default="linear", help="how --tau goes from START to END")
     g.add_argument("--epsilon", type=float, nargs=2, default=[0.1, 0.0], metavar=("START", "END"), help="policy exploration over the run")
-    g.add_argument("--epsilon-schedule", choices=("linear", "cosine", "constant"), default="linear")
+    g.add_argument("--epsilon-schedule", choices=("linear", "cosine", "constant"), default="linear", help="how --epsilon goes from START to END")
 
     g = parser.add_argument_group("run")
     g.add_argument("--out", default="runs/train", help="directory for log.jsonl, loss.png and checkpoints/")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--keep-last", type=int, default=3, help="checkpoints kept")
-    g.add_argument("--log-every", type=int, default=1)
+    g.add_argument("--log-every", type=int, default=1, help="log every N steps")
     g.add_argument("--resume", action="store_true", help="continue exactly from the newest checkpoint in --out")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-plot", action="store_true", help="no loss.png at the end")

@@ -1,0 +1,158 @@
+"""Checks a tool runs before it loads a model: the method, its budget and options, and where
+results go. Everything here reads only the model folder's ``config.json``, so a mistake in
+the command line costs a second, not a model load.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+from pathlib import Path
+
+from armkv.errors import ArmkvError
+
+DEFAULT_BUDGET = 512  # token-equivalents per layer: every tool's default for the bounded methods
+
+
+def model_folder(model_dir: str | Path | None) -> Path | None:
+    """The folder ``--model`` names, or the default model's converted folder; None where the
+    default model is not converted yet (its first load converts it, and checks come after)."""
+    if model_dir is not None:
+        return Path(model_dir)
+    # armkv.hf.model.default_model_dir()'s folder, found without importing transformers (a test keeps them equal)
+    folder = Path(os.environ.get("ARMKV_CACHE") or Path.home() / ".cache" / "armkv") / "models" / "smollm2-135m-instruct"
+    return folder if (folder / "config.json").is_file() else None
+
+
+def model_info_from_config(model_dir: str | Path | None):
+    """``(ModelInfo, Rotary)`` of a model folder read from its ``config.json`` alone (fp32, CPU),
+    or ``(None, None)`` where there is no readable config (the model load reports that)."""
+    import torch
+
+    from armkv.memory.rope import Rotary
+    from armkv.methods.base import ModelInfo
+
+    folder = model_folder(model_dir)
+    if folder is None or not (folder / "config.json").is_file():
+        return None, None
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        config = config.get("text_config", config)
+        heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        info = ModelInfo(
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            max_positions=int(config.get("max_position_embeddings") or 2**31),
+        )
+        rope = config.get("rope_parameters") or {}
+        theta = float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None, None  # not a config this check understands: the model load decides
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    return info, Rotary(inv_freq)
+
+
+def machine_memory_bytes() -> int | None:
+    """Physical memory of this machine (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def option_keys(method: str) -> list[str]:
+    """The option keys ``--option METHOD.KEY=VALUE`` takes for ``method``."""
+    from armkv.methods.base import get_method
+
+    spec = get_method(method)
+    skip = {"layer_idx", "info", "rotary", "budget", "chunk", "horizon", "arm", "arm_overrides"}
+    keys = {
+        name
+        for name, p in inspect.signature(spec.make_layer).parameters.items()
+        if name not in skip and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    }
+    if method == "arm":
+        from armkv.methods.arm import RUNTIME_FIELDS
+
+        keys |= set(RUNTIME_FIELDS) | {"layer_weights", "fit_shares_to_length"}
+    return sorted(keys)
+
+
+def resolve_budget(method: str, budget: int | None, warn=None) -> int | None:
+    """The budget a method runs with: ``budget``, or :data:`DEFAULT_BUDGET` for a bounded method
+    when none is given; None for a method that keeps every token (a budget given to one is
+    reported through ``warn``, not silently dropped)."""
+    from armkv.methods.base import get_method
+
+    if budget is not None and budget < 1:
+        raise ArmkvError(f"--budget {budget} must be >= 1 token-equivalent")
+    if not get_method(method).bounded:
+        if budget is not None and warn is not None:
+            warn(f"--budget {budget} does not apply to method {method!r}: it keeps every token")
+        return None
+    return DEFAULT_BUDGET if budget is None else budget
+
+
+def check_method(
+    method: str,
+    budget: int | None,
+    chunk: int,
+    options: dict,
+    model_dir: str | Path | None = None,
+) -> None:
+    """Raise ArmkvError, before any model loads, for what would fail later: an unknown method,
+    an option key the method does not take (the message lists the ones it does), a budget
+    the method cannot split, beyond the model's positions or larger than this machine's
+    memory, a bad option value. ``budget`` is the one the method will run with
+    (:func:`resolve_budget`)."""
+    from armkv.methods.base import get_method
+
+    spec = get_method(method)
+    if chunk < 1:
+        raise ArmkvError(f"--chunk {chunk} must be >= 1")
+    valid = option_keys(method)
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        listed = ", ".join(valid) if valid else "none"
+        raise ArmkvError(f"method {method!r} has no option {', '.join(unknown)}; its options: {listed}")
+    info, rotary = model_info_from_config(model_dir)
+    if info is None:
+        return
+    if spec.bounded:
+        check_budget(budget, model_dir, info)
+    for layer_idx in range(info.num_layers):  # bad values and budget shares fail here, cheaply (no state yet)
+        spec.make_layer(layer_idx, info, rotary, budget if spec.bounded else None, chunk, **options)
+
+
+def check_budget(budget: int | None, model_dir: str | Path | None = None, info=None) -> None:
+    """Raise ArmkvError for a budget beyond the model's positions (no cache holds more tokens
+    than the model can see) or whose cache would not fit in this machine's memory."""
+    if info is None:
+        info, _ = model_info_from_config(model_dir)
+    if info is not None and budget is not None:
+        if budget > info.max_positions:
+            raise ArmkvError(
+                f"--budget {budget} is more than the model's {info.max_positions} positions: a cache never holds "
+                f"more tokens than that; use --budget {info.max_positions} or less (or --method full)"
+            )
+        need = info.budget_bytes(budget) * info.num_layers
+        memory = machine_memory_bytes()
+        if memory is not None and need > memory:
+            raise ArmkvError(
+                f"--budget {budget} needs up to {need / 2**30:.1f} GiB of cache ({info.num_layers} layers), more than "
+                f"this machine's {memory / 2**30:.1f} GiB; lower --budget"
+            )
+
+
+def warn(tool: str):
+    """A one-line warning printer for ``tool`` (``armkv TOOL: warning: ...`` on stderr)."""
+
+    def say(message: str) -> None:
+        print(f"armkv {tool}: warning: {message}", file=sys.stderr)
+
+    return say
