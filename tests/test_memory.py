@@ -432,20 +432,6 @@ def test_room_similarity_matches_a_pairwise_loop(metric):
                     assert math.isclose(float(ts[gi, t, a]), expect, rel_tol=1e-6, abs_tol=1e-9)
 
 
-@pytest.mark.parametrize("metric", ["kv", "ward"])
-def test_every_merge_metric_keeps_the_pool_within_its_slots(metric):
-    cfg = ARMConfig(depth=1, branching=2, slots=6, window=4, sinks=0, sync=1, merge_metric=metric)
-    mem = ARMMemory(cfg, num_kv_heads=1, head_dim=8).eval()
-    state = mem.init_state(1, torch.float32, "cpu", cfg)
-    g = torch.Generator().manual_seed(0)
-    for step in range(5):
-        keys, values = torch.randn(1, 1, 7, 8, generator=g), torch.randn(1, 1, 7, 8, generator=g)
-        positions = torch.arange(step * 7, step * 7 + 7)[None]
-        state = mem.write(state, keys, values, positions, torch.ones(1, 7, dtype=torch.bool), config=cfg)
-        assert float(state.count.sum()) == 7 * (step + 1)  # every token is somewhere, none lost
-        assert state.key.shape == (1, 6, 8)
-
-
 @pytest.mark.parametrize("metric", ["key", "kv", "ward"])
 def test_banded_neighbours_equal_the_exact_ones_within_buckets(metric):
     from armkv.memory.write import _masked_neighbours, banded_neighbours, room_similarity

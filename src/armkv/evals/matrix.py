@@ -5,7 +5,7 @@ Per haystack, a row per method and a column per (task, length); each cell is the
 its sample count and the folder it came from. A later folder's cell replaces an earlier one's
 (list the folders oldest first). A folder's ``config.json`` names its haystack (ablation
 folders: ``--haystack`` says which), and ``--label ROW=METHOD`` maps an ablation row (e.g.
-``learned-M``, the default ARM) to a method. Folders run with other settings than the first
+``policy-M``, the default ARM) to a method. Folders run with other settings than the first
 (model, budget, chunk, seed, chat) are refused.
 
     armkv eval matrix runs/ruler-noise runs/ruler-prose --bar arm --output runs/matrix
@@ -34,7 +34,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("folders", nargs="+", type=Path, help="output folders of eval ruler / eval ablation, oldest first")
     parser.add_argument("--tasks", default=None, help="comma-separated tasks to show (default: all found)")
     parser.add_argument("--methods", default="full,arm,kivi,sink,swa", help="rows shown, in this order (default: %(default)s)")
-    parser.add_argument("--label", action="append", default=["learned-M=arm"], help="ROW=METHOD for ablation folders")
+    parser.add_argument("--label", action="append", default=["policy-M=arm"], help="ROW=METHOD for ablation folders")
     parser.add_argument("--haystack", default="essay", help="haystack of ablation folders, whose config does not say (default: essay)")
     parser.add_argument("--output", type=Path, default=None, help="folder for matrix.md and matrix.json")
     parser.add_argument("--bar", default=None, help="row to check against the full cache and the other bounded rows (e.g. arm)")
@@ -152,7 +152,7 @@ def main(args) -> int:
     for item in args.label:
         row, sep, method = item.partition("=")
         if not sep:
-            raise ArmkvError(f"--label {item!r}: expected ROW=METHOD, e.g. learned-M=arm")
+            raise ArmkvError(f"--label {item!r}: expected ROW=METHOD, e.g. policy-M=arm")
         labels[row] = method
     cells = collect(args.folders, labels, args.haystack)
     tasks = args.tasks.split(",") if args.tasks else None

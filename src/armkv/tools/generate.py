@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", required=True, help="cache method (full, swa, sink, kivi, offload, arm, ...)")
     parser.add_argument("--budget", type=int, default=None, help="token-equivalents of KV memory per layer")
     parser.add_argument("--model", default=None, help="local transformers model folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--adapter", default=None, help="ARM parameters: a folder, 'calibrated' (the default), 'trained' or 'random'")
+    parser.add_argument("--adapter", default=None, help="ARM parameters: a folder, 'calibrated' (the default) or 'random'")
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk P (the sync point)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--chat", action="store_true", help="wrap context + question in the chat template")
