@@ -186,7 +186,7 @@ def test_shipped_adapters_load_for_the_default_model_shape():
 
 def test_the_calibrated_adapters_shares_are_the_default_rule_on_its_scores():
     """The shipped calibrated adapter's budget shares are what calibrate's default rule
-    (lift-late, docs/memory.md session 16) gives for the retrieval scores stored with them."""
+    (lift-late, docs/design.md) gives for the retrieval scores stored with them."""
     from armkv.methods.arm import SHIPPED_ADAPTERS, retrieval_layer_weights
     from armkv.memory.module import ARMModel
 

@@ -1,6 +1,7 @@
 """``armkv eval policy``: the top-M the adapter's policy picks, per layer and input.
 
-The paper reports the distribution of M its policy learns. Here every input is a window of
+The paper reports the distribution of M its policy learns (the shipped adapter's policy
+picks M = N_b, every bucket, for every input; a trained one may not). Here every input is a window of
 a text file; each window's first chunk goes through an ARM cache (the inference path: the
 policy reads the mean of the first ``policy_tokens`` pre-RoPE keys of each layer) and the M
 each layer picked is recorded. Output: ``policy.json`` (M per layer and input),

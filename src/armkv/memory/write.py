@@ -1,4 +1,4 @@
-"""Writes (paper 3.2-3.3, read as DESIGN.md says): choose a slot, gate, blend, scan.
+"""Writes (paper 3.2-3.3; docs/design.md, "Writes"): choose a slot, gate, blend, scan.
 
 A chunk of N tokens is written against the state at the sync point t0 in three steps:
 
@@ -39,7 +39,9 @@ SCORE_SHARPNESS = 20.0  # initial weight of cos(slot, token) in the similarity s
 
 
 class WriteParams(nn.Module):
-    """Learned slot scorer and gate of one layer (shared by its KV heads)."""
+    """Slot scorer and gate of one layer (shared by its KV heads): trainable parameters,
+    initialised to a rule (merge at cosine >= merge_threshold; gamma = 1 / (1 + n)) that the
+    shipped adapter keeps (docs/design.md)."""
 
     def __init__(self, head_dim: int, scorer: str = "similarity", gate: str = "scalar", merge_threshold: float = 0.98):
         super().__init__()
