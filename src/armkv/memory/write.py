@@ -19,8 +19,9 @@ A chunk of N tokens is written against the state at the sync point t0 in three s
    scan over the writes sorted by (slot, time), vectorised (log2 N steps, no loop over
    tokens). ``armkv.memory.naive`` holds the per-token loop it must equal.
 
-Decoding writes one token at a time through the same functions, so its gates see the
-current state (the paper's state-dependent form).
+Decoding writes the tokens that left the window every ``sync`` tokens through the same
+functions; with ``sync=1`` every token is written alone, so its gates see the current state
+(the paper's state-dependent form).
 """
 
 from __future__ import annotations
