@@ -32,7 +32,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-tokens", type=int, default=4096, help="score the first N tokens of the file (with --windows: N a window)")
     parser.add_argument("--windows", action="store_true", help="score every consecutive window of N tokens, each with a fresh cache")
     parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
-    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser.add_argument("--json", action="store_true", help="print only the JSON line (with --windows: one a window, then the summary)")
     parser.add_argument(
         "--option", action="append", default=None, metavar="KEY=VALUE",
         help="a method option (repeatable), e.g. slot_format=int8 or window=96 for arm, bits=2 for kivi",

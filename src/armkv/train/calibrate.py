@@ -176,7 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget", type=int, default=512, help="memory budget the tree is sized for (token-equivalents)")
     parser.add_argument("--depth", type=int, default=None,
-                        help="levels of the tree, branching 4 (default: sized for --budget, about 6 slots a bucket; "
+                        help="levels of the tree, branching 4 (unset: sized for --budget, about 6 slots a bucket; "
                         "the shipped adapter has 3: 64 buckets)")
     parser.add_argument("--retrieval-tokens", type=int, default=768,
                         help="tokens per passage of the retrieval score that shares the budget over the layers (0: even shares)")
