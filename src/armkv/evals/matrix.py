@@ -25,9 +25,9 @@ import statistics
 from pathlib import Path
 
 from armkv.errors import ArmkvError
+from armkv.tools.report import column_keys, meets_bar, short_name
 
 SAME = ("model", "budget", "chunk", "chat", "seed")
-SHORT = {"niah_single_1": "single", "niah_multikey_1": "mk1", "niah_multivalue": "mv", "niah_multiquery": "mq"}
 
 
 def add_arguments(parser) -> None:
@@ -73,26 +73,6 @@ def collect(folders: list[Path], labels: dict[str, str] | None = None, haystack:
                 "max_new_tokens": config.get("max_new_tokens"),
             }
     return cells
-
-
-def column_keys(rows: dict, tasks: list[str] | None = None) -> list[str]:
-    """The (task@length) columns of one haystack, by length then task."""
-    keys = sorted({k for r in rows.values() for k in r}, key=lambda k: (int(k.split("@")[1]), k))
-    return [k for k in keys if k.split("@")[0] in tasks] if tasks else keys
-
-
-def short_name(key: str) -> str:
-    """``niah_multikey_1@8192`` -> ``mk1 8k``."""
-    task, length = key.split("@")
-    return f"{SHORT.get(task, task)} {int(length) // 1024}k"
-
-
-def meets_bar(rows: dict, key: str, bar: str, bounded: list[str], within: float) -> bool:
-    """Whether row ``bar`` is within ``within`` points of the full cache at ``key`` and above
-    every other bounded row that has the cell."""
-    cell = rows[bar][key]["score"]
-    others = [rows[o][key]["score"] for o in bounded if o != bar and o in rows and key in rows[o]]
-    return cell >= rows["full"][key]["score"] - within - 1e-9 and all(cell > o for o in others)
 
 
 def bar_table(haystack: str, rows: dict, keys: list, bar: str, methods: list, within: float, current: str | None) -> list[str]:

@@ -26,6 +26,7 @@ from pathlib import Path
 from armkv.errors import ArmkvError
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+SHORT = {"niah_single_1": "single", "niah_multikey_1": "mk1", "niah_multivalue": "mv", "niah_multiquery": "mq"}
 FILES = ("ruler.json", "ppl.json", "ppl_windows.json", "decode.json")
 ORDER = ["full", "arm", "kivi", "sink", "swa", "offload", "fifo"]
 
@@ -59,10 +60,6 @@ def _order(methods) -> list[str]:
     return sorted(methods, key=lambda m: (ORDER.index(m) if m in ORDER else len(ORDER), m))
 
 
-def _num(x: float, digits: int = 2) -> str:
-    return f"{x:,.{digits}f}"
-
-
 def geometric_mean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
@@ -75,11 +72,30 @@ def _provenance(entries: list[tuple[str, str, str | None]]) -> list[str]:
     return [f"- {', '.join(whats)}: `{command}` at commit {commit or 'not recorded'}" for (command, commit), whats in seen.items()]
 
 
-# ---------------------------------------------------------------------------------------- sections
+# The RULER matrix's cells: {haystack: {method: {task@length: {score, n, ...}}}}, as
+# `armkv eval matrix` writes them (it uses these helpers too).
+def column_keys(rows: dict, tasks: list[str] | None = None) -> list[str]:
+    """The (task@length) columns of one haystack, by length then task."""
+    keys = sorted({k for r in rows.values() for k in r}, key=lambda k: (int(k.split("@")[1]), k))
+    return [k for k in keys if k.split("@")[0] in tasks] if tasks else keys
+
+
+def short_name(key: str) -> str:
+    """``niah_multikey_1@8192`` -> ``mk1 8k``."""
+    task, length = key.split("@")
+    return f"{SHORT.get(task, task)} {int(length) // 1024}k"
+
+
+def meets_bar(rows: dict, key: str, bar: str, bounded: list[str], within: float) -> bool:
+    """Whether row ``bar`` is within ``within`` points of the full cache at ``key`` and above
+    every other bounded row that has the cell."""
+    cell = rows[bar][key]["score"]
+    others = [rows[o][key]["score"] for o in bounded if o != bar and o in rows and key in rows[o]]
+    return cell >= rows["full"][key]["score"] - within - 1e-9 and all(cell > o for o in others)
+
+
 def ruler_section(ruler: dict) -> tuple[list[str], dict]:
     """The matrix per haystack, ARM checked against the bar; and per-method means for the headline."""
-    from armkv.evals.matrix import column_keys, meets_bar, short_name
-
     within = float(ruler.get("within", 10.0))
     bounded = ruler.get("bounded") or [m for m in ORDER if m != "full"]
     lines = ["## RULER needle tasks", "", ruler.get("what", ""), "",
@@ -181,7 +197,7 @@ def decode_section(decode: dict) -> list[str]:
     return lines
 
 
-def headline(means: dict, ppl_by: dict, gms: dict, ruler: dict | None, windows: dict | None) -> list[str]:
+def headline(means: dict, ppl_by: dict, gms: dict) -> list[str]:
     """The README's table: per method, mean RULER score per haystack and held-out perplexity."""
     methods = _order(set(means) | {m for m, _ in ppl_by} | {n for n in gms if " " not in n})
     hays = sorted({h for per in means.values() for h in per})
@@ -226,12 +242,11 @@ def render(data: dict, plots: list[str]) -> tuple[str, str]:
     if "decode" in data:
         page += decode_section(data["decode"])
         prov.append(("decode latency", data["decode"]["command"], data["decode"].get("commit")))
-    table = headline(means, ppl_by, gms, data.get("ruler"), data.get("ppl_windows"))
+    table = headline(means, ppl_by, gms)
     page += ["## Provenance", ""] + _provenance(prov) + [""]
     return "\n".join(page), "\n".join(table)
 
 
-# ---------------------------------------------------------------------------------------- plots
 def make_plots(data: dict, folder: Path) -> list[str]:
     try:
         import matplotlib
