@@ -80,6 +80,11 @@ def column_keys(rows: dict, tasks: list[str] | None = None) -> list[str]:
     return [k for k in keys if k.split("@")[0] in tasks] if tasks else keys
 
 
+def haystack_name(haystack: str) -> str:
+    """RULER's "essay" haystack, filled here with the text of --haystack-file, is "prose"."""
+    return "prose" if haystack == "essay" else haystack
+
+
 def short_name(key: str) -> str:
     """``niah_multikey_1@8192`` -> ``mk1 8k``."""
     task, length = key.split("@")
@@ -100,12 +105,14 @@ def ruler_section(ruler: dict) -> tuple[list[str], dict]:
     bounded = ruler.get("bounded") or [m for m in ORDER if m != "full"]
     lines = ["## RULER needle tasks", "", ruler.get("what", ""), "",
              f"**Bold**: ARM within {within:g} points of the full cache and above every other bounded method "
-             "in that cell. Samples per cell in brackets where not 10.", ""]
+             "in that cell. Samples per cell in brackets where not 10."
+             + (" The prose haystack is RULER's essay haystack filled with the held-out text "
+                "(`--haystack essay --haystack-file heldout.txt`)." if "essay" in ruler["cells"] else ""), ""]
     means: dict = {}
     for haystack, rows in ruler["cells"].items():
         keys = column_keys(rows)
         methods = _order(rows)
-        lines += [f"### {'Prose (held-out essays)' if haystack == 'essay' else haystack.capitalize() + ' haystack'}", "",
+        lines += [f"### {haystack_name(haystack).capitalize()} haystack", "",
                   "| method | " + " | ".join(short_name(k) for k in keys) + " |", "|---|" + "---:|" * len(keys)]
         met = 0
         for m in methods:
@@ -202,7 +209,7 @@ def headline(means: dict, ppl_by: dict, gms: dict) -> list[str]:
     methods = _order(set(means) | {m for m, _ in ppl_by} | {n for n in gms if " " not in n})
     hays = sorted({h for per in means.values() for h in per})
     lengths = sorted({n for _, n in ppl_by})
-    head = [f"RULER {'prose' if h == 'essay' else h} (mean)" for h in hays] + [f"ppl {n // 1024}k" for n in lengths]
+    head = [f"RULER {haystack_name(h).split(' ')[0]} (mean)" for h in hays] + [f"ppl {n // 1024}k" for n in lengths]
     if gms:
         head.append("ppl, every 8k window (geo. mean)")
     lines = ["| method | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
@@ -267,8 +274,7 @@ def make_plots(data: dict, folder: Path) -> list[str]:
                 xs = sorted(by_len)
                 ax.plot(xs, [sum(by_len[x]) / len(by_len[x]) for x in xs], marker="o", label=m)
             ax.set_xscale("log", base=2)
-            name = "prose (held-out text)" if haystack == "essay" else haystack
-            ax.set_title(f"{name} haystack: mean over its needle tasks")
+            ax.set_title(f"{haystack_name(haystack)} haystack: mean over its needle tasks")
             ax.set_xlabel("context tokens")
             ax.set_ylabel("score")
             ax.legend(fontsize=8)
