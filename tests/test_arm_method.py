@@ -29,8 +29,7 @@ def test_large_memory_reads_equal_exact_attention():
 
 @pytest.mark.parametrize("overrides", [{"position_mode": "fixed"}, {"sync": 1}, {"write": "mean"},
                                        {"top_m": "fixed", "m_fixed": 1}, {"empty_slot_rule": False},
-                                       {"log_count_bias": False}, {"pool": "paper"}, {"merge_metric": "kv"},
-                                       {"merge_metric": "ward"}, {"slot_format": "bfloat16"},
+                                       {"log_count_bias": False}, {"pool": "paper"}, {"slot_format": "bfloat16"},
                                        {"slot_format": "int8"}, {"slot_format": "k8v4"}, {"slot_format": "k4v4"},
                                        {"protect_recent": 0.5}, {"lazy_merge": False},
                                        {"slot_ladder": "k8v4"}, {"slot_ladder": "bfloat16,int8,k8v4"}])
@@ -174,22 +173,23 @@ def test_adapter_options_are_checked(tmp_path):
 
 
 def test_shipped_adapters_load_for_the_default_model_shape():
-    """Both shipped adapters fit SmolLM2-135M (30 layers, 3 KV heads, head size 64) and the
-    calibrated one is what --method arm uses when no adapter is named."""
+    """The shipped adapter fits SmolLM2-135M (30 layers, 3 KV heads, head size 64) and is what
+    --method arm uses when no adapter is named; it is the only one that ships."""
     from armkv.methods.arm import DEFAULT_ADAPTER_ORDER, SHIPPED_ADAPTERS, shipped_adapter
     from armkv.methods.base import ModelInfo
     from armkv.memory.module import ARMModel
 
     info = ModelInfo(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_positions=8192)
     assert shipped_adapter(info).name.endswith("-" + DEFAULT_ADAPTER_ORDER[0]) and DEFAULT_ADAPTER_ORDER[0] == "calibrated"
-    for kind in ("calibrated", "trained"):
-        (folder,) = SHIPPED_ADAPTERS.glob(f"*-{kind}")
-        ARMModel.load(folder).check_fits(30, 3, 64)
+    assert DEFAULT_ADAPTER_ORDER == ("calibrated",)
+    (folder,) = SHIPPED_ADAPTERS.iterdir()
+    assert folder.name.endswith("-calibrated")
+    ARMModel.load(folder).check_fits(30, 3, 64)
 
 
 def test_the_calibrated_adapters_shares_are_the_default_rule_on_its_scores():
     """The shipped calibrated adapter's budget shares are what calibrate's default rule
-    (lift-late, docs/memory.md session 16) gives for the retrieval scores stored with them."""
+    (lift-late, docs/design.md) gives for the retrieval scores stored with them."""
     from armkv.methods.arm import SHIPPED_ADAPTERS, retrieval_layer_weights
     from armkv.memory.module import ARMModel
 
@@ -281,7 +281,7 @@ def test_incremental_repack_equals_packing_every_slot(overrides, monkeypatch):
     assert cache.layers[1].state.count.max() > 1  # merges happened
 
 
-@pytest.mark.parametrize("overrides", [{}, {"position_mode": "fixed"}, {"slot_mixing": False, "merge_metric": "kv"}])
+@pytest.mark.parametrize("overrides", [{}, {"position_mode": "fixed"}, {"slot_mixing": False}])
 def test_fused_write_passes_equal_their_pytorch_forms(overrides, monkeypatch):
     """At every write of a prefill and of decoding (k4v4 slots, merges, a padded row), the
     pool as the write reads it (ARMLayer._write_form) from the fused kernel equals the
@@ -417,60 +417,34 @@ def test_a_larger_sync_or_window_is_paid_for_with_slots():
     assert c1.state_bytes(d) <= 96 * 2 * d * 4
 
 
-def test_layer_budgets_water_fill_to_what_the_context_can_use():
-    """With a known number of tokens, no layer's share exceeds what holds them all apart
-    (max(need, budget)); what the capped layers leave goes to the others by weight; the total
-    never exceeds num_layers * budget; with need <= budget every layer gets the budget."""
-    from armkv.methods.arm import layer_budget, layer_budgets
-
-    weights = (0.5, 0.6, 3.0, 2.5, 0.7, 0.7)
-    L, budget = len(weights), 100
-    plain = layer_budgets(budget, weights)
-    assert plain == [layer_budget(budget, i, weights) for i in range(L)]
-    got = layer_budgets(budget, weights, need=150)
-    assert got[2] == got[3] == 150 and sum(got) <= L * budget
-    rest, w = L * budget - 300, [0.5, 0.6, 0.7, 0.7]
-    assert [got[i] for i in (0, 1, 4, 5)] == [int(rest * x / sum(w)) for x in w]
-    assert all(got[i] > plain[i] for i in (0, 1, 4, 5))  # the small shares grow
-    assert layer_budgets(budget, weights, need=90) == [budget] * L  # the budget holds everything: even
-    assert layer_budgets(budget, weights, need=10_000) == plain  # no share can hold them all: as calibrated
-    # a cap that the first round of redistribution pushes another layer over
-    assert layer_budgets(budget, (4.0, 3.0, 0.1), need=130) == [130, 130, 40]  # 169, 127, 4 -> 130, 164, 5 -> ...
-
-
-def test_budget_for_tokens_is_the_smallest_share_that_holds_them():
-    from armkv.config import ARMConfig
-    from armkv.methods.arm import budget_for_tokens
-
-    for tokens in (40, 333, 4032):
-        b = budget_for_tokens(tokens, 64, 4, "k4v4")
-        held = lambda x: (lambda c: c.sinks + c.window + c.slots)(ARMConfig.for_budget(x, 64, 4, slot_format="k4v4"))  # noqa: E731
-        assert held(b) >= tokens and held(b - 1) < tokens
-
-
-def test_a_horizon_refits_the_shares_and_other_methods_ignore_it():
-    """make_cache(horizon=N) with fit_shares_to_length: arm's weighted layers get no more room
-    than N tokens need (the total bytes within num_layers * budget); by default the calibrated
-    shares stay; a method that does not plan by length takes the same horizon without complaint."""
-    from armkv.methods.arm import budget_for_tokens, layer_budgets
-
+def test_other_methods_take_a_horizon_without_complaint():
+    """make_cache(horizon=N) goes only to a factory that takes it; the built-in ones do not."""
     model = tiny_model("llama").eval()
-    L = model.config.num_hidden_layers
-    weights = ",".join(["3"] + ["0.5"] * (L - 1))
-    kv, d = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
-    short = make_cache(model, "arm", budget=96, chunk=16, horizon=120,
-                       arm_overrides={"layer_weights": weights, "fit_shares_to_length": "true"})
-    static = make_cache(model, "arm", budget=96, chunk=16, horizon=120, arm_overrides={"layer_weights": weights})
-    ids = torch.randint(0, 100, (1, 120))
-    with torch.no_grad():
-        for cache in (short, static):
-            model(ids, past_key_values=cache, use_cache=True)
-    need = budget_for_tokens(120, d, 4, "k4v4")
-    shares = layer_budgets(96, tuple([3.0] + [0.5] * (L - 1)), need)
-    assert shares[0] == max(need, 96) and sum(shares) <= 96 * L
-    assert short.layers[0].slots < static.layers[0].slots  # the big share no longer holds empty room
-    assert all(a.slots > b.slots for a, b in zip(short.layers[1:], static.layers[1:]))
-    assert sum(layer.peak_bytes for layer in short.layers) <= L * 96 * 2 * kv * d * 4
-    make_cache(model, "sink", budget=96, chunk=16, horizon=120)  # no error: sink does not plan by length
+    for method in ("sink", "arm"):
+        make_cache(model, method, budget=96, chunk=16, horizon=120)
     with pytest.raises(ArmkvError, match="fit_shares_to_length"):
-        make_cache(model, "arm", budget=96, chunk=16, fit_shares_to_length="maybe")
+        make_cache(model, "arm", budget=96, chunk=16, fit_shares_to_length=True)  # a removed option
+
+
+def test_adapters_saved_with_removed_config_fields_still_load(tmp_path):
+    """An adapter whose config carries fields armkv no longer has (never read, or options that
+    lost: config.REMOVED_FIELDS) loads as if they were absent; any other unknown field is
+    still a one-line error naming it."""
+    import json
+
+    from armkv.config import REMOVED_FIELDS, ARMConfig
+    from armkv.memory.module import ARMModel
+
+    arm = ARMModel(ARMConfig(depth=1, branching=2, slots=8), num_layers=2, num_kv_heads=1, head_dim=8)
+    folder = arm.save(tmp_path / "old")
+    meta = json.loads((folder / "adapter_config.json").read_text())
+    meta["arm_config"].update(balance_alpha=0.01, budget_penalty=0.01, merge_metric="ward")
+    assert set(meta["arm_config"]) >= REMOVED_FIELDS
+    (folder / "adapter_config.json").write_text(json.dumps(meta))
+    loaded = ARMModel.load(folder)
+    assert loaded.config == arm.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), arm.state_dict().values()))
+    meta["arm_config"]["no_such_field"] = 1
+    (folder / "adapter_config.json").write_text(json.dumps(meta))
+    with pytest.raises(ArmkvError, match="no_such_field"):
+        ARMModel.load(folder)

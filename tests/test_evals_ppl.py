@@ -1,5 +1,6 @@
 """armkv eval ppl: the chunked protocol's perplexity equals a plain forward's for the full cache."""
 
+import json
 import math
 
 import pytest
@@ -61,3 +62,33 @@ def test_bad_option_is_a_one_line_error(tmp_path, capsys):
     assert main(["eval", "ppl", "--method", "full", "--input", str(text), "--option", "oops"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "expected METHOD.KEY=VALUE" in err[0]
+
+
+def test_windows_score_every_consecutive_window_with_a_fresh_cache(tmp_path, capsys, tiny_model_dir):
+    """--windows: window k is tokens [kN, (k+1)N) of the file, scored as --max-tokens N scores
+    a file holding just those tokens; the last line has every window and their geometric mean."""
+    from armkv.hf.model import load_model
+
+    model, tokenizer = load_model(str(tiny_model_dir))
+    text = tmp_path / "t.txt"
+    text.write_text("The grass is green. The sky is blue. The magic number is 1234567. " * 12)
+    ids = tokenizer(text.read_text(), return_tensors="pt").input_ids
+    n = 40
+    assert ids.shape[1] // n >= 3
+    args = ["eval", "ppl", "--method", "sink", "--budget", "16", "--chunk", "8", "--model", str(tiny_model_dir),
+            "--input", str(text), "--max-tokens", str(n), "--json"]
+    assert main([*args, "--windows"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    *each, summary = lines
+    assert [w["window"] for w in each] == list(range(ids.shape[1] // n))
+    assert [w["first_token"] for w in each] == [k * n for k in range(len(each))]
+    for k, w in enumerate(each):
+        want = perplexity(model, ids[:, k * n : (k + 1) * n], "sink", 16, chunk=8)
+        assert w["ppl"] == pytest.approx(want["ppl"], rel=1e-5) and w["tokens"] == n
+    assert summary["ppl"] == [w["ppl"] for w in each]
+    assert summary["geometric_mean"] == pytest.approx(math.exp(sum(math.log(w["ppl"]) for w in each) / len(each)))
+    assert main(args) == 0  # without --windows: the first window only, as before
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ppl"] == pytest.approx(each[0]["ppl"], rel=1e-5)
+    args[args.index("--max-tokens") + 1] = "100000"
+    assert main([*args, "--windows"]) == 2
+    assert "fewer than one window" in capsys.readouterr().err

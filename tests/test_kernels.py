@@ -125,9 +125,8 @@ def test_a_failed_build_warns_once_and_the_pytorch_path_serves(monkeypatch):
     torch.testing.assert_close(st.key_scores(q), st.key_scores(q, fused=False))
 
 
-@pytest.mark.parametrize("metric", ["key", "kv"])
 @pytest.mark.parametrize("slots,d,width", [(1, 64, 32), (2, 64, 32), (37, 64, 12), (301, 40, 32), (300, 64, 2)])
-def test_fused_band_neighbours_equal_the_pytorch_band(kernel, metric, slots, d, width):
+def test_fused_band_neighbours_equal_the_pytorch_band(kernel, slots, d, width):
     """The write's neighbour search (write.banded_neighbours) by the kernel and by PyTorch
     ops: the same partner for every slot that has one, the same similarity, -inf for the
     others; exact duplicates (ties) resolved alike (the nearest in bucket order)."""
@@ -145,8 +144,8 @@ def test_fused_band_neighbours_equal_the_pytorch_band(kernel, metric, slots, d, 
     st.bucket = torch.where(st.count > 0, torch.randint(0, 5, (G, slots), generator=g), -1)
     if slots > 10:
         st.count[:, [3, 7, 9]], st.bucket[:, [3, 7, 9]] = 1.0, 0
-    got_sim, got_idx = banded_neighbours(metric, st, width)
-    want_sim, want_idx = banded_neighbours(metric, st, width, fused=False)
+    got_sim, got_idx = banded_neighbours(st, width)
+    want_sim, want_idx = banded_neighbours(st, width, fused=False)
     has = torch.isfinite(want_sim)
     assert torch.equal(torch.isfinite(got_sim), has)
     torch.testing.assert_close(got_sim[has], want_sim[has], rtol=1e-5, atol=1e-5)
@@ -258,11 +257,10 @@ def test_fused_write_plan_equals_the_pytorch_plan(kernel, S, occupied, N, d, laz
     if occupied:
         bucket = torch.where(torch.arange(N) % 3 == 0, st.bucket.gather(1, src), bucket)
     valid = torch.rand(G, N, generator=g) > 0.1
-    values = torch.randn(G, N, d, generator=g)
     with torch.no_grad():
-        got, got_state = plan_writes(st, keys, bucket, valid, params, values=values, lazy=lazy, demote_scope=demote_scope)
+        got, got_state = plan_writes(st, keys, bucket, valid, params, lazy=lazy, demote_scope=demote_scope)
         want, want_state = plan_writes(
-            st, keys, bucket, valid, params, values=values, lazy=lazy, fused=False, demote_scope=demote_scope
+            st, keys, bucket, valid, params, lazy=lazy, fused=False, demote_scope=demote_scope
         )
     for name in ("target", "alpha", "cand", "count", "bucket"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)

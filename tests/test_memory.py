@@ -159,9 +159,9 @@ def test_demote_scope_bucket_merges_a_token_only_into_its_own_bucket(fused):
     token = (e[1] + 0.01 * e[4]).view(1, 1, d)  # nearly slot 1 (bucket 1), routed to bucket 0
     one = torch.ones(1, 1, dtype=torch.bool)
     with torch.no_grad():
-        wide, _ = plan_writes(state, token, torch.tensor([[0]]), one, params, values=token, lazy=True, fused=fused)
+        wide, _ = plan_writes(state, token, torch.tensor([[0]]), one, params, lazy=True, fused=fused)
         own, merged = plan_writes(
-            state, token, torch.tensor([[0]]), one, params, values=token, lazy=True, fused=fused, demote_scope="bucket"
+            state, token, torch.tensor([[0]]), one, params, lazy=True, fused=fused, demote_scope="bucket"
         )
     assert int(wide.target[0, 0]) == 1  # merged into slot 1 of bucket 1
     slot = int(own.target[0, 0])
@@ -393,9 +393,8 @@ def test_nan_poisoned_free_slots_never_leak():
     assert torch.isfinite(st.key[occ]).all() and torch.isfinite(st.value[occ]).all()
 
 
-# ------------------------------------------------------------------ merge metrics
-@pytest.mark.parametrize("metric", ["key", "kv", "ward"])
-def test_room_similarity_matches_a_pairwise_loop(metric):
+# ------------------------------------------------------------------ what merges first
+def test_room_similarity_matches_a_pairwise_loop():
     from armkv.memory.write import room_similarity
 
     g = torch.Generator().manual_seed(3)
@@ -403,51 +402,20 @@ def test_room_similarity_matches_a_pairwise_loop(metric):
     state = MemoryState.empty(G, S, d)
     state.key, state.value = torch.randn(G, S, d, generator=g, dtype=torch.float64), torch.randn(G, S, d, generator=g, dtype=torch.float64)
     state.count = torch.tensor([[1.0, 3, 0, 2, 1], [2, 1, 1, 0, 5]], dtype=torch.float64)
-    keys, values = torch.randn(G, N, d, generator=g, dtype=torch.float64), torch.randn(G, N, d, generator=g, dtype=torch.float64)
+    keys = torch.randn(G, N, d, generator=g, dtype=torch.float64)
     cos = torch.nn.functional.cosine_similarity(keys.unsqueeze(2), state.key.unsqueeze(1), dim=-1)
-    ss, ts = room_similarity(metric, state, keys, values, cos)
+    ss, ts = room_similarity(state, cos)
+    assert ts is cos and room_similarity(state, cos, slot_pairs=False)[0] is None
     c = lambda a, b: float(torch.nn.functional.cosine_similarity(a, b, dim=0))  # noqa: E731
     for gi in range(G):
         occ = state.count[gi] > 0
-        ek = float((state.key[gi][occ] ** 2).sum(-1).mean())
-        ev = float((state.value[gi][occ] ** 2).sum(-1).mean())
-
-        def want(ka, va, na, kb, vb, nb):
-            if metric == "key":
-                return c(ka, kb)
-            if metric == "kv":
-                return min(c(ka, kb), c(va, vb))
-            dist = float(((ka - kb) ** 2).sum()) / ek + float(((va - vb) ** 2).sum()) / ev
-            return -na * nb / (na + nb) * dist
-
         for a in range(S):
             for b in range(S):
                 if occ[a] and occ[b]:
-                    na, nb = float(state.count[gi, a]), float(state.count[gi, b])
-                    expect = want(state.key[gi, a], state.value[gi, a], na, state.key[gi, b], state.value[gi, b], nb)
-                    assert math.isclose(float(ss[gi, a, b]), expect, rel_tol=1e-6, abs_tol=1e-9)
-            for t in range(N):
-                if occ[a]:
-                    expect = want(keys[gi, t], values[gi, t], 1.0, state.key[gi, a], state.value[gi, a], float(state.count[gi, a]))
-                    assert math.isclose(float(ts[gi, t, a]), expect, rel_tol=1e-6, abs_tol=1e-9)
+                    assert math.isclose(float(ss[gi, a, b]), c(state.key[gi, a], state.key[gi, b]), rel_tol=1e-6, abs_tol=1e-9)
 
 
-@pytest.mark.parametrize("metric", ["kv", "ward"])
-def test_every_merge_metric_keeps_the_pool_within_its_slots(metric):
-    cfg = ARMConfig(depth=1, branching=2, slots=6, window=4, sinks=0, sync=1, merge_metric=metric)
-    mem = ARMMemory(cfg, num_kv_heads=1, head_dim=8).eval()
-    state = mem.init_state(1, torch.float32, "cpu", cfg)
-    g = torch.Generator().manual_seed(0)
-    for step in range(5):
-        keys, values = torch.randn(1, 1, 7, 8, generator=g), torch.randn(1, 1, 7, 8, generator=g)
-        positions = torch.arange(step * 7, step * 7 + 7)[None]
-        state = mem.write(state, keys, values, positions, torch.ones(1, 7, dtype=torch.bool), config=cfg)
-        assert float(state.count.sum()) == 7 * (step + 1)  # every token is somewhere, none lost
-        assert state.key.shape == (1, 6, 8)
-
-
-@pytest.mark.parametrize("metric", ["key", "kv", "ward"])
-def test_banded_neighbours_equal_the_exact_ones_within_buckets(metric):
+def test_banded_neighbours_equal_the_exact_ones_within_buckets():
     from armkv.memory.write import _masked_neighbours, banded_neighbours, room_similarity
 
     g = torch.Generator().manual_seed(7)
@@ -458,18 +426,18 @@ def test_banded_neighbours_equal_the_exact_ones_within_buckets(metric):
     state.bucket = torch.where(state.count > 0, torch.randint(0, 6, (G, S), generator=g), -1)
     keys = torch.randn(G, 2, d, generator=g, dtype=torch.float64)
     cos = torch.nn.functional.normalize(keys, dim=-1) @ torch.nn.functional.normalize(state.key, dim=-1).transpose(1, 2)
-    ss, _ = room_similarity(metric, state, keys, keys.clone(), cos)
+    ss, _ = room_similarity(state, cos)
     same = state.bucket.unsqueeze(2) == state.bucket.unsqueeze(1)
     want_sim, want_idx = _masked_neighbours(ss.masked_fill(~same, -math.inf), state)
     # every bucket holds at most 12 slots here: a band of 12 sees the whole bucket
-    got_sim, got_idx = banded_neighbours(metric, state, width=12)
+    got_sim, got_idx = banded_neighbours(state, width=12)
     occ = state.count > 0
     has = occ & torch.isfinite(want_sim)
     torch.testing.assert_close(got_sim[has], want_sim[has])
     assert torch.equal(got_idx[has], want_idx[has])
     assert torch.isinf(got_sim[~has]).all()
     # a narrower band only ever finds a pair no better than the exact nearest
-    narrow_sim, _ = banded_neighbours(metric, state, width=2)
+    narrow_sim, _ = banded_neighbours(state, width=2)
     assert (narrow_sim[has] <= want_sim[has] + 1e-12).all()
 
 
@@ -601,37 +569,23 @@ def test_pair_scores_of_a_cosine_only_scorer_take_the_short_path_and_agree():
     assert not params._cosine_only()  # gradients wanted: the general path
 
 
-@pytest.mark.parametrize("metric", ["key", "kv", "ward"])
 @pytest.mark.parametrize("S,width", [(37, 5), (130, 32), (3, 2)])
-def test_band_similarity_equals_the_pairwise_loop(metric, S, width):
-    """The blocked band of slot-slot similarities against every pair written out."""
-    from armkv.memory.write import _ward_scales, band_similarity
+def test_band_similarity_equals_the_pairwise_loop(S, width):
+    """The blocked band of slot-slot key cosines against every pair written out."""
+    from armkv.memory.write import band_similarity
 
     g = torch.Generator().manual_seed(S)
     G, d = 2, 6
-    key, value = torch.randn(G, S, d, generator=g, dtype=torch.float64), torch.randn(G, S, d, generator=g, dtype=torch.float64)
-    count = (torch.rand(G, S, generator=g, dtype=torch.float64) * 5).floor() + 1
-    state = MemoryState(key, value, torch.zeros(G, S, dtype=torch.float64), count, torch.zeros(G, S, dtype=torch.long))
-    scales = _ward_scales(state)
-    got = band_similarity(metric, key, value, count, width, scales)
+    key = torch.randn(G, S, d, generator=g, dtype=torch.float64)
+    got = band_similarity(key, width)
     assert got.shape == (G, S, width)
     cos = torch.nn.functional.cosine_similarity
     for gi in range(G):
         for i in range(S):
             for o in range(1, width + 1):
                 j = i + o
-                if j >= S:
-                    continue
-                if metric == "key":
-                    want = cos(key[gi, i], key[gi, j], dim=0)
-                elif metric == "kv":
-                    want = torch.minimum(cos(key[gi, i], key[gi, j], dim=0), cos(value[gi, i], value[gi, j], dim=0))
-                else:
-                    dk = ((key[gi, i] - key[gi, j]) ** 2).sum() / scales[0][gi, 0, 0]
-                    dv = ((value[gi, i] - value[gi, j]) ** 2).sum() / scales[1][gi, 0, 0]
-                    n_i, n_j = count[gi, i], count[gi, j]
-                    want = -(dk + dv) * n_i * n_j / (n_i + n_j)
-                torch.testing.assert_close(got[gi, i, o - 1], want)
+                if j < S:
+                    torch.testing.assert_close(got[gi, i, o - 1], cos(key[gi, i], key[gi, j], dim=0))
 
 
 @pytest.mark.parametrize("fmt", ["model", "bfloat16", "int8", "k8v4", "k4v4"])
@@ -695,8 +649,8 @@ def test_lazy_plan_with_room_everywhere_equals_the_scored_plan():
 
 
 @pytest.mark.parametrize("G,S,occupied,N", [(3, 37, 30, 11), (2, 700, 690, 33), (1, 9, 0, 5), (2, 20, 20, 20)])
-@pytest.mark.parametrize("metric", ["key", "kv"])
-def test_an_inplace_write_equals_the_copying_one(G, S, occupied, N, metric):
+@pytest.mark.parametrize("protect_recent", [0.0, 0.25])
+def test_an_inplace_write_equals_the_copying_one(G, S, occupied, N, protect_recent):
     """write_chunk(inplace=True) (what ARMLayer._flush does at inference: no copy of the pool
     per write) gives the state the copying write gives, merges that make room included (pools
     short of room, exact and banded neighbour searches, padding); it refuses to run where a
@@ -711,7 +665,7 @@ def test_an_inplace_write_equals_the_copying_one(G, S, occupied, N, metric):
     valid = torch.ones(G, N, dtype=torch.bool)
     valid[0, -1] = False
     pos = torch.arange(S, S + N, dtype=torch.float32).expand(G, N)
-    kw = dict(lazy=True, merge_metric=metric, demote_scope="bucket")
+    kw = dict(lazy=True, protect_recent=protect_recent, demote_scope="bucket")
     with torch.no_grad():
         want = write_chunk(base, keys, values, pos, valid, bucket, params, **kw)
         mine = MemoryState(base.key.clone(), base.value.clone(), base.pos.clone(), base.count.clone(), base.bucket.clone())

@@ -93,60 +93,41 @@ def test_retrieval_scores_equal_a_per_head_loop_and_restore_the_model(arch):
     assert all(0 <= s <= 1 for s in scores)
 
 
+def _sqrt_shares(scores, floor=0.5, spread=2.0):
+    """The unlifted shares: floor + spread * sqrt(score / top), scaled to mean 1."""
+    raw = [floor + spread * (max(x, 0.0) / max(scores)) ** 0.5 for x in scores]
+    return [r * len(raw) / sum(raw) for r in raw]
+
+
 def test_retrieval_layer_weights_favour_copying_layers_and_average_one():
     from armkv.train.calibrate import retrieval_layer_weights
 
-    w = retrieval_layer_weights([0.0, 0.01, 0.64, 0.16], "sqrt")
+    w = retrieval_layer_weights([0.0, 0.01, 0.64, 0.16])  # 0.16 = 0.64 / 4: lifted; nothing above layer 3
     assert abs(sum(w) / len(w) - 1) < 1e-3
-    assert w[0] < w[1] < w[3] < w[2]
+    assert w[0] < w[1] < w[2] == w[3]
     assert w[2] / w[0] == pytest.approx(2.5 / 0.5, rel=1e-3)  # (floor + spread) / floor at the top
     assert retrieval_layer_weights([0.0, 0.0]) == [1.0, 1.0]
-    assert retrieval_layer_weights([0.0, 0.01, 0.64, 0.16]) == retrieval_layer_weights([0.0, 0.01, 0.64, 0.16], "lift-late")
-
-
-def test_split_layer_weights_give_the_retrieval_layers_five_times_the_others_share():
-    from armkv.train.calibrate import retrieval_layer_weights
-
-    # 0.64 / 8 = 0.08: the layers at 0.64 and 0.16 are retrieval layers, 0.07 is just under
-    w = retrieval_layer_weights([0.0, 0.07, 0.64, 0.16, 0.0], "split")
-    assert sum(w) / len(w) == pytest.approx(1, abs=1e-3)
-    assert w[0] == w[1] == w[4] and w[2] == w[3]
-    assert w[2] / w[0] == pytest.approx(5, rel=1e-3)
-    assert w == retrieval_layer_weights([0.0, 0.07, 0.64, 0.16, 0.0], "split", threshold=0.125, ratio=5.0)
     with pytest.raises(ArmkvError, match="rule"):
-        retrieval_layer_weights([0.1, 0.2], "cube")
-
-
-def test_lift_layer_weights_raise_the_layers_near_the_top_to_the_top_share():
-    from armkv.train.calibrate import retrieval_layer_weights
-
-    scores = [0.0, 0.01, 0.64, 0.2, 0.15]  # 0.64 / 4 = 0.16: 0.2 is lifted, 0.15 is not
-    w, sq = retrieval_layer_weights(scores, "lift"), retrieval_layer_weights(scores, "sqrt")
-    assert sum(w) / len(w) == pytest.approx(1, abs=1e-3)
-    assert w[2] == w[3] and w[4] < w[3]
-    # below the lift the shares keep the sqrt rule's proportions, only rescaled
-    assert [w[i] / w[0] for i in (1, 4)] == pytest.approx([sq[i] / sq[0] for i in (1, 4)], rel=1e-3)
-    assert w[2] / w[0] == pytest.approx(sq[2] / sq[0], rel=1e-3)
-    assert retrieval_layer_weights(scores, "lift", lift=0.24) == retrieval_layer_weights(scores, "lift", lift=0.3125) == w
-    low = retrieval_layer_weights(scores, "lift", lift=0.2)  # a lower lift takes in 0.15 as well
-    assert low[4] == low[3] == low[2] < w[2]
+        retrieval_layer_weights([0.1, 0.2], "sqrt")  # a rule that lost: docs/decisions.md
 
 
 def test_lift_late_layer_weights_take_the_lift_from_the_layers_above_the_last_lifted_one():
     from armkv.train.calibrate import retrieval_layer_weights
 
-    scores = [0.0, 0.01, 0.64, 0.2, 0.15, 0.05, 0.02]  # layers 2 and 3 are lifted; 4-6 lie above them
-    w, sq = retrieval_layer_weights(scores, "lift-late"), retrieval_layer_weights(scores, "sqrt")
+    scores = [0.0, 0.01, 0.64, 0.2, 0.15, 0.05, 0.02]  # layers 2 and 3 are lifted (>= 0.16); 4-6 lie above them
+    w, sq = retrieval_layer_weights(scores), _sqrt_shares(scores)
     assert sum(w) / len(w) == pytest.approx(1, abs=1e-3)
+    # the layers below the last lifted one keep the unlifted shares; the lifted ones get the top's
     assert w[:2] == pytest.approx(sq[:2], abs=1e-4) and w[2] == w[3] == pytest.approx(sq[2], abs=1e-4)
     # the late layers pay the lift (sq[2] - sq[3]) in proportion to their shares
     keep = 1 - (sq[2] - sq[3]) / sum(sq[4:])
     assert w[4:] == pytest.approx([x * keep for x in sq[4:]], abs=1e-3)
-    # with no layer above the last lifted one it is the lift paid by every layer
-    assert retrieval_layer_weights(scores[:4], "lift-late") == retrieval_layer_weights(scores[:4], "lift")
+    # the threshold: a lower lift takes in 0.15 as well
+    low = retrieval_layer_weights(scores, lift=0.2)
+    assert low[4] == low[3] == low[2]
     # the late layers give at most half their shares; the rest is taken from every layer evenly
     thin = [0.0, 0.64, 0.2, 0.2, 0.2, 0.0]  # three layers lifted, one layer above them
-    t, tsq = retrieval_layer_weights(thin, "lift-late"), retrieval_layer_weights(thin, "sqrt")
+    t, tsq = retrieval_layer_weights(thin), _sqrt_shares(thin)
     assert t[5] / t[0] == pytest.approx(tsq[5] / tsq[0] / 2, rel=1e-3)
     assert t[1] == t[2] == t[3] == t[4] and sum(t) / len(t) == pytest.approx(1, abs=1e-3)
 
@@ -176,7 +157,7 @@ def test_adapter_layer_weights_set_each_layers_budget_and_even_overrides(tmp_pat
 
 
 def test_named_share_rules_follow_the_adapters_retrieval_scores(tmp_path):
-    """layer_weights='split' / 'sqrt' apply that rule to the scores stored in the adapter; an
+    """layer_weights='lift-late' applies the rule to the scores stored in the adapter; an
     adapter without them is a one-line error that says what to do."""
     import dataclasses
 
@@ -199,12 +180,11 @@ def test_named_share_rules_follow_the_adapters_retrieval_scores(tmp_path):
             model(ids, past_key_values=cache, use_cache=True)
         return [layer.slots for layer in cache.layers]
 
-    split = slots(path, layer_weights="split")
-    explicit = slots(path, layer_weights=",".join(str(w) for w in retrieval_layer_weights(scores, "split")))
-    assert split == explicit and split[-1] > split[0]
-    assert slots(path, layer_weights="sqrt") == slots(path, layer_weights=retrieval_layer_weights(scores, "sqrt"))
+    named = slots(path, layer_weights="lift-late")
+    explicit = slots(path, layer_weights=",".join(str(w) for w in retrieval_layer_weights(scores)))
+    assert named == explicit and named[-1] > named[0]
     with pytest.raises(ArmkvError, match="retrieval scores"):
-        slots(plain, layer_weights="split")
+        slots(plain, layer_weights="lift-late")
 
 
 def test_retrieval_passages_are_cut_from_the_documents_in_order():

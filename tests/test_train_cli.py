@@ -126,6 +126,9 @@ def test_calibrate_builds_an_adapter(model_dir, corpus, tmp_path):
 
     args = ["calibrate", "--model", str(model_dir), "--data", str(corpus), "--seq-len", "16", "--tokens", "64",
             "--max-keys-per-head", "24", "--budget", "64", "--out", str(tmp_path / "adapter")]
+    assert main([*args, "--depth", "0"]) == 2  # before the model loads
+    assert main([*args, "--depth", "1", "--out", str(tmp_path / "d1")]) == 0
+    assert ARMModel.load(tmp_path / "d1").config.num_buckets == 4  # --depth sets the tree, branching 4
     assert main(args) == 0
     arm = ARMModel.load(tmp_path / "adapter")
     assert len(arm.layers) == 2 and arm.config.meta["init"] == "kmeans"
@@ -135,11 +138,11 @@ def test_calibrate_builds_an_adapter(model_dir, corpus, tmp_path):
 
     scores = arm.config.meta["retrieval_scores"]  # kept for the named share rules
     assert weights == retrieval_layer_weights(scores, "lift-late")  # calibrate's default rule
-    # --layer-weights-only re-shares an existing adapter by another rule, its trees untouched
+    # --layer-weights-only re-shares an existing adapter, its trees untouched
     assert main(["calibrate", "--model", str(model_dir), "--data", str(corpus), "--layer-weights-only",
-                 "--layer-shares", "split", "--out", str(tmp_path / "adapter")]) == 0
+                 "--retrieval-passages", "2", "--out", str(tmp_path / "adapter")]) == 0
     again = ARMModel.load(tmp_path / "adapter")
-    assert again.config.layer_weights == retrieval_layer_weights(again.config.meta["retrieval_scores"], "split")
+    assert again.config.layer_weights == retrieval_layer_weights(again.config.meta["retrieval_scores"])
     torch.testing.assert_close(again.layers[0].router.weight, arm.layers[0].router.weight)
     # every router row is a centroid of real keys, not the random start
     w = arm.layers[0].router.weight

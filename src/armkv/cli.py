@@ -26,6 +26,7 @@ SUBCOMMANDS = {
     "train": ("armkv.train.cli", "train the ARM parameters (router, writes, policy)"),
     "eval": ("armkv.evals.cli", "evaluations: ruler, longbench, ablation, ppl, policy"),
     "bench": ("armkv.bench.cli", "benchmarks: ops (memory kernels), decode (latency and memory against length)"),
+    "report": ("armkv.tools.report", "the results page (docs/results.md) and README's table, from docs/results/*.json"),
 }
 
 # Top-level module -> the extra of pyproject.toml that installs it.

@@ -24,10 +24,15 @@ CHOICES = {
     "gate": ("scalar", "channel"),
     "write": ("gated", "mean", "fifo"),
     "top_m": ("adaptive", "fixed"),
-    "merge_metric": ("key", "kv", "ward"),
     "demote_scope": ("bucket", "any"),
     "slot_format": ("model", "bfloat16", "int8", "k8v4", "k4v4"),
 }
+
+# Fields that older adapters may carry and that no longer exist: never read ("balance_alpha",
+# "budget_penalty": the training losses take their weights from `armkv train`'s flags), or
+# options that lost in measurements ("merge_metric": "kv" and "ward" against the key cosine;
+# docs/decisions.md). ARMConfig.from_dict drops them.
+REMOVED_FIELDS = frozenset({"balance_alpha", "budget_penalty", "merge_metric"})
 
 # The quantised slot formats: (key bits, value bits). 8 bits: one scale per vector; 4 bits:
 # two codes a byte, one scale per VALUE_GROUP channels. Scales are bfloat16 (SLOT_SCALE_BYTES).
@@ -85,41 +90,39 @@ class ARMConfig:
     # "fixed": every slot rotated as if it stood just before the local window (InfLLM)
     scorer: str = "similarity"  # "similarity": compares token and slot; "paper": w.[K;k]+b (cannot)
     gate: str = "scalar"  # gamma per token ("scalar") or per channel ("channel")
-    write: str = "gated"  # "gated": learned blend; "mean": beta = 1/n; "fifo": overwrite the oldest slot
+    write: str = "gated"  # "gated": the gate's blend (its initial rule is the running mean); "mean": beta = 1/n; "fifo": overwrite the oldest slot
     empty_slot_rule: bool = True  # novel tokens take a free slot exactly (beta = 1); ours, not the paper's
-    merge_threshold: float = 0.98  # initial cosine (pre-RoPE keys) above which a token merges into a slot
-    merge_metric: str = "key"  # which pairs merge first when the pool is full: "key" (cosine of keys),
-    # "kv" (the lower of the key and value cosines), "ward" (count-weighted squared distance of keys and values)
+    merge_threshold: float = 0.98  # the scorer's initial rule: a token merges into a slot whose key
+    # (pre-RoPE) has cosine >= this; the shipped adapter keeps it (docs/design.md). When the pool is
+    # full, the pairs with the highest key cosine merge first
     demote_scope: str = "bucket"  # where a full pool merges a novel token that is among the most redundant
     # candidates: "bucket", its most similar slot of its own bucket, where the tree files keys like
     # it (the write then scores each token against its bucket's slots only), "any", its most
-    # similar slot of any bucket (docs/memory.md, "Session 11")
+    # similar slot of any bucket
     lazy_merge: bool = True  # merge only when the pool is short of room: while a chunk's tokens all fit
     # in free slots, every one takes its own, near-duplicates included; False merges every token
-    # above merge_threshold into its slot at once (sessions 1-4; docs/memory.md)
+    # above merge_threshold into its slot at once
     protect_recent: float = 0.0  # share of the occupied slots, the most recent, kept out of the merges
     # that make room (0: any slot may merge); the chunk's tokens give way only after the older pairs
     slot_format: str = "k4v4"  # how slots are stored between writes: "k4v4" (default) int4 keys and
     # values with a scale per 32 channels (5.7x the slots of fp32 at equal bytes), "k8v4" int8 keys
     # (4.4x), "int8" keys and values (3.5x), "bfloat16", or the model's dtype ("model"); the budget
-    # buys correspondingly more slots (docs/memory.md)
+    # buys correspondingly more slots
     slot_ladder: str = "k8v4"  # formats, most precise first and comma-separated, that the pool is stored
     # in before slot_format while its bytes hold fewer slots: each gives way to the next (every slot
     # re-packed, the pool grown to the slots the same bytes hold) when a write would have to merge.
     # "k8v4" (default): int8 keys until the pool is full, then k4v4's 36% more slots; "" : k4v4
-    # throughout (inference and the shared pool only: the paper's pool keeps its slots per bucket;
-    # docs/memory.md, "Session 9")
+    # throughout (inference and the shared pool only: the paper's pool keeps its slots per bucket)
     slot_mixing: bool = True  # quantised slots store x Q (Q orthogonal: Hadamard) so that outlier
-    # channels do not waste the absmax scale; no bytes, reads mix the query instead (docs/memory.md)
+    # channels do not waste the absmax scale; no bytes, reads mix the query instead
     log_count_bias: bool = True  # add log(n) to a merged slot's attention logit (it stands for n keys)
     tau: float = 1.0  # Gumbel-Softmax temperature (training only)
-    top_m: str = "adaptive"  # "adaptive": the learned policy picks M per input; "fixed": M = m_fixed
+    top_m: str = "adaptive"  # "adaptive": the policy picks M per input (the shipped adapter's policy
+    # picks M = N_b, every bucket); "fixed": M = m_fixed
     m_fixed: int | None = None  # fixed M (default: N_b // 2)
     m_max: int | None = None  # largest M the policy may pick (default: N_b)
     policy_hidden: int = 64  # LSTM width of the top-M policy
     policy_tokens: int = 64  # l: tokens pooled into the policy's starting state
-    balance_alpha: float = 0.01  # alpha: weight of the router balance loss
-    budget_penalty: float = 0.01  # lambda: weight of the policy's read cost E[M] / N_b
     epsilon: float = 0.1  # epsilon-greedy exploration of the policy in training
     layer_weights: list | None = None  # relative per-layer budgets (calibrated: retrieval_layer_weights); None = even
     meta: dict = field(default_factory=dict)  # free-form provenance (calibration data, training run)
@@ -260,7 +263,10 @@ class ARMConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ARMConfig":
+        """The config saved by :meth:`to_dict`. Fields that were removed (REMOVED_FIELDS) are
+        dropped, so adapters saved with them still load; any other unknown field is an error."""
         known = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k not in REMOVED_FIELDS}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ArmkvError(f"ARM config has unknown fields {unknown}: was it written by another armkv version?")

@@ -762,7 +762,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wall time, or the process's CPU time (on a CPU shared with other jobs)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--adapter", default=None,
-                        help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default), 'trained' or 'random'")  # fmt: skip
+                        help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default) or 'random'")  # fmt: skip
     parser.add_argument("--option", action="append", metavar="METHOD.KEY=VALUE",
                         help="a method option (repeatable), as the evals take it: arm.sync=32, kivi.bits=2; the native "
                              "row takes native.cache=dynamic|static and native.chunk=N (default: the prompt in one forward)")

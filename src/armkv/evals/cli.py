@@ -1,8 +1,7 @@
 """``armkv eval``: one subcommand per evaluation.
 
 Each evaluation is a module with ``add_arguments(parser)`` and ``main(args) -> int``,
-listed in :data:`EVALS`. A module that is not there yet (``ppl`` until it is written)
-is left out of the command line, so adding an evaluation is one file and one line here.
+listed in :data:`EVALS`; adding an evaluation is one file and one line here.
 """
 
 from __future__ import annotations
@@ -15,7 +14,8 @@ EVALS = {
     "longbench": ("armkv.evals.longbench", "LongBench from local JSONL files, the official prompts and metrics"),
     "ablation": ("armkv.evals.ablation", "the paper's Table 6: ARM variants on RULER's needle tasks"),
     "ppl": ("armkv.evals.ppl", "perplexity through each cache method"),
-    "policy": ("armkv.evals.policy", "the top-M the learned policy picks, per layer and input (histogram)"),
+    "policy": ("armkv.evals.policy", "the top-M the policy picks, per layer and input (histogram)"),
+    "matrix": ("armkv.evals.matrix", "one RULER table from several eval ruler / ablation output folders"),
 }
 
 

@@ -75,7 +75,7 @@ def add_common_arguments(parser, *, methods: str | None, samples: int, samples_h
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the generated samples (default: %(default)s, RULER's)")
-    parser.add_argument("--adapter", default=None, help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default), 'trained' or 'random'")
+    parser.add_argument("--adapter", default=None, help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default) or 'random'")
     parser.add_argument("--option", action="append", metavar="METHOD.KEY=VALUE", help="a method option (repeatable), e.g. arm.slot_format=int8 or kivi.bits=2")
 
 

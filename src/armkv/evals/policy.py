@@ -1,6 +1,7 @@
-"""``armkv eval policy``: the top-M the learned policy picks, per layer and input.
+"""``armkv eval policy``: the top-M the adapter's policy picks, per layer and input.
 
-The paper reports the distribution of M its policy learns. Here every input is a window of
+The paper reports the distribution of M its policy learns (the shipped adapter's policy
+picks M = N_b, every bucket, for every input; a trained one may not). Here every input is a window of
 a text file; each window's first chunk goes through an ARM cache (the inference path: the
 policy reads the mean of the first ``policy_tokens`` pre-RoPE keys of each layer) and the M
 each layer picked is recorded. Output: ``policy.json`` (M per layer and input),
@@ -19,7 +20,7 @@ from armkv.errors import ArmkvError, read_text
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--adapter", default=None, help="adapter folder, 'calibrated', 'trained' or 'random' (default: the shipped calibrated one)")
+    parser.add_argument("--adapter", default=None, help="adapter folder, 'calibrated' or 'random' (default: the shipped calibrated one)")
     parser.add_argument("--budget", type=int, default=512, help="token-equivalents per layer")
     parser.add_argument("--input", required=True, help="a UTF-8 text file; consecutive windows of it are the inputs")
     parser.add_argument("--inputs", type=int, default=64, help="how many windows")

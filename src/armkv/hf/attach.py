@@ -98,8 +98,8 @@ def make_cache(
     budget : token-equivalents of KV bytes per layer and sequence (None: unbounded methods only)
     chunk : P, the prefill chunk (the sync point of the budgeted chunked prefill)
     horizon : the tokens the cache will see (prompt + new tokens), where the caller knows
-        them: a method that can plan its memory by length takes it (arm, with
-        ``fit_shares_to_length``: no layer's share gets room for more), the others ignore it
+        them: passed to a method whose factory takes a ``horizon`` parameter (none of the
+        built-in ones does), ignored by the others
     options : method options (e.g. ``bits=4`` for kivi, ``adapter=`` for arm)
 
     Raises

@@ -3,7 +3,7 @@
 At every router node the children's centroids c_j become the router: W_p = [c_j],
 b_p = -|c_j|^2 / 2, so the write argmax picks the nearest centroid. For reads,
 W_p q = q . c_j is the attention a query pays a child's centroid: the same tree serves
-both, as DESIGN.md asks.
+both (docs/design.md, "Routing").
 """
 
 from __future__ import annotations

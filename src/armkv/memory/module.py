@@ -92,7 +92,6 @@ class ARMMemory(nn.Module):
             self.writes,
             write=c.write,
             empty_slot_rule=c.empty_slot_rule,
-            merge_metric=c.merge_metric,
             protect_recent=c.protect_recent,
             lazy=c.lazy_merge,
             demote_scope=c.demote_scope,

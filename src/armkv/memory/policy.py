@@ -26,7 +26,8 @@ class TopMPolicy(nn.Module):
         self.out = nn.Linear(hidden, 1)
         with torch.no_grad():
             # start by reading all m_max buckets (g = 0.88 at every step, whatever the input);
-            # training with the budget penalty pulls M down where reading less costs nothing
+            # only training (the budget penalty of `armkv train`) can move M below m_max, and
+            # the shipped adapter's policy still reads every bucket (docs/design.md)
             self.out.weight.zero_()
             self.out.bias.fill_(2.0)
 

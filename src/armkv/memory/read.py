@@ -1,4 +1,4 @@
-"""Reads (paper 3.4, DESIGN.md "Reads"): which slots a query reads.
+"""Reads (paper 3.4; docs/design.md, "Reads"): which slots a query reads.
 
 The attention itself is one softmax over the exact sinks and window, these slots and the
 new chunk (causal): ``armkv.methods.attention.joint_attention``, shared by every method.

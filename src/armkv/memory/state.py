@@ -20,7 +20,9 @@ SLOT_SCALE_DTYPE = {2: torch.bfloat16, 4: torch.float32}[SLOT_SCALE_BYTES]
 class MemoryState:
     """Slots of one layer. G = batch * KV heads, flattened; S slots; d head size.
 
-    key : [G, S, d] pre-RoPE slot keys (rotated only when read)
+    key : [G, S, d] slot keys. The write functions (:mod:`armkv.memory.write`) take and
+        return them pre-RoPE; the arm cache layer keeps them between writes rotated to each
+        slot's read position (``position_mode``) and un-rotates them for a write
     value : [G, S, d] slot values
     pos : [G, S] count-weighted mean position of what the slot absorbed (float)
     count : [G, S] tokens absorbed (0 = free)

@@ -1,4 +1,4 @@
-"""Writes (paper 3.2-3.3, read as DESIGN.md says): choose a slot, gate, blend, scan.
+"""Writes (paper 3.2-3.3; docs/design.md, "Writes"): choose a slot, gate, blend, scan.
 
 A chunk of N tokens is written against the state at the sync point t0 in three steps:
 
@@ -19,8 +19,9 @@ A chunk of N tokens is written against the state at the sync point t0 in three s
    scan over the writes sorted by (slot, time), vectorised (log2 N steps, no loop over
    tokens). ``armkv.memory.naive`` holds the per-token loop it must equal.
 
-Decoding writes one token at a time through the same functions, so its gates see the
-current state (the paper's state-dependent form).
+Decoding writes the tokens that left the window every ``sync`` tokens through the same
+functions; with ``sync=1`` every token is written alone, so its gates see the current state
+(the paper's state-dependent form).
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ SCORE_SHARPNESS = 20.0  # initial weight of cos(slot, token) in the similarity s
 
 
 class WriteParams(nn.Module):
-    """Learned slot scorer and gate of one layer (shared by its KV heads)."""
+    """Slot scorer and gate of one layer (shared by its KV heads): trainable parameters,
+    initialised to a rule (merge at cosine >= merge_threshold; gamma = 1 / (1 + n)) that the
+    shipped adapter keeps (docs/design.md)."""
 
     def __init__(self, head_dim: int, scorer: str = "similarity", gate: str = "scalar", merge_threshold: float = 0.98):
         super().__init__()
@@ -272,8 +275,6 @@ def plan_writes(
     training: bool = False,
     tau: float = 1.0,
     generator: torch.Generator | None = None,
-    values: torch.Tensor | None = None,
-    merge_metric: str = "key",
     protect_recent: float = 0.0,
     lazy: bool = False,
     fused: bool = True,
@@ -289,8 +290,6 @@ def plan_writes(
     bucket : [G, N] bucket of each token (``Router.route_writes``)
     valid : [G, N] bool; padding writes nothing
     slots_per_bucket : Y of the paper's fixed partition, 0 for the shared pool
-    values : [G, N, d] the chunk's values (needed by the "kv" and "ward" merge metrics)
-    merge_metric : how a full pool picks what to merge (:func:`room_similarity`)
     lazy : (shared pool, similarity scorer) a group whose free slots can hold all of the
         chunk's valid tokens gives each its own slot, however similar; merging starts when
         the pool runs short
@@ -332,7 +331,7 @@ def plan_writes(
         nearest = None
         if module is not None:
             slot_bucket = torch.where(occ, state.bucket, -1)
-            if demote_scope == "bucket" and merge_metric == "key" and protect_recent == 0:
+            if demote_scope == "bucket" and protect_recent == 0:
                 # nothing needs a token's cosine with another bucket's slot: score each token
                 # against its own bucket's slots (about S / 30 of them in a calibrated tree)
                 cos = None
@@ -400,11 +399,11 @@ def plan_writes(
                 older = torch.where(occ, state.pos, math.inf).argsort(1).argsort(1)
                 keep = (occ.sum(1, keepdim=True) * (1 - protect_recent)).floor()
                 room = replace(state, count=state.count * (older < keep))
-            ss, ts = room_similarity(merge_metric, room, keys, values, cos, slot_pairs=state.slots <= EXACT_NEIGHBOURS)
-            neighbours = _masked_neighbours(ss, room) if ss is not None else banded_neighbours(merge_metric, room)
+            ss, ts = room_similarity(room, cos, slot_pairs=state.slots <= EXACT_NEIGHBOURS)
+            neighbours = _masked_neighbours(ss, room) if ss is not None else banded_neighbours(room)
             if protect_recent > 0:
                 ts = ts - 1e4
-            nearest_token = nearest if merge_metric == "key" and protect_recent == 0 else None
+            nearest_token = nearest if protect_recent == 0 else None
             if nearest_token is None and demote_scope == "bucket":
                 ts = ts.masked_fill(state.bucket.unsqueeze(1) != bucket.unsqueeze(2), -math.inf)
             src_of, demote_to = _make_room(room, leader, neighbours, ts, deficit, nearest_token)
@@ -467,58 +466,23 @@ def plan_writes(
     return plan, state
 
 
-def _ward_scales(state: MemoryState) -> tuple[torch.Tensor, torch.Tensor]:
-    """E|k|^2 and E|v|^2 over each group's occupied slots: [G, 1, 1] each (Ward's units)."""
-    occ = (state.count > 0).unsqueeze(-1)
-    used = occ.sum(1).clamp_min(1).unsqueeze(-1)
-
-    def scale(x: torch.Tensor) -> torch.Tensor:
-        return (((x * x).sum(-1, keepdim=True) * occ).sum(1, keepdim=True) / used).clamp_min(1e-12)
-
-    return scale(state.key), scale(state.value)
-
-
 def room_similarity(
-    metric: str,
-    state: MemoryState,
-    keys: torch.Tensor,
-    values: torch.Tensor | None,
-    cos: torch.Tensor,
-    slot_pairs: bool = True,
+    state: MemoryState, cos: torch.Tensor, slot_pairs: bool = True
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """How readily each pair merges when the pool is full (higher first).
+    """How readily each pair merges when the pool is full (higher first): the cosine of the
+    keys (merging by the lower of the key and value cosines, or by Ward's criterion, lost to
+    it: docs/decisions.md).
 
-    metric : "key": cosine of the keys; "kv": the lower of the key and value cosines (tokens
-        that look alike but carry different values, e.g. digits, stay apart); "ward": minus
-        the count-weighted squared distance n_a n_b / (n_a + n_b) (|dk|^2 / E|k|^2 +
-        |dv|^2 / E|v|^2), the information a merge loses (Ward's criterion)
     cos : [G, N, S] key cosines of the chunk's tokens and the slots (``pair_scores``)
     slot_pairs : compute the slot-slot matrix (S x S); False leaves it to
         :func:`banded_neighbours` (large pools)
 
     Returns (slot-slot [G, S, S] or None, token-slot [G, N, S]); entries for free slots are arbitrary.
     """
-    if metric != "key" and values is None:
-        raise ValueError(f"merge_metric={metric!r} needs the chunk's values")
-    if metric == "key":
-        if not slot_pairs:
-            return None, cos
-        kn = F.normalize(state.key, dim=-1)
-        return kn @ kn.transpose(1, 2), cos
-    if metric == "kv":
-        kn, vn = F.normalize(state.key, dim=-1), F.normalize(state.value, dim=-1)
-        ss = torch.minimum(kn @ kn.transpose(1, 2), vn @ vn.transpose(1, 2)) if slot_pairs else None
-        return ss, torch.minimum(cos, F.normalize(values, dim=-1) @ vn.transpose(1, 2))
-    sk, sv = _ward_scales(state)
-    slot_feat = torch.cat([state.key / sk.sqrt(), state.value / sv.sqrt()], -1)
-    tok_feat = torch.cat([keys / sk.sqrt(), values / sv.sqrt()], -1)
-    n = state.count.clamp_min(1)
-    ss = None
-    if slot_pairs:
-        weight = n.unsqueeze(2) * n.unsqueeze(1) / (n.unsqueeze(2) + n.unsqueeze(1))
-        ss = -torch.cdist(slot_feat, slot_feat).square() * weight
-    ts = -torch.cdist(tok_feat, slot_feat).square() * (n / (n + 1)).unsqueeze(1)
-    return ss, ts
+    if not slot_pairs:
+        return None, cos
+    kn = F.normalize(state.key, dim=-1)
+    return kn @ kn.transpose(1, 2), cos
 
 
 # Pools up to this many slots find each slot's nearest neighbour exactly (S x S); larger
@@ -534,27 +498,24 @@ def _masked_neighbours(ss: torch.Tensor, state: MemoryState) -> tuple[torch.Tens
     return ss.masked_fill(eye | ~occ.unsqueeze(1) | ~occ.unsqueeze(2), -math.inf).max(-1)
 
 
-def banded_neighbours(
-    metric: str, state: MemoryState, width: int = BAND_WIDTH, fused: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
+def banded_neighbours(state: MemoryState, width: int = BAND_WIDTH, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Each slot's nearest occupied slot among the ``width`` slots on either side of it in
     bucket order: the same bucket's slots, which the tree filed together because their keys
     are close. Exact within any bucket of at most ``width + 1`` slots; costs S * width, not S^2.
-    The "key" and "kv" metrics on float32 CPU states without gradients go through the fused
-    kernel (``armkv.memory.kernels``: one pass) unless ``fused=False``; the PyTorch ops
-    below are its reference (tests/test_kernels.py).
+    Float32 CPU states without gradients go through the fused kernel
+    (``armkv.memory.kernels``: one pass) unless ``fused=False``; the PyTorch ops below are
+    its reference (tests/test_kernels.py).
 
-    Returns (sim [G, S], -inf where none; index [G, S]) under ``metric`` (see :func:`room_similarity`).
+    Returns (key cosine [G, S], -inf where none; index [G, S]).
     """
     G, S, d = state.key.shape
     occ = state.count > 0
     bucket = torch.where(occ, state.bucket, -1)
     order = torch.sort(bucket, dim=1, stable=True).indices  # [G, S]: free slots first, then by bucket
     w = min(width, S - 1)
-    module = kernels.fused_cpu(state.key) if fused and metric in ("key", "kv") and w >= 1 else None
+    module = kernels.fused_cpu(state.key) if fused and w >= 1 else None
     if module is not None:
-        value = state.value if metric == "kv" else state.key.new_empty(0)
-        nn_sim, nn_idx = module.band_neighbours(state.key, value, order, bucket, w)
+        nn_sim, nn_idx = module.band_neighbours(state.key, order, bucket, w)
         return nn_sim, nn_idx
     pos = torch.arange(S, device=order.device)
     if w < 1:
@@ -564,9 +525,7 @@ def banded_neighbours(
         return gather_rows(x, order)
 
     occ_s, bucket_s = sort(occ), sort(bucket)
-    scales = _ward_scales(state) if metric == "ward" else None
-    value = sort(state.value) if metric != "key" else None
-    sim = band_similarity(metric, sort(state.key), value, sort(state.count.clamp_min(1)), w, scales)
+    sim = band_similarity(sort(state.key), w)
     ok = occ_s.unsqueeze(-1) & _band(occ_s, w, False) & (bucket_s.unsqueeze(-1) == _band(bucket_s, w, -2))
     sim = sim.masked_fill(~ok, -math.inf)
     # best partner after each place, and (the same pairs seen from the other end) before it
@@ -611,25 +570,11 @@ def _band_dots(f: torch.Tensor, width: int) -> torch.Tensor:
     return band.reshape(G, nb * BAND_BLOCK, width)[:, :S]
 
 
-def band_similarity(
-    metric: str, key: torch.Tensor, value: torch.Tensor | None, count: torch.Tensor, width: int, scales=None
-) -> torch.Tensor:
-    """:func:`room_similarity`'s slot-slot measure between each slot and the ``width`` slots
-    after it (in the given order): [G, S, width], arbitrary where a pair is not valid.
-
-    key, value : [G, S, d] (value unused by "key"); count : [G, S] (>= 1); scales : Ward's (E|k|^2, E|v|^2) over the
-    occupied slots (:func:`_ward_scales`), for "ward"
-    """
-    if metric == "key":
-        return _band_dots(F.normalize(key, dim=-1), width)
-    if metric == "kv":
-        return torch.minimum(_band_dots(F.normalize(key, dim=-1), width), _band_dots(F.normalize(value, dim=-1), width))
-    sk, sv = scales
-    f = torch.cat([key / sk.sqrt(), value / sv.sqrt()], -1)
-    sq = (f * f).sum(-1)
-    dist = (sq.unsqueeze(-1) + _band(sq, width, 0.0) - 2 * _band_dots(f, width)).clamp_min(0)
-    n_after = _band(count, width, 1.0)
-    return -dist * count.unsqueeze(-1) * n_after / (count.unsqueeze(-1) + n_after)
+def band_similarity(key: torch.Tensor, width: int) -> torch.Tensor:
+    """:func:`room_similarity`'s slot-slot measure (key cosine) between each slot and the
+    ``width`` slots after it (in the given order): key [G, S, d] -> [G, S, width], arbitrary
+    where a pair is not valid."""
+    return _band_dots(F.normalize(key, dim=-1), width)
 
 
 def _make_room(
@@ -806,7 +751,6 @@ def write_chunk(
     training: bool = False,
     tau: float = 1.0,
     generator: torch.Generator | None = None,
-    merge_metric: str = "key",
     protect_recent: float = 0.0,
     lazy: bool = False,
     demote_scope: str = "any",
@@ -818,7 +762,7 @@ def write_chunk(
     if inplace and (training or (torch.is_grad_enabled() and (state.key.requires_grad or keys.requires_grad))):
         raise ValueError("write_chunk(inplace=True) is for inference: gradients need the state before the write")
     plan, state = plan_writes(
-        state, keys, bucket, valid, params, write, slots_per_bucket, training, tau, generator, values, merge_metric,
+        state, keys, bucket, valid, params, write, slots_per_bucket, training, tau, generator,
         protect_recent, lazy, demote_scope=demote_scope, inplace=inplace,
     )
     beta = gate_weights(plan, keys, params, write, empty_slot_rule)

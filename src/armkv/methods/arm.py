@@ -34,7 +34,7 @@ from armkv.methods.buffers import ExactBuffer
 # a parameter's shape (the tree, scorer, gate and policy come with the adapter).
 RUNTIME_FIELDS = {
     "sinks", "window", "sync", "slots", "pool", "chunk", "position_mode", "write", "empty_slot_rule",
-    "log_count_bias", "merge_metric", "demote_scope", "protect_recent", "lazy_merge", "slot_format", "slot_ladder", "slot_mixing", "tau", "top_m", "m_fixed", "epsilon",
+    "log_count_bias", "demote_scope", "protect_recent", "lazy_merge", "slot_format", "slot_ladder", "slot_mixing", "tau", "top_m", "m_fixed", "epsilon",
 }  # fmt: skip
 
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
@@ -581,12 +581,10 @@ def _fits(folder: Path, info: ModelInfo) -> bool:
         return False
 
 
-# Which shipped adapter ``--method arm`` uses when none is named, best first. The calibrated
-# one leads: with the default k4v4 slots it measured 23.25 held-out perplexity (4,096 tokens,
-# budget 512) against the trained one's 23.46, and at budget 128 the two are within 0.1%
-# (25.60, 25.62); the trained one (made for the smaller k8v4 pool) is chosen with
-# ``adapter="trained"`` (docs/training.md).
-DEFAULT_ADAPTER_ORDER = ("calibrated", "trained")
+# Which shipped adapter ``--method arm`` uses when none is named, best first: the calibrated
+# one (k-means trees and retrieval-head budget shares; docs/design.md). An adapter ships only
+# if it beats this one on held-out text (docs/decisions.md).
+DEFAULT_ADAPTER_ORDER = ("calibrated",)
 
 
 def shipped_adapter(info: ModelInfo) -> Path | None:
@@ -610,7 +608,7 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
     """The ARM parameters and the run-time config for this model and budget.
 
     adapter : None (the shipped adapter for this model if there is one, else "random"),
-        "trained" / "calibrated" (the shipped adapter of that kind), "random" (a seeded
+        "calibrated" (the shipped adapter of that kind), "random" (a seeded
         fresh initialisation), or an adapter folder
     arm : an ARMModel in memory (training passes its own); wins over adapter
     overrides : run-time ARMConfig fields (ablations), see RUNTIME_FIELDS
@@ -634,7 +632,7 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
         if adapter is None:
             found = shipped_adapter(info)
             adapter = str(found) if found else "random"
-        if adapter in ("calibrated", "trained"):
+        if adapter in DEFAULT_ADAPTER_ORDER:
             found = [f for f in sorted(SHIPPED_ADAPTERS.glob(f"*-{adapter}")) if _fits(f, info)]
             if not found:
                 raise ArmkvError(f"no {adapter} adapter ships for this model; make one with armkv calibrate / armkv train")
@@ -674,7 +672,7 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
     return arm, runtime
 
 
-LAYER_SHARE_RULES = ("lift-late", "lift", "split", "sqrt")
+LAYER_SHARE_RULES = ("lift-late",)
 
 
 def retrieval_layer_weights(
@@ -682,45 +680,33 @@ def retrieval_layer_weights(
     rule: str = "lift-late",
     floor: float = 0.5,
     spread: float = 2.0,
-    threshold: float = 0.125,
-    ratio: float = 5.0,
     lift: float = 0.25,
 ) -> list[float]:
     """Relative per-layer budgets from :func:`retrieval_scores`, scaled to mean 1.
 
-    rule "lift-late" (the default since session 16): the lift, paid for by the layers above
-    the last lifted one rather than by every layer, so that the layers below keep their sqrt
-    shares (the early layers' needles decided RULER's noise 2k multiquery; over six 8k-token
-    windows of held-out prose its perplexity equals the lift's). The late layers give at most half
-    their shares; anything left is taken from every layer evenly.
-    rule "lift" (the default of session 15): the sqrt shares, with every layer scoring at
-    least ``lift`` times the top score raised to the top layer's share: a layer whose heads
-    copy from far back needs its needles held exactly whatever its rank among such layers.
-    rule "sqrt" (the default of sessions 6-14): floor + spread * sqrt(score / max score); the
-    copying layers get up to about (floor + spread) / floor times the share of the others.
-    rule "split" (session 14, an option): the layers scoring at least ``threshold`` times the
-    top score get ``ratio`` times the share of the others, RazorAttention's split at layer
-    granularity. All keep every layer some memory. Measured in docs/memory.md (sessions 6, 14
-    and 15); ``armkv calibrate`` stores the shares and the scores in the adapter.
+    rule "lift-late": each layer gets floor + spread * sqrt(score / top score); every layer
+    scoring at least ``lift`` times the top score is raised to the top layer's share (a layer
+    whose heads copy from far back needs its needles held exactly, whatever its rank among
+    such layers), and the layers above the last raised one pay for it in proportion to their
+    shares, at most half of each (anything left is taken from every layer evenly), so that
+    the layers below keep their shares. Every layer keeps some memory. The rules it replaced
+    and what they measured: docs/decisions.md. ``armkv calibrate`` stores the shares and the
+    scores in the adapter.
     """
     if rule not in LAYER_SHARE_RULES:
         raise ArmkvError(f"layer share rule {rule!r} is not one of {', '.join(LAYER_SHARE_RULES)}")
     top = max(scores)
     if not top > 0:
         return [1.0] * len(scores)
-    if rule == "split":
-        raw = [ratio if s >= threshold * top else 1.0 for s in scores]
-    else:
-        raw = [floor + spread * (max(s, 0.0) / top) ** 0.5 for s in scores]
-        if rule.startswith("lift"):
-            lifted = [i for i, s in enumerate(scores) if s >= lift * top]
-            extra = sum(floor + spread - raw[i] for i in lifted)
-            raw = [floor + spread if i in lifted else r for i, r in enumerate(raw)]
-            late = range(lifted[-1] + 1, len(raw)) if rule == "lift-late" else range(0)
-            paying = sum(raw[i] for i in late)
-            if paying > 0:
-                keep = max(0.5, 1 - extra / paying)
-                raw = [r * keep if i in late else r for i, r in enumerate(raw)]
+    raw = [floor + spread * (max(s, 0.0) / top) ** 0.5 for s in scores]
+    lifted = [i for i, s in enumerate(scores) if s >= lift * top]
+    extra = sum(floor + spread - raw[i] for i in lifted)
+    raw = [floor + spread if i in lifted else r for i, r in enumerate(raw)]
+    late = range(lifted[-1] + 1, len(raw))
+    paying = sum(raw[i] for i in late)
+    if paying > 0:
+        keep = max(0.5, 1 - extra / paying)
+        raw = [r * keep if i in late else r for i, r in enumerate(raw)]
     mean = sum(raw) / len(raw)
     return [round(w / mean, 4) for w in raw]
 
@@ -762,65 +748,6 @@ def layer_budget(budget: int, layer_idx: int, weights: list[float]) -> int:
     return int(budget * len(weights) * weights[layer_idx] / sum(weights))
 
 
-def layer_budgets(budget: int, weights: list[float], need: int | None = None) -> list[int]:
-    """Every layer's token-equivalents when ``len(weights) * budget`` is shared by
-    ``weights``, no layer given more than it can use: ``need`` holds every token the cache
-    will see in its own place (None: no cap). Water-filling: a layer whose weighted share
-    exceeds the cap max(need, budget) gets the cap, and what it leaves is shared again by
-    the others' weights, until no share exceeds it. The total never exceeds
-    ``len(weights) * budget``; with ``need <= budget`` every layer gets ``budget`` (the
-    even shares: each layer then holds every token apart anyway).
-
-    Why: the shares are calibrated for long contexts; on a shorter one the layers with the
-    large shares would keep free slots that the others, merging, could use."""
-    L = len(weights)
-    if need is None:
-        return [layer_budget(budget, i, weights) for i in range(L)]
-    cap = max(need, budget)
-    capped: set[int] = set()
-    while True:
-        rest = budget * L - cap * len(capped)
-        free = [i for i in range(L) if i not in capped]
-        if not free:
-            return [cap] * L
-        total_w = sum(weights[i] for i in free)
-        over = [i for i in free if rest * weights[i] / total_w > cap]
-        if not over:
-            return [cap if i in capped else int(rest * weights[i] / total_w) for i in range(L)]
-        capped.update(over)
-
-
-@functools.lru_cache(maxsize=256)
-def budget_for_tokens(tokens: int, head_dim: int, dtype_bytes: int, slot_format: str) -> int:
-    """The fewest token-equivalents whose ARM split (``ARMConfig.for_budget``) holds
-    ``tokens`` tokens each in its own place: sinks + window + slots >= tokens."""
-
-    def holds(b: int) -> bool:
-        try:
-            c = ARMConfig.for_budget(b, head_dim, dtype_bytes, slot_format=slot_format)
-        except ArmkvError:  # too small for any split
-            return False
-        return c.sinks + c.window + c.slots >= tokens
-
-    lo, hi = 8, max(8, tokens)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
-    return lo
-
-
-def _flag(value, name: str) -> bool:
-    """A boolean option given as a bool or as text (--option arm.NAME=false)."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ArmkvError(f"{name}={value!r}: give true or false")
-
-
 @register_method("arm", "ARM: sinks + window exact, a tree-routed pool of merged slots for the rest")
 def make_arm(
     layer_idx: int,
@@ -831,19 +758,16 @@ def make_arm(
     adapter=None,
     arm: ARMModel | None = None,
     arm_overrides: dict | None = None,
-    horizon: int | None = None,
     **options,
 ):
-    """``horizon``: the tokens this cache will see (prompt + new tokens) where the caller
-    knows them; with ``fit_shares_to_length=True`` no layer is given room for more
-    (``layer_budgets``). Off by default: on RULER's multikey and multivalue tasks in 4k of
-    prose it scored 50 / 45 against 60 / 52.5 for the calibrated shares (docs/evaluation.md)."""
+    """One layer of the arm cache: the adapter's parameters, the budget shared over the layers
+    by the adapter's ``layer_weights`` (``layer_weights="even"``: equal shares; "lift-late":
+    that rule applied to the adapter's retrieval scores; or the shares as numbers)."""
     budget = require_budget("arm", budget, 8, "sinks + window + slots")
     overrides = dict(arm_overrides or {})
     overrides.update(options)
     overrides.setdefault("chunk", chunk)
     weights = overrides.pop("layer_weights", None)
-    fit_to_length = _flag(overrides.pop("fit_shares_to_length", False), "fit_shares_to_length")
     arm_model, runtime = resolve_arm(info, budget, adapter, arm, overrides)
     # the adapter's calibrated per-layer shares of the budget, unless asked otherwise ("even": none;
     # a rule of LAYER_SHARE_RULES: that rule applied to the retrieval scores the adapter was calibrated with)
@@ -857,10 +781,7 @@ def make_arm(
             )
         weights = retrieval_layer_weights(scores, weights)
     if weights is not None and weights != "even":
-        need = None
-        if horizon is not None and fit_to_length:
-            need = budget_for_tokens(int(horizon), info.head_dim, info.dtype_bytes, runtime.slot_format)
-        share = layer_budgets(budget, tuple(parse_layer_weights(weights, info.num_layers)), need)[layer_idx]
+        share = layer_budget(budget, layer_idx, parse_layer_weights(weights, info.num_layers))
         require_budget("arm", share, 8, f"layer {layer_idx}'s share under layer_weights")
         if "sync" not in overrides:
             # every layer writes at the same decode steps (the whole budget's sync), so that the

@@ -5,7 +5,7 @@ A method's layer owns one attention layer's state for a batch. The attention fun
 layer attends (over its state and the new tokens, causally) and then commits the new
 tokens, bringing its state back to budget. It processes the new tokens in chunks of
 ``chunk`` tokens, so one forward over a long prompt is exactly the budgeted chunked
-prefill of DESIGN.md: each layer's state after chunk c depends only on chunks <= c.
+prefill (docs/design.md): each layer's state after chunk c depends only on chunks <= c.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "replaced when the run has as many results)")  # fmt: skip
     parser.add_argument("--model", default=None, help="local transformers model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--adapter", default=None,
-                        help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default), 'trained' or 'random'")  # fmt: skip
+                        help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default) or 'random'")  # fmt: skip
     parser.add_argument("--option", action="append", metavar="METHOD.KEY=VALUE",
                         help="a method option (repeatable), e.g. kivi.bits=4 or arm.slot_format=int8")  # fmt: skip
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk P (the sync point)")

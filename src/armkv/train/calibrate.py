@@ -1,6 +1,7 @@
 """``armkv calibrate``: the training-free start. Run the model over calibration text and
 collect every attention layer's pre-RoPE keys, from which each layer's tree is built
-(hierarchical k-means, DESIGN.md "Routing").
+(hierarchical k-means, docs/design.md), and each layer's retrieval score, from which the
+budget is shared over the layers (:func:`retrieval_scores`).
 
 This module collects the keys (:func:`collect_keys`); building the trees from them and
 saving the adapter is :func:`build_adapter`.
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from armkv.errors import ArmkvError
-from armkv.methods.arm import LAYER_SHARE_RULES, retrieval_layer_weights
+from armkv.methods.arm import retrieval_layer_weights
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -173,14 +174,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-keys-per-head", type=int, default=8192, help="keys kept per layer and KV head for the tree")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data sampling and the k-means")
     parser.add_argument("--budget", type=int, default=512, help="memory budget the tree is sized for (token-equivalents)")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="levels of the tree, branching 4 (unset: sized for --budget, about 6 slots a bucket; "
+                        "the shipped adapter has 3: 64 buckets)")
     parser.add_argument("--retrieval-tokens", type=int, default=768,
                         help="tokens per passage of the retrieval score that shares the budget over the layers (0: even shares)")
     parser.add_argument("--retrieval-passages", type=int, default=3, help="passages of the retrieval score")
-    parser.add_argument("--layer-shares", choices=LAYER_SHARE_RULES, default="lift-late",
-                        help="how the retrieval scores share the budget: 'sqrt' floor 0.5 + 2 sqrt(score / top); 'lift' "
-                        "is sqrt with the layers scoring at least 1/4 of the top raised to the top's share, paid by every "
-                        "layer; 'lift-late' (the default) has it paid by the layers above the last lifted one; "
-                        "'split' gives the layers scoring at least 1/8 of the top 5x the others' share (docs/memory.md, sessions 14-16)")
     parser.add_argument("--layer-weights-only", action="store_true",
                         help="only (re)compute the per-layer budget shares of the adapter already in --out")
     parser.add_argument("--out", required=True, help="adapter directory to write")
@@ -201,7 +200,8 @@ def build_adapter(
     """
     from armkv.train.arm import calibrate_arm
 
-    arm = calibrate_arm(model, keys, args.budget, seed=args.seed, layer_weights=layer_weights)
+    depth = {} if getattr(args, "depth", None) is None else {"depth": args.depth}
+    arm = calibrate_arm(model, keys, args.budget, seed=args.seed, layer_weights=layer_weights, **depth)
     if scores is not None:
         arm.config = dataclasses.replace(arm.config, meta={**arm.config.meta, "retrieval_scores": scores})
     extra = {"calibration_tokens": args.tokens, "seq_len": args.seq_len, "max_keys_per_head": args.max_keys_per_head}
@@ -212,7 +212,7 @@ def update_layer_weights(
     directory: str | Path, layer_weights: list[float] | None, how: dict, scores: list[float] | None = None
 ) -> None:
     """Set an existing adapter's per-layer budget shares (and the retrieval scores they came
-    from, which the named rules of ``--option layer_weights=`` need); its parameters are not touched."""
+    from, which ``--option layer_weights=lift-late`` needs); its parameters are not touched."""
     from armkv.memory.module import ADAPTER_CONFIG, ARMModel, _atomic_write
 
     ARMModel.load(directory)  # a missing, foreign or corrupt adapter is a one-line error
@@ -232,19 +232,21 @@ def main(args: argparse.Namespace) -> int:
 
     if args.tokens < args.seq_len:
         raise ArmkvError(f"--tokens {args.tokens} is less than one sequence (--seq-len {args.seq_len})")
+    if args.depth is not None and not 1 <= args.depth <= 10:
+        raise ArmkvError(f"--depth {args.depth}: give 1 to 10 levels (4 ** depth buckets)")
     model, tokenizer = load_model(args)
     layer_weights = scores = None
     if args.retrieval_tokens > 0:
         documents = source_from_args(args, args.seed).iter_epoch(0)
         passages = retrieval_passages(documents, hf_tokenize(tokenizer), args.retrieval_tokens, args.retrieval_passages)
         scores = [round(s, 6) for s in retrieval_scores(model, passages)]  # as the adapter stores them
-        layer_weights = retrieval_layer_weights(scores, args.layer_shares)
+        layer_weights = retrieval_layer_weights(scores)
         print("retrieval score per layer:", " ".join(f"{s:.3f}" for s in scores))
         print("budget share per layer:", " ".join(f"{w:.2f}" for w in layer_weights))
     if args.layer_weights_only:
         update_layer_weights(args.out, layer_weights, {"retrieval_tokens": args.retrieval_tokens,
                                                        "retrieval_passages": args.retrieval_passages,
-                                                       "rule": args.layer_shares}, scores)
+                                                       "rule": "lift-late"}, scores)
         print(f"ARM adapter: {args.out} (per-layer budget shares updated)")
         return 0
     data = PackedSequences(source_from_args(args, args.seed), hf_tokenize(tokenizer), tokenizer.eos_token_id, args.seq_len, max_epochs=1)

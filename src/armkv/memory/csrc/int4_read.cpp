@@ -579,21 +579,17 @@ inline void band_row(const float* rows, const int64_t* order, int64_t i, int64_t
   band_row_scalar(rows, order, i, n, d, out);
 }
 
-// One group of write.banded_neighbours ("key": cosine of the keys; with values, "kv": the
-// lower of the key and value cosines). order [S]: the slots in bucket order; bucket [S]: each
+// One group of write.banded_neighbours (the cosine of the keys). order [S]: the slots in bucket order; bucket [S]: each
 // slot's bucket, -1 where free. Place i's candidates are places i +- o, o = 1..width, that
 // hold an occupied slot of the same bucket; the nearest place wins a tie, the later side
 // only when strictly better (as the PyTorch reference's max over the band). Writes each
 // slot's best similarity (-inf: none) and partner slot, in slot indexing.
-inline void band_neighbours_group(const float* key, const float* value, const int64_t* order, const int64_t* bucket,
+inline void band_neighbours_group(const float* key, const int64_t* order, const int64_t* bucket,
                                   int64_t S, int64_t d, int64_t width, float* nn_sim, int64_t* nn_idx) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  std::vector<float> inv_k(S), inv_v(value ? S : 0), fwd(S, ninf), back(S, ninf), dots(width), vdots(width);
+  std::vector<float> inv_k(S), fwd(S, ninf), back(S, ninf), dots(width);
   std::vector<int64_t> fwd_o(S, 1), back_o(S, 1);
-  for (int64_t s = 0; s < S; ++s) {
-    inv_k[s] = 1.0f / std::max(std::sqrt(dot_scalar(key + s * d, key + s * d, d)), 1e-12f);
-    if (value) inv_v[s] = 1.0f / std::max(std::sqrt(dot_scalar(value + s * d, value + s * d, d)), 1e-12f);
-  }
+  for (int64_t s = 0; s < S; ++s) inv_k[s] = 1.0f / std::max(std::sqrt(dot_scalar(key + s * d, key + s * d, d)), 1e-12f);
   for (int64_t i = 0; i < S; ++i) {
     const int64_t a = order[i], ba = bucket[a];
     if (ba < 0) continue;
@@ -601,12 +597,10 @@ inline void band_neighbours_group(const float* key, const float* value, const in
     while (n > 0 && bucket[order[i + n]] != ba) --n;  // bucket order: the same bucket is one run
     if (n == 0) continue;
     band_row(key, order, i, n, d, dots.data());
-    if (value) band_row(value, order, i, n, d, vdots.data());
     for (int64_t o = 1; o <= n; ++o) {
       const int64_t b = order[i + o];
       if (bucket[b] != ba) continue;
-      float sim = dots[o - 1] * inv_k[a] * inv_k[b];
-      if (value) sim = std::min(sim, vdots[o - 1] * inv_v[a] * inv_v[b]);
+      const float sim = dots[o - 1] * inv_k[a] * inv_k[b];
       if (sim > fwd[i]) fwd[i] = sim, fwd_o[i] = o;                   // the nearest of equals: first seen
       if (sim >= back[i + o] || back[i + o] == ninf) back[i + o] = sim, back_o[i + o] = o;  // seen farthest first
     }
@@ -933,23 +927,18 @@ bool int4_vectorised(int64_t rep, int64_t head_dim, int64_t groups) { return arm
 
 // key, value [G, S, d] float32 (value empty for "key"), order [G, S] int64 (bucket order),
 // bucket [G, S] int64 (-1: free), width -> (nn_sim [G, S] float32, nn_idx [G, S] int64)
-std::vector<torch::Tensor> band_neighbours(torch::Tensor key, torch::Tensor value, torch::Tensor order, torch::Tensor bucket,
-                                           int64_t width) {
+std::vector<torch::Tensor> band_neighbours(torch::Tensor key, torch::Tensor order, torch::Tensor bucket, int64_t width) {
   TORCH_CHECK(key.device().is_cpu() && key.scalar_type() == torch::kFloat32 && key.dim() == 3, "float32 CPU keys [G, S, d]");
   auto k = key.contiguous();
-  const bool kv = value.numel() > 0;
-  auto v = kv ? value.contiguous() : value;
   auto o = order.to(torch::kInt64).contiguous();
   auto b = bucket.to(torch::kInt64).contiguous();
   const int64_t G = k.size(0), S = k.size(1), d = k.size(2);
-  TORCH_CHECK(!kv || v.sizes() == k.sizes(), "values must match the keys' shape");
   TORCH_CHECK(o.size(0) == G && o.size(1) == S && b.size(0) == G && b.size(1) == S, "order and bucket must be [G, S]");
   auto sim = torch::empty({G, S}, k.options());
   auto idx = torch::empty({G, S}, o.options());
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      armkv::band_neighbours_group(k.data_ptr<float>() + g * S * d, kv ? v.data_ptr<float>() + g * S * d : nullptr,
-                                   o.data_ptr<int64_t>() + g * S, b.data_ptr<int64_t>() + g * S, S, d, width,
+      armkv::band_neighbours_group(k.data_ptr<float>() + g * S * d, o.data_ptr<int64_t>() + g * S, b.data_ptr<int64_t>() + g * S, S, d, width,
                                    sim.data_ptr<float>() + g * S, idx.data_ptr<int64_t>() + g * S);
   });
   return {sim, idx};
