@@ -33,6 +33,7 @@ it in one call on a CPU (the ops stay as its reference, ``ExactBuffer.fused_push
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -42,7 +43,10 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).parent / "csrc" / "int4_read.cpp"
-_NAME = "armkv_int4_read"
+# the build is named by the source's hash: two versions of armkv (an upgrade, two checkouts on
+# one machine) build into their own folders of torch's extension cache and never load each
+# other's module, whose functions may take other arguments
+_NAME = "armkv_int4_read_" + hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
 _lock = threading.Lock()
 _module = None
 _tried = False
