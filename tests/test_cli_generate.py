@@ -55,7 +55,7 @@ def test_generate_chat_mode(tmp_path, tiny_model_dir):
         (["--method", "nope"], None, "unknown method 'nope'"),
         (["--method", "sink", "--budget", "3"], None, "too small"),
         (["--method", "full"], [], "holds no request"),
-        (["--method", "full", "--adapter", "random"], None, "method 'full' has no option adapter; its options: none"),
+        (["--method", "full", "--adapter", "random"], None, "--adapter applies to the arm and fifo methods, not 'full'"),
     ],
 )
 def test_generate_errors_are_one_line(tmp_path, tiny_model_dir, capsys, extra, lines, message):
