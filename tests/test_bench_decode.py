@@ -65,10 +65,13 @@ def test_floor_measured(result):
 
 
 def test_bounded_cache_bytes_identical_across_lengths(result):
-    # every length is well past the budget of 64, so the bounded methods are full
-    for method in ("swa", "sink", "kivi", "arm"):
+    # every length is well past the budget of 64, so the bounded methods are full; arm's pool,
+    # allocated as it fills, holds several tokens per token-equivalent: full from 192 tokens on
+    for method in ("swa", "sink", "kivi"):
         sizes = set(result["cache_bytes"][method].values())
         assert len(sizes) == 1, (method, result["cache_bytes"][method])
+    arm = result["cache_bytes"]["arm"]
+    assert arm[128] <= arm[192] == arm[256], arm
     full = result["cache_bytes"]["full"]
     assert full[256] == 2 * full[128]  # grows with the prompt
     assert result["cache_bytes"]["arm"][256] < full[256]

@@ -1,7 +1,7 @@
 """Results a tool writes as JSONL, kept safe across reruns: the settings they were made
 under, compared key by key before a rerun adds to them, and the records of a file read back
-with a line cut short by an interrupted write dropped. ``armkv generate`` and the evals'
-output folders (``armkv.evals.common``) share this.
+with a line cut short by an interrupted write dropped. ``armkv generate`` and the output
+folders of ``armkv eval`` share this.
 """
 
 from __future__ import annotations
