@@ -5,14 +5,30 @@ Per layer the cache holds: the first ``sinks`` and last ``window`` tokens exact 
 tokens is read against [sinks | slots of the query's top-M buckets | window | the chunk,
 causally] in one softmax, then committed: the tokens that leave the window are written
 into the slots (chunked scan; one token at a time while decoding).
+
+Device and dtype. The ARM parameters (router, slot scorer and gate, policy: a few hundred
+KB) live on the model's device, kept in float32 whatever the model's dtype; a cache of a
+model on another device than the adapter gets its own copy there (:func:`arm_on_device`).
+The memory computes in float32 (``ARMLayer.work_dtype``): routing, the top-M policy, the
+write plan (cosines, merges), the gates and the blending scan, and the rotations between
+read and write positions, so that a bfloat16 or float16 model routes and merges its
+tokens as a float32 one would, its slots not drifting by a rounding per write. The
+exact buffer, the ``"model"`` slot format and the reads stay in the model's dtype (as its
+own attention does); a read's logits are biased, masked and softmaxed in float32
+(``_decode_read``, and ``joint_attention``'s kernels). Quantised slots are packed from
+float32 and keep bfloat16 scales whatever the model's dtype (``memory.state``). The fused
+CPU kernels (``memory.kernels``) serve float32 on a CPU only; any other dtype or device
+takes their PyTorch references.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
 import re
+import weakref
 from pathlib import Path
 
 import torch
@@ -26,7 +42,7 @@ from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
 from armkv.memory.write import roomy_groups
 from armkv.memory.quant import mixing_matrix
-from armkv.methods.attention import decode_scores, decode_values, joint_attention, safe_softmax
+from armkv.methods.attention import at_least_float32, decode_scores, decode_values, joint_attention, safe_softmax
 from armkv.methods.base import CacheLayer, ModelInfo, register_method, require_budget
 from armkv.methods.buffers import ExactBuffer
 
@@ -87,6 +103,11 @@ class ARMLayer(CacheLayer):
         return rungs + [(c.slot_format, c.pool_slots)]
 
     @property
+    def work_dtype(self) -> torch.dtype:
+        """The dtype the memory computes in: its parameters' (float32), whatever the model's."""
+        return self.memory.router.weight.dtype
+
+    @property
     def slot_format(self) -> str:
         """The format the slots are stored in now (``slot_format`` unless a ladder's earlier rung)."""
         return self.rungs[self.rung][0]
@@ -98,7 +119,7 @@ class ARMLayer(CacheLayer):
         self.buffer = ExactBuffer(c.sinks, c.window, B, H, d, key.dtype, key.device)
         self.rung = len(self.rungs) - 1 if self.memory.training else 0  # (training keeps the model's dtype)
         slots = dataclasses.replace(c, slots=self.rungs[self.rung][1])
-        self.state = self._stored(self.memory.init_state(B, key.dtype, key.device, slots))
+        self.state = self._stored(self.memory.init_state(B, self.work_dtype, key.device, slots))
         self.reach = 0
         self._reserve_ladder_bytes()
 
@@ -128,7 +149,7 @@ class ARMLayer(CacheLayer):
         c = self.config
         T = query.shape[2]
         if self.m is None:
-            self._decide_m(self.rotary.unrotate(key, positions.unsqueeze(1)), valid)
+            self._decide_m(self.rotary.unrotate(key.to(self.work_dtype), positions.unsqueeze(1)), valid)
 
         exact_k, exact_v, exact_valid = self._exact()
         # which slots each query reads: those of its top-M buckets (M per row); reading every
@@ -183,7 +204,7 @@ class ARMLayer(CacheLayer):
         st = self._readable()
         S, R = st.slots, Hq // H
         mix = mixing_matrix(d, query.dtype, query.device) if st.mixed else None
-        bias = self._decode_bias(query.dtype)
+        bias = self._decode_bias()
         kernel = kernels.fused_read(query, st.value) if fused and st.key_scale is not None else None
         if kernel is not None:
             G, L = B * H, exact_k.shape[2]
@@ -196,29 +217,31 @@ class ARMLayer(CacheLayer):
             return out.reshape(B, Hq, 1, d).transpose(1, 2)
         q = query.reshape(B, H, R, d)  # the query heads of a KV head share its keys
         q_slots = (q if mix is None else q @ mix).reshape(B * H, R, d)
+        # the logits come out of the products in the model's dtype (accumulated in float32
+        # inside them) and are biased and softmaxed in float32 (no-ops for a float32 model)
         scores = torch.cat(
             [
-                st.key_scores(q_slots).view(B, H, R, S) * scaling + bias.unsqueeze(2),
-                decode_scores(q, key, valid, scaling, exact_k, exact_valid[:, None, None, :]),
+                at_least_float32(st.key_scores(q_slots).view(B, H, R, S)) * scaling + bias.unsqueeze(2),
+                at_least_float32(decode_scores(q, key, valid, scaling, exact_k, exact_valid[:, None, None, :])),
             ],
             -1,
         )
-        w = safe_softmax(scores)
+        w = safe_softmax(scores).to(query.dtype)
         from_slots = st.weighted_values(w[..., :S].reshape(B * H, R, S)).view(B, H, R, d)
         if mix is not None:
             from_slots = from_slots @ mix.T
         out = from_slots + decode_values(w[..., S:], exact_v, value, valid)
         return out.reshape(B, Hq, 1, d).transpose(1, 2)
 
-    def _decode_bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """Each slot's logit bias for the decode read, -inf for free slots [B, H, S]: it changes
-        only when the slots are written, so it is kept until the state is replaced."""
-        if self._bias_for is not None and self._bias_for[0] is self.state and self._bias_for[1].dtype == dtype:
+    def _decode_bias(self) -> torch.Tensor:
+        """Each slot's logit bias for the decode read, -inf for free slots [B, H, S] float32: it
+        changes only when the slots are written, so it is kept until the state is replaced."""
+        if self._bias_for is not None and self._bias_for[0] is self.state:
             return self._bias_for[1]
         st = self._readable()
         B, H = self.buffer.sink_k.shape[:2]
         count = st.count.reshape(B, H, st.slots)
-        bias = torch.where(count > 0, self._slot_bias(count), -torch.inf).to(dtype)
+        bias = at_least_float32(torch.where(count > 0, self._slot_bias(count), -torch.inf))
         self._bias_for = (self.state, bias)
         return bias
 
@@ -304,6 +327,8 @@ class ARMLayer(CacheLayer):
         c, mem = self.config, self.memory
         keys, values, valid, positions = self.pending
         self.pending = None
+        work = self.work_dtype  # (the module docstring: the memory computes in float32)
+        keys, values = keys.to(work), values.to(work)
         k_pre = self.rotary.unrotate(keys, positions.unsqueeze(1))
         if mem.training and c.write != "fifo":
             self.aux["balance"] = self.aux.get("balance", 0) + mem.router.balance_loss(k_pre, valid)
@@ -449,14 +474,14 @@ class ARMLayer(CacheLayer):
         state = dataclasses.replace(state, key=key, value=state.value.masked_fill(~occupied, 0.0))
         if self.memory.training:
             return state.pack("model")
-        return state.pack(self.slot_format, mix=self.config.slot_mixing)
+        return state.pack(self.slot_format, mix=self.config.slot_mixing, dtype=self.buffer.k.dtype)
 
     def _masks_for(self, q_pre: torch.Tensor, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
         mem = self.memory
         B, Hq = q_pre.shape[:2]
         extra = 0 if self.mix is None else 1
         k = min(int(self.m.max()) + extra, mem.router.num_buckets)
-        buckets = mem.route_queries(q_pre, k)
+        buckets = mem.route_queries(q_pre.to(self.work_dtype), k)
         readable = self._readable()
         slot_bucket = readable.bucket.long().reshape(B, -1, readable.slots).repeat_interleave(rep, 1)
         occ = occupied.repeat_interleave(rep, 1).unsqueeze(2)
@@ -551,6 +576,30 @@ def _random_arm(num_layers: int, num_kv_heads: int, head_dim: int, config_json: 
 
     torch.manual_seed(0)
     return ARMModel(ARMConfig.from_dict(json.loads(config_json)), num_layers, num_kv_heads, head_dim).eval()
+
+
+# (ARM parameters, device) -> their copy on that device; the copy lives as long as the original
+_ON_DEVICE: "weakref.WeakKeyDictionary[ARMModel, dict[str, ARMModel]]" = weakref.WeakKeyDictionary()
+
+
+def arm_on_device(arm: ARMModel, device: torch.device | str, given: bool = False) -> ARMModel:
+    """``arm`` where its parameters are on ``device`` already, else a copy there (made once
+    per adapter and device, and shared by every cache made from it). Parameters the caller
+    gave (``given``: ``make_cache(..., arm=)``, e.g. those being trained) are never copied:
+    on another device they are an error, since a copy would not be the parameters trained."""
+    device = torch.device(device)
+    where = next(arm.parameters()).device
+    if where.type == device.type and (device.index is None or where.index == device.index):
+        return arm
+    if given:
+        raise ArmkvError(
+            f"the ARM parameters are on {where} but the model is on {device}: move them with arm.to({str(device)!r})"
+        )
+    copies = _ON_DEVICE.setdefault(arm, {})
+    key = str(device)
+    if key not in copies:
+        copies[key] = copy.deepcopy(arm).to(device)
+    return copies[key]
 
 
 def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None = None, overrides: dict | None = None):
@@ -812,6 +861,7 @@ def make_arm(
             own = ARMConfig.for_budget(share, info.head_dim, info.dtype_bytes, slot_format=runtime.slot_format)
             overrides = {"window": own.window, **overrides, "sync": runtime.sync}
         arm_model, runtime = resolve_arm(info, share, arm=arm_model, overrides=overrides)  # the same parameters, resized
+    arm_model = arm_on_device(arm_model, info.device, given=arm is not None)
     return ARMLayer(layer_idx, info, rotary, arm_model.layers[layer_idx], runtime)
 
 
@@ -819,10 +869,12 @@ def make_arm(
 def make_fifo(layer_idx: int, info: ModelInfo, rotary: Rotary | None, budget: int | None, chunk: int, **options):
     overrides = dict(options.pop("arm_overrides", None) or {})
     overrides.update(write="fifo", top_m="fixed", log_count_bias=False)
+    given = options.get("arm") is not None
     arm_model, runtime = resolve_arm(info, require_budget("fifo", budget, 8, "sinks + window + slots"), options.pop("adapter", None), options.pop("arm", None), {**overrides, "chunk": chunk})
     if options:
         raise ArmkvError(f"method 'fifo' takes no option {', '.join(sorted(options))}")
     runtime = dataclasses.replace(runtime, m_fixed=arm_model.config.num_buckets)
+    arm_model = arm_on_device(arm_model, info.device, given=given)
     return ARMLayer(layer_idx, info, rotary, arm_model.layers[layer_idx], runtime)
 
 

@@ -34,12 +34,14 @@ def quantise(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.
     """Asymmetric min-max quantisation along ``dim``.
 
     Returns codes (uint8, same shape as x), scale and zero (x's dtype, size 1 along dim):
-    x ~= codes * scale + zero.
+    x ~= codes * scale + zero. Computed in float32 whatever x's dtype, the scale and zero
+    rounded to x's dtype (what is stored) before the codes are taken against them.
     """
-    lo = x.amin(dim=dim, keepdim=True)
-    hi = x.amax(dim=dim, keepdim=True)
-    scale = ((hi - lo) / (2**bits - 1)).clamp(min=torch.finfo(x.dtype).tiny)
-    codes = ((x - lo) / scale).round().clamp(0, 2**bits - 1).to(torch.uint8)
+    xf = x.float()
+    lo = xf.amin(dim=dim, keepdim=True).to(x.dtype)
+    hi = xf.amax(dim=dim, keepdim=True)
+    scale = ((hi - lo.float()) / (2**bits - 1)).clamp(min=torch.finfo(x.dtype).tiny).to(x.dtype)
+    codes = ((xf - lo.float()) / scale.float()).round().clamp(0, 2**bits - 1).to(torch.uint8)
     return codes, scale, lo
 
 
