@@ -88,6 +88,7 @@ def make_cache(
     budget: int | None = None,
     chunk: int = 256,
     horizon: int | None = None,
+    compile: bool | dict = False,
     **options,
 ) -> ArmkvCache:
     """A fresh cache of ``method`` for ``model``, attaching the model if it is not yet.
@@ -100,11 +101,17 @@ def make_cache(
     horizon : the tokens the cache will see (prompt + new tokens), where the caller knows
         them: a method that can plan its memory by length takes it (arm, with
         ``fit_shares_to_length``: no layer's share gets room for more), the others ignore it
+    compile : run each decode step (one token) of every layer through ``torch.compile``
+        (:meth:`~armkv.methods.base.CacheLayer.compile_decode`): True for the default
+        settings (``mode="reduce-overhead"`` on CUDA, where the step is replayed as a CUDA
+        graph; inductor's default on a CPU), or a dict of ``torch.compile`` arguments.
+        Bounded methods only (sink, swa, kivi with a budget, arm, fifo); prefill stays eager
     options : method options (e.g. ``bits=4`` for kivi, ``adapter=`` for arm)
 
     Raises
     ------
-    ArmkvError for an unknown method, a budget too small for it, or an option it does not take.
+    ArmkvError for an unknown method, a budget too small for it, an option it does not take,
+    or ``compile`` for a method whose decode step grows with the sequence.
     """
     if chunk < 1:
         raise ArmkvError(f"chunk={chunk} must be >= 1")
@@ -118,7 +125,16 @@ def make_cache(
     if horizon is not None and spec.takes_horizon:
         options = {**options, "horizon": int(horizon)}
 
+    compile_options = None
+    if compile:
+        compile_options = dict(compile) if isinstance(compile, dict) else {}
+        if not compile_options and info.device.type == "cuda":
+            compile_options["mode"] = "reduce-overhead"
+
     def make_layer(layer_idx: int):
-        return spec.make_layer(layer_idx, info, rotary, budget, chunk, **options)
+        layer = spec.make_layer(layer_idx, info, rotary, budget, chunk, **options)
+        if compile_options is not None:
+            layer.compile_decode(**compile_options)
+        return layer
 
     return ArmkvCache(make_layer, info.num_layers, method, budget)

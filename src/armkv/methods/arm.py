@@ -59,6 +59,14 @@ SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
 class ARMLayer(CacheLayer):
     """One layer of the ARM cache.
 
+    Compiled decoding (``CacheLayer.compile_decode``): the step reads the whole pool (not
+    only the slots up to the last one any row holds: a static shape), keeps the tokens that
+    leave the window in a fixed buffer of ``sync`` entries (the oldest first, the unfilled
+    ones invalid and zero) instead of a growing one, and computes the slots' logit bias in
+    the step. The write every ``sync`` tokens runs eagerly after the step that fills the
+    buffer (:meth:`after_decode_step`): the same tokens written at the same step as
+    without compiling.
+
     Parameters
     ----------
     memory : the layer's ARMMemory (router, scorer and gate, policy)
@@ -87,7 +95,13 @@ class ARMLayer(CacheLayer):
         self.rungs = self._ladder_rungs()  # (slot format, slots) the pool goes through, the last config's own
         self.rung = 0
         self.reserve: torch.Tensor | None = None  # bytes held beside an earlier rung (_reserve_ladder_bytes)
+        self.mixing: torch.Tensor | None = None  # [d, d] the slot mixing matrix (quant.mixing_matrix)
         self.skip_roomy_unpack = True  # False: every write un-packs the pool (_roomy_form's reference)
+        # compiled decoding: the tokens waiting for the write in `sync` fixed entries (keys
+        # [B, H, sync, d], values, valid [B, sync], positions [B, sync]) and the steps since the write
+        self.waiting: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.waiting_steps = 0
+        self._route_k = 0  # buckets routed per query (the largest M, with the training mix's one more)
 
     def _ladder_rungs(self) -> list[tuple[str, int]]:
         """``slot_ladder``'s formats with the slots each holds in the bytes of the pool as
@@ -121,6 +135,13 @@ class ARMLayer(CacheLayer):
         slots = dataclasses.replace(c, slots=self.rungs[self.rung][1])
         self.state = self._stored(self.memory.init_state(B, self.work_dtype, key.device, slots))
         self.reach = 0
+        self.mixing = mixing_matrix(d, key.dtype, key.device)  # (fetched once: a compiled step reads it as a tensor)
+        if self._step is not None:
+            self.waiting = (
+                key.new_zeros(B, H, c.sync, d), key.new_zeros(B, H, c.sync, d),
+                torch.zeros(B, c.sync, dtype=torch.bool, device=key.device),
+                torch.zeros(B, c.sync, dtype=torch.long, device=key.device),
+            )
         self._reserve_ladder_bytes()
 
     def _reserve_ladder_bytes(self) -> None:
@@ -135,10 +156,47 @@ class ARMLayer(CacheLayer):
         target = st.groups * max(slots * slot_bytes(fmt, info.head_dim, info.dtype_bytes) for fmt, slots in self.rungs)
         self.reserve = torch.empty(max(0, target - st.nbytes()), dtype=torch.uint8, device=st.count.device)
 
+    static_decode = True
+
+    def decode_ready(self) -> bool:
+        """Compiled steps start once the prefill is written (nothing pending) and the
+        buckets each row reads are decided; training (gradients, the soft cascade) stays eager."""
+        return self.buffer is not None and self.pending is None and self.m is not None and not self.memory.training
+
+    def decode_step(self, query, key, value, valid, positions, scaling):
+        """:meth:`attend_chunk` for one token with static shapes and no host sync (see the
+        class docstring); the write is :meth:`after_decode_step`'s."""
+        buf_k, buf_v, buf_valid, _ = self.buffer.kv()
+        exact_k = torch.cat([buf_k, self.waiting[0]], 2)
+        exact_v = torch.cat([buf_v, self.waiting[1]], 2)
+        exact_valid = torch.cat([buf_valid, self.waiting[2]], 1)
+        if self._reads_all and self.config.position_mode == "stored":
+            out = self._decode_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
+        else:
+            out = self._chunk_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, self._reads_all)
+        overflow = self.buffer.push(key, value, valid, positions)  # one entry a row, valid where a token left
+        for held, new in zip(self.waiting, (overflow.key, overflow.value, overflow.valid, overflow.positions)):
+            dim = 2 if held.ndim == 4 else 1
+            held.copy_(torch.cat([held.narrow(dim, 1, held.shape[dim] - 1), new.to(held.dtype)], dim))
+        return out
+
+    def after_decode_step(self) -> None:
+        """Every ``sync`` compiled steps: write the waiting tokens (eagerly) and empty the buffer."""
+        self.waiting_steps += 1
+        if self.waiting_steps < self.config.sync:
+            return
+        self.pending = tuple(t.clone() for t in self.waiting)
+        self._flush()
+        for t in self.waiting:
+            t.zero_()
+        self.waiting_steps = 0
+
     def state_bytes(self) -> int:
         if self.buffer is None:
             return 0
         waiting = 0 if self.pending is None else self.pending[0].nbytes + self.pending[1].nbytes
+        if self.waiting is not None:  # (compiled decoding: the fixed buffer, at most `sync` tokens)
+            waiting = max(waiting, self.waiting[0].nbytes + self.waiting[1].nbytes)
         reserved = 0 if self.reserve is None else self.reserve.nbytes
         return self.buffer.state_bytes() + self.state.nbytes() + waiting + reserved
 
@@ -203,7 +261,7 @@ class ARMLayer(CacheLayer):
         H = key.shape[1]
         st = self._readable()
         S, R = st.slots, Hq // H
-        mix = mixing_matrix(d, query.dtype, query.device) if st.mixed else None
+        mix = self.mixing.to(query.dtype) if st.mixed else None
         bias = self._decode_bias()
         kernel = kernels.fused_read(query, st.value) if fused and st.key_scale is not None else None
         if kernel is not None:
@@ -236,6 +294,10 @@ class ARMLayer(CacheLayer):
     def _decode_bias(self) -> torch.Tensor:
         """Each slot's logit bias for the decode read, -inf for free slots [B, H, S] float32: it
         changes only when the slots are written, so it is kept until the state is replaced."""
+        if self._step is not None and torch.compiler.is_compiling():  # (in the step: no Python cache)
+            st = self.state
+            count = st.count.reshape(*self.buffer.sink_k.shape[:2], st.slots)
+            return at_least_float32(torch.where(count > 0, self._slot_bias(count), -torch.inf))
         if self._bias_for is not None and self._bias_for[0] is self.state:
             return self._bias_for[1]
         st = self._readable()
@@ -259,7 +321,7 @@ class ARMLayer(CacheLayer):
         # queries and the exact entries costs a few hundred rows; unmixing the slots, thousands
         mix = None
         if c.position_mode == "stored" and self.state.mixed and self.state.key_scale is not None:
-            mix = mixing_matrix(d, query.dtype, query.device)
+            mix = self.mixing.to(query.dtype)
             query, key, value, exact_k, exact_v = (t @ mix for t in (query, key, value, exact_k, exact_v))
         slot_k, slot_v, occupied, bias = self._slots(unmix=mix is None)
         slot_masks = [None] if reads_all else self._masks_for(q_pre, occupied, rep)
@@ -374,6 +436,8 @@ class ARMLayer(CacheLayer):
         (views where they are contiguous): a read over them equals a read over all, the free
         slots past them taking no weight. Kept until the state is replaced."""
         st = self.state
+        if self._step is not None and torch.compiler.is_compiling():  # a static shape: every slot
+            return st
         if self._read_view is not None and self._read_view[0] is st:
             return self._read_view[1]
         view = st.first(max(self.reach, 1))
@@ -479,9 +543,7 @@ class ARMLayer(CacheLayer):
     def _masks_for(self, q_pre: torch.Tensor, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
         mem = self.memory
         B, Hq = q_pre.shape[:2]
-        extra = 0 if self.mix is None else 1
-        k = min(int(self.m.max()) + extra, mem.router.num_buckets)
-        buckets = mem.route_queries(q_pre.to(self.work_dtype), k)
+        buckets = mem.route_queries(q_pre.to(self.work_dtype), self._route_k)
         readable = self._readable()
         slot_bucket = readable.bucket.long().reshape(B, -1, readable.slots).repeat_interleave(rep, 1)
         occ = occupied.repeat_interleave(rep, 1).unsqueeze(2)
@@ -498,6 +560,7 @@ class ARMLayer(CacheLayer):
         if c.top_m == "fixed" or self.memory.policy is None:
             self.m = torch.full((k_pre.shape[0],), c.fixed_m, dtype=torch.long, device=k_pre.device)
             self._reads_all = c.fixed_m >= num_buckets
+            self._route_k = min(c.fixed_m, num_buckets)
             return
         m, g, expected = self.memory.policy.decide(pooled.flatten(1), self.memory.training, c.epsilon, self.generator)
         self.m = m.clamp_max(num_buckets)
@@ -505,6 +568,8 @@ class ARMLayer(CacheLayer):
         if self.memory.training:
             self.mix = g
             self.aux["budget"] = expected.mean() / self.memory.router.num_buckets
+        # (known here, once per sequence: the decode step's routing then needs no host sync)
+        self._route_k = min(int(self.m.max()) + (0 if self.mix is None else 1), num_buckets)
 
     def diagnostics(self, positions: torch.Tensor | None = None) -> dict:
         """What the memory holds now: slots used, tokens per used slot, and, for the given
