@@ -71,3 +71,24 @@ def test_inductor_compiles_the_sink_step():
 def test_growing_methods_refuse_to_compile(method):
     with pytest.raises(ArmkvError, match="bounded method"):
         make_cache(tiny_model("llama"), method, compile=True)
+
+
+def test_runner_decodes_through_the_compiled_step():
+    """``Runner(compile=...)``, the library's switch (``--compile`` of generate, eval and bench
+    decode): the same greedy tokens as without it, through a compiled step."""
+    from armkv.hf.runner import Runner
+
+    class NoTokenizer:
+        eos_token_id = 2
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("llama")
+    prompt = [torch.randint(3, 128, (21,), generator=torch.Generator().manual_seed(5)).tolist()]
+    want, _, _ = Runner(model, NoTokenizer(), "arm", budget=48, chunk=8).generate_ids(prompt, 12)
+    runner = Runner(model, NoTokenizer(), "arm", budget=48, chunk=8, compile={"backend": "aot_eager"})
+    got, _, cache = runner.generate_ids(prompt, 12)
+    assert got == want and all(layer._step is not None for layer in cache.layers)
+    assert counters["stats"]["calls_captured"] > 0 and not counters["graph_break"]

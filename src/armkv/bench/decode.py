@@ -61,6 +61,7 @@ class DecodeBench:
     clock: str = "wall"  # "wall", or "process": CPU time of the process (a CPU shared with other jobs)
     seed: int = 0
     options: dict[str, dict] = field(default_factory=dict)  # method -> its make_cache options (--option arm.sync=32)
+    compile: bool = False  # bounded methods decode through their torch.compile'd step (make_cache(compile=True))
 
     def __post_init__(self) -> None:
         from armkv.methods.base import get_method
@@ -194,8 +195,11 @@ class Session:
 
     def cache(self, method: str):
         from armkv.hf.attach import make_cache
+        from armkv.methods.base import get_method
 
-        return make_cache(self.model, method, self.bench.budget, self.bench.chunk, **self.bench.options.get(method, {}))
+        compile = self.bench.compile and get_method(method).bounded
+        options = self.bench.options.get(method, {})
+        return make_cache(self.model, method, self.bench.budget, self.bench.chunk, compile=compile, **options)
 
     def random_ids(self, n: int) -> torch.Tensor:
         ids = torch.randint(self.vocab_low, self.vocab_high, (1, n), generator=self.generator)
@@ -318,6 +322,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
             "dtype": str(model.dtype).removeprefix("torch."),
             "budget": bench.budget,
             "chunk": bench.chunk,
+            "compile": bench.compile,
             "repeats": bench.repeats,
             "warmup": bench.warmup,
             "floor_context": bench.floor_context,
@@ -628,6 +633,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps before them (default 2)")
     parser.add_argument("--chunk", type=int, default=256, help="P, the prefill chunk: tokens per forward (default 256)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--compile", action="store_true",
+                        help="bounded methods decode through their torch.compile'd step (the warm-up steps compile it)")  # fmt: skip
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--max-full-length", type=int, default=None,
@@ -665,6 +672,7 @@ def bench_from_args(args) -> DecodeBench:
         clock=args.clock,
         seed=args.seed,
         options=parse_options(args.option),
+        compile=args.compile,
     )
 
 

@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk P (the sync point)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--chat", action="store_true", help="wrap context + question in the chat template")
+    parser.add_argument("--compile", action="store_true", help="decode through the method's torch.compile'd step (bounded methods)")
     parser.add_argument("--input", required=True, help="requests, one JSON object per line")
     parser.add_argument("--output", required=True, help="results, one JSON object per line")
 
@@ -64,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
         raise ArmkvError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     model, tokenizer = load_model(args.model)
     options = {"adapter": args.adapter} if args.adapter is not None else {}
-    runner = Runner(model, tokenizer, args.method, budget=args.budget, chunk=args.chunk, chat=args.chat, **options)
+    runner = Runner(model, tokenizer, args.method, budget=args.budget, chunk=args.chunk, chat=args.chat, compile=args.compile, **options)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     failed = 0
