@@ -93,6 +93,14 @@ def make_cache(
 ) -> ArmkvCache:
     """A fresh cache of ``method`` for ``model``, attaching the model if it is not yet.
 
+    Device and dtype: the cache lives where the model does and in its dtype (float32,
+    bfloat16 or float16; CPU or CUDA): each layer allocates its state on the device and in
+    the dtype of the first keys it is given, and budgets count bytes of that dtype. ARM's
+    parameters are copied to the model's device and stay float32; its memory computes in
+    float32 (see :mod:`armkv.methods.arm`). Reads softmax in float32 where the model's
+    dtype is narrower. The fused CPU kernels serve float32 on a CPU; elsewhere their PyTorch
+    references run.
+
     Parameters
     ----------
     method : a registered method name (``armkv.methods.base.METHODS``)
