@@ -25,8 +25,34 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             bos_token_id=1, eos_token_id=2)
 
 
-def tiny_model(arch: str, seed: int = 0):
-    """A tiny random causal LM of the given architecture (llama, qwen2, qwen3, mistral), eval mode."""
+# The dtypes and devices a cache runs in. CUDA cases run wherever a GPU is visible and are
+# skipped elsewhere, so the one suite checks a GPU where there is one.
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+HAS_CUDA = torch.cuda.is_available()
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device"))
+DEVICES = ["cpu", CUDA]
+
+# How far a cache's logits may be from a no-cache forward of the same model in the same
+# dtype (torch.testing.assert_close's atol and rtol): the two sum in different orders, so
+# they differ by a few roundings of the dtype (eps: float32 1.2e-7, bfloat16 7.8e-3,
+# float16 9.8e-4), amplified through the layers. Measured on the tiny models here (logits
+# up to 0.7): at most 6e-3 in bfloat16 and 7e-4 in float16, as far as the same no-cache
+# forward in that dtype is from the float32 one; a wrong mask or a lost token moves them
+# by the logits' own size.
+TOLERANCE = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """A tiny random causal LM of the given architecture (llama, qwen2, qwen3, mistral), eval
+    mode, in ``dtype`` on ``device`` (the same weights as the float32 one, rounded)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -41,7 +67,7 @@ def tiny_model(arch: str, seed: int = 0):
     else:
         raise ValueError(arch)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    return model.eval()
+    return model.to(device=device, dtype=dtype).eval()
 
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]

@@ -7,7 +7,7 @@ import torch
 from armkv.config import slot_bytes
 from armkv.errors import ArmkvError
 from armkv.hf.attach import make_cache
-from conftest import tiny_model
+from conftest import DEVICES, DTYPES, TOLERANCE, dtype_id, tiny_model
 
 
 def _run(model, ids, **kw):
@@ -17,14 +17,21 @@ def _run(model, ids, **kw):
     return logits, cache
 
 
-def test_large_memory_reads_equal_exact_attention():
-    model = tiny_model("llama").eval()
-    ids = torch.stack([torch.randperm(100)[:90] for _ in range(2)])  # distinct tokens: no merges
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_large_memory_reads_equal_exact_attention(dtype, device):
+    """Distinct tokens in a memory with room for all: each token written alone into its slot
+    (in float32, stored in the model's dtype) and every bucket read, so the logits are exact
+    attention's, within the dtype's conftest.TOLERANCE."""
+    model = tiny_model("llama", dtype=dtype, device=device)
+    torch.manual_seed(0)
+    ids = torch.stack([torch.randperm(100)[:90] for _ in range(2)]).to(device)  # distinct tokens: no merges
     with torch.no_grad():
         ref = model(ids).logits
     logits, cache = _run(model, ids, budget=512, arm_overrides={"sync": 1, "slot_format": "model"})
-    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, ref, **TOLERANCE[dtype])
     assert cache.layers[0].diagnostics()["tokens_per_slot"] == 1.0
+    assert cache.layers[0].state.key.dtype == dtype  # the "model" format: the model's dtype
 
 
 @pytest.mark.parametrize("overrides", [{"position_mode": "fixed"}, {"sync": 1}, {"write": "mean"},
@@ -198,16 +205,22 @@ def test_the_calibrated_adapters_shares_are_the_default_rule_on_its_scores():
     assert config.layer_weights == retrieval_layer_weights(config.meta["retrieval_scores"])
 
 
+F32, BF16 = torch.float32, torch.bfloat16
+
+
 @pytest.mark.parametrize(
-    "overrides",
-    [{"slot_format": "k8v4"}, {"slot_format": "k8v4", "slot_mixing": False}, {"slot_format": "model"},
-     {"slot_format": "k4v4", "log_count_bias": False}, {"slot_ladder": "int8,k8v4"}],
+    "overrides,dtype",
+    [({"slot_format": "k8v4"}, F32), ({"slot_format": "k8v4", "slot_mixing": False}, F32), ({"slot_format": "model"}, F32),
+     ({"slot_format": "k4v4", "log_count_bias": False}, F32), ({"slot_ladder": "int8,k8v4"}, F32),
+     ({"slot_format": "k4v4"}, BF16), ({"slot_format": "model"}, BF16)],
+    ids=lambda x: dtype_id(x) if isinstance(x, torch.dtype) else None,
 )
-def test_decode_read_equals_the_chunk_read(overrides):
+def test_decode_read_equals_the_chunk_read(overrides, dtype):
     """The decode step's own read (one query, nothing the size of the state copied, mixed
     slots read with the mixed query) against the general joint-softmax read, on a state with
-    merged slots, waiting tokens, an unfilled row and a padding token."""
-    model = tiny_model("llama").eval()
+    merged slots, waiting tokens, an unfilled row and a padding token; in bfloat16 within
+    two roundings of the output (the two reads round the logits and weights differently)."""
+    model = tiny_model("llama", dtype=dtype)
     torch.manual_seed(1)
     ids = torch.randint(0, 100, (2, 157))
     mask = torch.ones_like(ids)
@@ -222,13 +235,15 @@ def test_decode_read_equals_the_chunk_read(overrides):
     assert layer.pending is not None and layer.state.count.max() > 1  # merged slots, waiting tokens
     B, H = layer.buffer.sink_k.shape[:2]
     Hq, d = model.config.num_attention_heads, layer.buffer.sink_k.shape[-1]
-    query, key, value = torch.randn(B, Hq, 1, d), torch.randn(B, H, 1, d), torch.randn(B, H, 1, d)
+    query, key, value = (torch.randn(B, h, 1, d).to(dtype) for h in (Hq, H, H))
     valid = torch.tensor([[True], [False]])  # row 1 decodes a padding token
     positions = torch.full((B, 1), 160)
     exact = layer._exact()
     fast = layer._decode_read(query, key, value, valid, 0.3, *exact)
     ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
-    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    assert fast.dtype == dtype
+    tol = 1e-5 if dtype == F32 else 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(fast, ref, rtol=tol, atol=tol)
     # the fused kernel (quantised slots on a CPU) against the PyTorch ops it replaces
     torch.testing.assert_close(fast, layer._decode_read(query, key, value, valid, 0.3, *exact, fused=False), rtol=1e-5, atol=1e-6)
 
@@ -365,6 +380,38 @@ def test_a_roomy_write_skips_the_unpack_and_leaves_the_same_state(overrides, mon
             assert (x is None) == (y is None)
             if x is not None:
                 assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=dtype_id)
+def test_arm_parameters_stay_float32_on_the_models_device(dtype):
+    """A half-precision model: the memory's parameters stay float32 (shared with other caches
+    of the adapter, not cast), the memory computes in float32, the slots are stored in their
+    format (codes, or the model's dtype), the exact buffer in the model's dtype."""
+    model = tiny_model("llama", dtype=dtype)
+    cache = make_cache(model, "arm", budget=48, chunk=16, arm_overrides={"sync": 4})
+    with torch.no_grad():
+        model(torch.randint(3, 100, (1, 120)), past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    assert {p.dtype for p in layer.memory.parameters()} == {torch.float32} and layer.work_dtype == torch.float32
+    assert layer.buffer.k.dtype == dtype and layer.state.key.dtype == torch.uint8  # k4v4 codes
+    assert layer.state.count.max() > 1  # the write ran (and merged)
+    assert layer.state_bytes() <= 48 * 2 * 2 * 16 * 2  # the budget in the model's bytes (2 KV heads of 16)
+
+
+def test_arm_parameters_are_copied_to_another_device_once():
+    """Shipped or random ARM parameters are copied to the model's device (once per device,
+    shared); parameters the caller gave (being trained) are never copied: an error instead."""
+    from armkv.memory.module import ARMModel
+    from armkv.config import ARMConfig
+    from armkv.methods.arm import arm_on_device
+
+    arm = ARMModel(ARMConfig(), 2, 2, 16)
+    assert arm_on_device(arm, "cpu") is arm
+    moved = arm_on_device(arm, "meta")  # a device with no data: what a copy to a GPU does, without one
+    assert moved is not arm and arm_on_device(arm, "meta") is moved
+    assert next(moved.parameters()).device.type == "meta" and next(arm.parameters()).device.type == "cpu"
+    with pytest.raises(ArmkvError, match="arm.to"):
+        arm_on_device(arm, "meta", given=True)
 
 
 @pytest.mark.parametrize("slot_format", ["k4v4", "model"])

@@ -8,11 +8,12 @@ from armkv.errors import ArmkvError
 from armkv.hf import ArmkvCache, attach, attached, detach, is_attached, make_cache
 from armkv.hf.runner import Runner
 from armkv.methods.base import METHODS, _load_builtin_methods
-from conftest import ARCHS, tiny_model
+from conftest import ARCHS, DEVICES, TOLERANCE, dtype_id, tiny_model
 
 _load_builtin_methods()
 ALL = sorted(METHODS)
 BIG = 256  # a budget above every sequence here: nothing evicted, merged or quantised (kivi's residual is 64)
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 
 def left_padded(batch=3, length=20, seed=0, vocab=128):
@@ -35,25 +36,54 @@ def _restore_models():
     ACTIVE.set(None)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch,dtype", [(arch, F32) for arch in ARCHS] + [("llama", BF16), ("qwen3", F16)],
+                         ids=lambda x: dtype_id(x) if isinstance(x, torch.dtype) else x)
 @pytest.mark.parametrize("method", ALL)
-def test_greedy_generation_equals_plain_generate(arch, method):
-    model = tiny_model(arch)
-    ids, mask = left_padded()
-    want = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+def test_greedy_generation_equals_plain_generate(arch, dtype, method, device):
+    """``model.generate`` with the cache gives plain generate's tokens: exactly in float32; in
+    bfloat16 and float16, where two logits within a rounding of each other may swap places
+    between any two summation orders, every token it picks is the top one of a no-cache
+    forward over the sequence so far, within conftest.TOLERANCE."""
+    model = tiny_model(arch, dtype=dtype, device=device)
+    ids, mask = (t.to(device) for t in left_padded())
     cache = make_cache(model, method, budget=BIG, chunk=7)
     got = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
                          past_key_values=cache)
-    assert torch.equal(got, want)
+    if dtype == torch.float32:
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert torch.equal(got, want)
+    else:
+        assert_greedy_within_rounding(model, got, mask, ids.shape[1], TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def assert_greedy_within_rounding(model, sequences, mask, prompt: int, tolerance: dict, eos: int = 2):
+    """Each generated token of ``sequences`` [B, prompt + n] (up to its row's first ``eos``)
+    has a no-cache logit within ``tolerance`` of the top logit at its step."""
+    full_mask = torch.cat([mask, torch.ones_like(sequences[:, prompt:])], 1)
+    with torch.no_grad():
+        logits = model(sequences, attention_mask=full_mask, use_cache=False).logits.float()
+    for b in range(sequences.shape[0]):
+        for t in range(prompt, sequences.shape[1]):
+            step = logits[b, t - 1]
+            top, picked = step.max(), step[sequences[b, t]]
+            assert top - picked <= tolerance["atol"] + tolerance["rtol"] * top.abs(), (
+                f"row {b}, step {t - prompt}: picked a logit {float(top - picked):.4f} under the top one"
+            )
+            if sequences[b, t] == eos:
+                break
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch,dtype", [("llama", F32), ("qwen3", F32), ("llama", BF16), ("qwen3", BF16), ("llama", F16)],
+                         ids=lambda x: dtype_id(x) if isinstance(x, torch.dtype) else x)
 @pytest.mark.parametrize("method", ALL)
-def test_chunked_prefill_and_decode_equal_no_cache_forward(arch, method, nan_empty):
+def test_chunked_prefill_and_decode_equal_no_cache_forward(arch, dtype, method, device, nan_empty):
     """Prefill in chunks of 5 under random left padding, then feed 6 tokens one by one: every
-    valid position's logits equal one forward over the whole sequence (fp32 tolerance)."""
-    model = tiny_model(arch)
-    ids, mask = left_padded(batch=3, length=29, seed=1)
+    valid position's logits equal one forward over the whole sequence in the same dtype
+    (within conftest.TOLERANCE of that dtype)."""
+    model = tiny_model(arch, dtype=dtype, device=device)
+    ids, mask = (t.to(device) for t in left_padded(batch=3, length=29, seed=1))
     with torch.no_grad():
         want = model(ids, attention_mask=mask, use_cache=False).logits
     cache = make_cache(model, method, budget=BIG, chunk=5)
@@ -70,20 +100,22 @@ def test_chunked_prefill_and_decode_equal_no_cache_forward(arch, method, nan_emp
             got.append(out.logits)
     got = torch.cat(got, dim=1)
     valid = mask.bool()
-    torch.testing.assert_close(got[valid], want[valid], atol=1e-4, rtol=1e-4)
+    assert got.dtype == dtype and got.device.type == device
+    torch.testing.assert_close(got[valid], want[valid], **TOLERANCE[dtype])
     assert cache.get_seq_length() == ids.shape[1]
 
 
 SMALL = {"swa": dict(budget=8), "sink": dict(budget=10), "kivi": dict(budget=64, group=4, residual=8)}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method", ALL)
-def test_batched_equals_one_by_one(method):
+def test_batched_equals_one_by_one(method, device):
     """Padding is never stored, so a row's cache is the same alone or in a left-padded batch,
     also when a small budget evicts, quantises or merges (prefill in one chunk)."""
-    model = tiny_model("llama")
+    model = tiny_model("llama", device=device)
     kwargs = SMALL.get(method, dict(budget=64 if METHODS[method].bounded else None))
-    ids, mask = left_padded(batch=3, length=24, seed=2)
+    ids, mask = (t.to(device) for t in left_padded(batch=3, length=24, seed=2))
     cache = make_cache(model, method, chunk=64, **kwargs)
     batched = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
                              past_key_values=cache)[:, ids.shape[1]:]
@@ -94,6 +126,37 @@ def test_batched_equals_one_by_one(method):
         alone = alone[0, row.shape[1]:]
         # A row that stopped early is padded in the batch.
         assert torch.equal(alone, batched[i, : len(alone)]) and not batched[i, len(alone):].any(), f"row {i}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=dtype_id)
+@pytest.mark.parametrize("method", ALL)
+def test_batched_logits_equal_one_by_one_in_half_precision(method, dtype, device):
+    """:func:`test_batched_equals_one_by_one` in bfloat16 and float16, where the batch's
+    shapes round the logits differently (a greedy pick may swap with a rounding-close one):
+    the same 12 tokens are fed to every row after the prefill, and each step's logits of a
+    row alone are within conftest.TOLERANCE of its logits in the left-padded batch."""
+    model = tiny_model("llama", dtype=dtype, device=device)
+    kwargs = SMALL.get(method, dict(budget=64 if METHODS[method].bounded else None))
+    ids, mask = (t.to(device) for t in left_padded(batch=3, length=24, seed=2))
+    fed = torch.randint(3, 128, (3, 12), generator=torch.Generator().manual_seed(3)).to(device)
+
+    def run(ids, mask, fed):
+        cache = make_cache(model, method, chunk=64, **kwargs)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = [model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1:]]
+            for t in range(fed.shape[1]):
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+                step = positions[:, -1:] + 1 + t
+                logits.append(model(fed[:, t:t + 1], attention_mask=mask, position_ids=step, past_key_values=cache).logits)
+        return torch.cat(logits, 1)
+
+    batched = run(ids, mask, fed)
+    for i in range(ids.shape[0]):
+        row = ids[i:i + 1, mask[i].bool()]
+        alone = run(row, torch.ones_like(row), fed[i:i + 1])
+        torch.testing.assert_close(alone[0], batched[i], **TOLERANCE[dtype], msg=lambda m: f"row {i}: {m}")
 
 
 def test_kivi_logits_within_quantisation_error():

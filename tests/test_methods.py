@@ -8,6 +8,7 @@ from armkv.memory.rope import Rotary
 from armkv.methods.attention import joint_attention, joint_attention_reference, safe_softmax, safe_softmax_reference
 from armkv.methods.base import METHODS, ModelInfo, _load_builtin_methods, get_method
 from armkv.methods.kivi import pack, quantise, unpack
+from conftest import DEVICES, DTYPES, dtype_id
 
 _load_builtin_methods()
 BOUNDED = sorted(name for name, m in METHODS.items() if m.bounded)
@@ -172,17 +173,20 @@ def test_kivi_quantiser_error_bound(bits):
         assert (err <= scale / 2 + 1e-5).all()
 
 
-def info(layers=2, heads=4, kv=2, d=16):
-    return ModelInfo(num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=d, max_positions=1 << 16)
+def info(layers=2, heads=4, kv=2, d=16, dtype=torch.float32, device="cpu"):
+    return ModelInfo(num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=d, max_positions=1 << 16,
+                     dtype=dtype, device=torch.device(device))
 
 
-def rotary(d=16):
-    return Rotary(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+def rotary(d=16, device="cpu"):
+    return Rotary(1.0 / (10000 ** (torch.arange(0, d, 2, device=device).float() / d)))
 
 
 def run_layer(layer, steps, batch, info_, generator, chunk_tokens):
-    """Feed random chunks (with random left padding in the first); yield after each call."""
+    """Feed random chunks (with random left padding in the first), in ``info_``'s dtype and
+    on its device; yield after each call."""
     d, hq, hkv = info_.head_dim, info_.num_heads, info_.num_kv_heads
+    on = dict(dtype=info_.dtype, device=info_.device)
     pos = torch.zeros(batch, dtype=torch.long)
     for step in range(steps):
         t = chunk_tokens if step == 0 else 1
@@ -192,17 +196,22 @@ def run_layer(layer, steps, batch, info_, generator, chunk_tokens):
                 valid[i, : int(torch.randint(0, t // 2, (1,), generator=generator))] = False
         positions = pos[:, None] + valid.long().cumsum(1) - 1
         pos = positions[:, -1] + 1
-        out = layer.attend(torch.randn(batch, hq, t, d, generator=generator),
-                           torch.randn(batch, hkv, t, d, generator=generator),
-                           torch.randn(batch, hkv, t, d, generator=generator), valid, positions.clamp(min=0),
-                           d**-0.5)
+        out = layer.attend(torch.randn(batch, hq, t, d, generator=generator).to(**on),
+                           torch.randn(batch, hkv, t, d, generator=generator).to(**on),
+                           torch.randn(batch, hkv, t, d, generator=generator).to(**on), valid.to(info_.device),
+                           positions.clamp(min=0).to(info_.device), d**-0.5)
+        assert out.dtype == info_.dtype and out.device.type == info_.device.type
         yield out
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("method", BOUNDED)
-def test_bounded_methods_stay_within_budget_at_every_step(method, nan_empty):
-    info_, batch, budget = info(), 3, 96
-    layer = get_method(method).make_layer(0, info_, rotary(), budget, 16)
+def test_bounded_methods_stay_within_budget_at_every_step(method, dtype, device, nan_empty):
+    """The budget in bytes of the model's dtype (a bfloat16 token-equivalent is half a
+    float32 one) holds after every chunk and decode step, in every dtype and device."""
+    info_, batch, budget = info(dtype=dtype, device=device), 3, 96
+    layer = get_method(method).make_layer(0, info_, rotary(device=device), budget, 16)
     bound = info_.budget_bytes(budget) * batch
     g = torch.Generator().manual_seed(1)
     sizes = []

@@ -71,6 +71,7 @@ class DecodeBench:
     seed: int = 0
     options: dict[str, dict] = field(default_factory=dict)  # method -> its make_cache options (--option arm.sync=32)
     batch: int = 1  # sequences decoded together (every step feeds one token of each)
+    compile: bool = False  # bounded methods decode through their torch.compile'd step (make_cache(compile=True))
 
     def __post_init__(self) -> None:
         from armkv.methods.base import get_method
@@ -273,7 +274,11 @@ class Session:
             detach(self.model)
             kind = self.bench.native_option("cache")
             return native_cache(self.model, kind, horizon or self.bench.positions_needed())
-        return make_cache(self.model, method, self.bench.budget, self.bench.chunk, **self.bench.options.get(method, {}))
+        from armkv.methods.base import get_method
+
+        compile = self.bench.compile and get_method(method).bounded
+        options = self.bench.options.get(method, {})
+        return make_cache(self.model, method, self.bench.budget, self.bench.chunk, compile=compile, **options)
 
     def prefill_chunk(self, method: str, length: int) -> int:
         """Tokens per forward of a prompt: P, or for ``native`` the whole prompt unless its chunk option says."""
@@ -420,6 +425,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
             "dtype": str(model.dtype).removeprefix("torch."),
             "budget": bench.budget,
             "chunk": bench.chunk,
+            "compile": bench.compile,
             "repeats": bench.repeats,
             "warmup": bench.warmup,
             "floor_context": bench.floor_context,
@@ -750,6 +756,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps before them (default 2)")
     parser.add_argument("--chunk", type=int, default=256, help="P, the prefill chunk: tokens per forward (default 256)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--compile", action="store_true",
+                        help="bounded methods decode through their torch.compile'd step (the warm-up steps compile it)")  # fmt: skip
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="the model's dtype")
     parser.add_argument("--max-full-length", type=int, default=None,
@@ -793,6 +801,7 @@ def bench_from_args(args) -> DecodeBench:
         seed=args.seed,
         options=with_adapter(parse_options(args.option), getattr(args, "adapter", None), methods),
         batch=args.batch,
+        compile=args.compile,
     )
 
 

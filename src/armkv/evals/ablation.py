@@ -119,7 +119,7 @@ def main(args) -> int:
         lengths,
         args.samples,
         args.output,
-        common.runner_factory(model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat),
+        common.runner_factory(model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat, compile=args.compile),
         settings=common.settings_of(args, "ablation", depths=depths, max_new_tokens=args.max_new_tokens),
         depths=depths,
         max_new_tokens=args.max_new_tokens,

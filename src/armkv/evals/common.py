@@ -73,6 +73,7 @@ def add_common_arguments(parser, *, methods: str | None, samples: int, samples_h
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk P: the budgeted chunked prefill's sync point (default: %(default)s)")
     parser.add_argument("--samples", type=int, default=samples, help=samples_help + " (default: %(default)s)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    parser.add_argument("--compile", action="store_true", help="decode the bounded methods through their torch.compile'd step (full and offload run eagerly)")
     parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the generated samples (default: %(default)s, RULER's)")
     parser.add_argument("--adapter", default=None, help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default) or 'random'")
@@ -130,8 +131,9 @@ def load(args):
     return model, tokenizer, model_info(model)
 
 
-def runner_factory(model, tokenizer, *, budget: int | None, chunk: int, chat: bool) -> RunnerFactory:
-    """Runners of :class:`armkv.hf.runner.Runner` for one model; the budget goes to bounded methods only.
+def runner_factory(model, tokenizer, *, budget: int | None, chunk: int, chat: bool, compile: bool = False) -> RunnerFactory:
+    """Runners of :class:`armkv.hf.runner.Runner` for one model; the budget, and ``compile``
+    (the compiled decode step), go to bounded methods only.
 
     A ``chat`` key in a row's options overrides ``chat`` for that runner (LongBench leaves
     some datasets without the chat template).
@@ -142,8 +144,11 @@ def runner_factory(model, tokenizer, *, budget: int | None, chunk: int, chat: bo
     def make(method: str, options: dict):
         options = dict(options)
         use_chat = options.pop("chat", chat)
-        method_budget = budget if get_method(method).bounded else None
-        return Runner(model, tokenizer, method, budget=method_budget, chunk=chunk, chat=use_chat, **options)
+        bounded = get_method(method).bounded
+        return Runner(
+            model, tokenizer, method, budget=budget if bounded else None, chunk=chunk, chat=use_chat,
+            compile=compile and bounded, **options,
+        )
 
     return make
 

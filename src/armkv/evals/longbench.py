@@ -383,7 +383,7 @@ def main(args) -> int:
         tokenizer,
         rows,
         args.output,
-        common.runner_factory(model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat),
+        common.runner_factory(model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat, compile=args.compile),
         settings=common.settings_of(args, "longbench", max_length=max_length, max_new_tokens=args.max_new_tokens),
         max_length=max_length,
         samples=args.samples or None,

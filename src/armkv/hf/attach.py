@@ -88,9 +88,18 @@ def make_cache(
     budget: int | None = None,
     chunk: int = 256,
     horizon: int | None = None,
+    compile: bool | dict = False,
     **options,
 ) -> ArmkvCache:
     """A fresh cache of ``method`` for ``model``, attaching the model if it is not yet.
+
+    Device and dtype: the cache lives where the model does and in its dtype (float32,
+    bfloat16 or float16; CPU or CUDA): each layer allocates its state on the device and in
+    the dtype of the first keys it is given, and budgets count bytes of that dtype. ARM's
+    parameters are copied to the model's device and stay float32; its memory computes in
+    float32 (see :mod:`armkv.methods.arm`). Reads softmax in float32 where the model's
+    dtype is narrower. The fused CPU kernels serve float32 on a CPU; elsewhere their PyTorch
+    references run.
 
     Parameters
     ----------
@@ -100,11 +109,17 @@ def make_cache(
     horizon : the tokens the cache will see (prompt + new tokens), where the caller knows
         them: passed to a method whose factory takes a ``horizon`` parameter (none of the
         built-in ones does), ignored by the others
+    compile : run each decode step (one token) of every layer through ``torch.compile``
+        (:meth:`~armkv.methods.base.CacheLayer.compile_decode`): True for the default
+        settings (``mode="reduce-overhead"`` on CUDA, where the step is replayed as a CUDA
+        graph; inductor's default on a CPU), or a dict of ``torch.compile`` arguments.
+        Bounded methods only (sink, swa, kivi with a budget, arm, fifo); prefill stays eager
     options : method options (e.g. ``bits=4`` for kivi, ``adapter=`` for arm)
 
     Raises
     ------
-    ArmkvError for an unknown method, a budget too small for it, or an option it does not take.
+    ArmkvError for an unknown method, a budget too small for it, an option it does not take,
+    or ``compile`` for a method whose decode step grows with the sequence.
     """
     if chunk < 1:
         raise ArmkvError(f"chunk={chunk} must be >= 1")
@@ -118,7 +133,16 @@ def make_cache(
     if horizon is not None and spec.takes_horizon:
         options = {**options, "horizon": int(horizon)}
 
+    compile_options = None
+    if compile:
+        compile_options = dict(compile) if isinstance(compile, dict) else {}
+        if not compile_options and info.device.type == "cuda":
+            compile_options["mode"] = "reduce-overhead"
+
     def make_layer(layer_idx: int):
-        return spec.make_layer(layer_idx, info, rotary, budget, chunk, **options)
+        layer = spec.make_layer(layer_idx, info, rotary, budget, chunk, **options)
+        if compile_options is not None:
+            layer.compile_decode(**compile_options)
+        return layer
 
     return ArmkvCache(make_layer, info.num_layers, method, budget)

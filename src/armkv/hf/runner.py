@@ -44,6 +44,9 @@ class Runner:
     chunk : P, the prefill chunk
     chat : wrap context + question in the tokenizer's chat template; the answer prefix goes
         after the start of the assistant turn
+    compile : decode through each cache layer's compiled step (``make_cache(compile=)``: True,
+        or a dict of ``torch.compile`` arguments); bounded methods only. The first request
+        pays the compilation
     method_options : passed to the method (e.g. ``adapter=`` for arm, ``bits=`` for kivi)
     """
 
@@ -55,10 +58,12 @@ class Runner:
         budget: int | None = None,
         chunk: int = 256,
         chat: bool = False,
+        compile: bool | dict = False,
         **method_options,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.method, self.budget, self.chunk, self.chat = method, budget, chunk, chat
+        self.compile = compile
         self.method_options = method_options
         self.info = model_info(model)
         self.new_cache()  # fails now, not at the first request, on a bad method, budget or option
@@ -70,7 +75,9 @@ class Runner:
 
     def new_cache(self, horizon: int | None = None):
         """A fresh cache; ``horizon``: the tokens it will see, for methods that plan by length."""
-        return make_cache(self.model, self.method, self.budget, self.chunk, horizon=horizon, **self.method_options)
+        return make_cache(
+            self.model, self.method, self.budget, self.chunk, horizon=horizon, compile=self.compile, **self.method_options
+        )
 
     # ------------------------------------------------------------------ prompts
     def encode(self, request: dict) -> list[list[int]]:

@@ -8,6 +8,10 @@ GPUs, gradients and other dtypes); on a CPU the eager ops split the nibbles, con
 floats and multiply, a dozen passes over the state. The kernel reads each byte once and
 decodes it in registers (AVX2 where the CPU has it, plain loops elsewhere).
 
+Every kernel serves float32 tensors on a CPU with no gradient wanted, outside
+``torch.compile``; any other dtype (bfloat16, float16) or device (CUDA), a gradient, or a
+compiled graph takes the PyTorch reference instead.
+
 It is compiled with ``torch.utils.cpp_extension`` on first use (a C++ compiler is needed;
 about a minute, once per machine and source version, kept in torch's extension cache).
 Where it cannot be built, a warning says why, once, and the PyTorch path serves.
@@ -53,7 +57,11 @@ _tried = False
 
 
 def enabled() -> bool:
-    """Whether the fused kernels may be used (``ARMKV_KERNELS`` unset or not 0/false/off/no)."""
+    """Whether the fused kernels may be used (``ARMKV_KERNELS`` unset or not 0/false/off/no),
+    and not while ``torch.compile`` traces: a compiled graph cannot call the extension, so
+    a compiled decode step takes the PyTorch references."""
+    if torch.compiler.is_compiling():
+        return False
     return os.environ.get("ARMKV_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
 
 

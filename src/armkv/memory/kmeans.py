@@ -50,7 +50,10 @@ def kmeans(x: torch.Tensor, k: int, iters: int = 15, generator: torch.Generator 
 def init_router_from_keys(router: Router, keys: torch.Tensor, iters: int = 15, seed: int = 0) -> None:
     """Set every router node from hierarchical k-means of one layer's pre-RoPE keys.
 
-    keys : [H, N, d] keys of each KV head (a sample of calibration text)
+    keys : [H, N, d] keys of each KV head (a sample of calibration text), any dtype and
+        device: the k-means runs in float32 on the CPU (its seeded draws take a CPU
+        generator, and a calibration sample is small), and
+        the centroids are written into the router in its own dtype and device
     """
     check_tensor("keys", keys, ndim=3, last=router.head_dim)
     H = keys.shape[0]
@@ -59,15 +62,15 @@ def init_router_from_keys(router: Router, keys: torch.Tensor, iters: int = 15, s
     g = torch.Generator().manual_seed(seed)
     C = router.branching
     for h in range(H):
-        x = keys[h].float()
+        x = keys[h].float().cpu()
         members = {0: torch.arange(x.shape[0])}  # node -> indices of the keys routed through it
         for level in range(router.depth):
             first = (C**level - 1) // (C - 1)
             for node in range(first, first + C**level):
                 idx = members.pop(node)
                 c = kmeans(x[idx], C, iters, g)
-                router.weight[h, node] = c.to(router.weight.dtype)
-                router.bias[h, node] = (-0.5 * (c**2).sum(-1)).to(router.bias.dtype)
+                router.weight[h, node] = c.to(router.weight)
+                router.bias[h, node] = (-0.5 * (c**2).sum(-1)).to(router.bias)
                 router.read_bias[h, node] = 0.0
                 if level + 1 < router.depth:
                     assign = torch.cdist(x[idx], c).argmin(-1) if idx.numel() else idx

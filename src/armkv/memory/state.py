@@ -111,9 +111,9 @@ class MemoryState:
         return self._map(torch.Tensor.detach)
 
     # ------------------------------------------------------------------ storage format
-    def pack(self, slot_format: str, mix: bool = False) -> "MemoryState":
+    def pack(self, slot_format: str, mix: bool = False, dtype: torch.dtype | None = None) -> "MemoryState":
         """The state as stored between writes: keys and values in the model's dtype
-        ("model": unchanged), in bfloat16, as int8 codes with one fp32 scale per vector
+        ("model": cast to ``dtype``, unchanged where None), in bfloat16, as int8 codes with one fp32 scale per vector
         (absmax / 127, symmetric; "int8"), or with int8 keys and int4 values, two codes a
         byte and one fp32 scale per 32 channels ("k8v4"), or both int4 ("k4v4"). With
         ``mix`` the quantised formats store x Q instead of x (``mixing_matrix``: outlier
@@ -121,7 +121,7 @@ class MemoryState:
         gives the same codes."""
         packed = replace(self, bucket=self.bucket.to(torch.int32))
         if slot_format == "model":
-            return packed
+            return packed if dtype is None else replace(packed, key=self.key.to(dtype), value=self.value.to(dtype))
         if slot_format == "bfloat16":
             return replace(packed, key=self.key.to(torch.bfloat16), value=self.value.to(torch.bfloat16))
         if slot_format not in QUANTISED_SLOTS:

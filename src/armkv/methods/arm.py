@@ -5,14 +5,30 @@ Per layer the cache holds: the first ``sinks`` and last ``window`` tokens exact 
 tokens is read against [sinks | slots of the query's top-M buckets | window | the chunk,
 causally] in one softmax, then committed: the tokens that leave the window are written
 into the slots (chunked scan; one token at a time while decoding).
+
+Device and dtype. The ARM parameters (router, slot scorer and gate, policy: a few hundred
+KB) live on the model's device, kept in float32 whatever the model's dtype; a cache of a
+model on another device than the adapter gets its own copy there (:func:`arm_on_device`).
+The memory computes in float32 (``ARMLayer.work_dtype``): routing, the top-M policy, the
+write plan (cosines, merges), the gates and the blending scan, and the rotations between
+read and write positions, so that a bfloat16 or float16 model routes and merges its
+tokens as a float32 one would, its slots not drifting by a rounding per write. The
+exact buffer, the ``"model"`` slot format and the reads stay in the model's dtype (as its
+own attention does); a read's logits are biased, masked and softmaxed in float32
+(``_decode_read``, and ``joint_attention``'s kernels). Quantised slots are packed from
+float32 and keep bfloat16 scales whatever the model's dtype (``memory.state``). The fused
+CPU kernels (``memory.kernels``) serve float32 on a CPU only; any other dtype or device
+takes their PyTorch references.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
 import re
+import weakref
 from pathlib import Path
 
 import torch
@@ -26,7 +42,7 @@ from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
 from armkv.memory.write import roomy_groups
 from armkv.memory.quant import mixing_matrix
-from armkv.methods.attention import decode_scores, decode_values, joint_attention, safe_softmax
+from armkv.methods.attention import at_least_float32, decode_scores, decode_values, joint_attention, safe_softmax
 from armkv.methods.base import CacheLayer, ModelInfo, register_method, require_budget
 from armkv.methods.buffers import ExactBuffer
 
@@ -46,6 +62,14 @@ INITIAL_SLOTS = 64
 
 class ARMLayer(CacheLayer):
     """One layer of the ARM cache.
+
+    Compiled decoding (``CacheLayer.compile_decode``): the step reads the whole pool (not
+    only the slots up to the last one any row holds: a static shape), keeps the tokens that
+    leave the window in a fixed buffer of ``sync`` entries (the oldest first, the unfilled
+    ones invalid and zero) instead of a growing one, and computes the slots' logit bias in
+    the step. The write every ``sync`` tokens runs eagerly after the step that fills the
+    buffer (:meth:`after_decode_step`): the same tokens written at the same step as
+    without compiling.
 
     Parameters
     ----------
@@ -75,7 +99,13 @@ class ARMLayer(CacheLayer):
         self.rungs = self._ladder_rungs()  # (slot format, slots) the pool goes through, the last config's own
         self.rung = 0
         self.reserve: torch.Tensor | None = None  # bytes held beside an earlier rung (_reserve_ladder_bytes)
+        self.mixing: torch.Tensor | None = None  # [d, d] the slot mixing matrix (quant.mixing_matrix)
         self.skip_roomy_unpack = True  # False: every write un-packs the pool (_roomy_form's reference)
+        # compiled decoding: the tokens waiting for the write in `sync` fixed entries (keys
+        # [B, H, sync, d], values, valid [B, sync], positions [B, sync]) and the steps since the write
+        self.waiting: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.waiting_steps = 0
+        self._route_k = 0  # buckets routed per query (the largest M, with the training mix's one more)
 
     def _ladder_rungs(self) -> list[tuple[str, int]]:
         """``slot_ladder``'s formats with the slots each holds in the bytes of the pool as
@@ -96,6 +126,11 @@ class ARMLayer(CacheLayer):
         return self.rungs[self.rung][1]
 
     @property
+    def work_dtype(self) -> torch.dtype:
+        """The dtype the memory computes in: its parameters' (float32), whatever the model's."""
+        return self.memory.router.weight.dtype
+
+    @property
     def slot_format(self) -> str:
         """The format the slots are stored in now (``slot_format`` unless a ladder's earlier rung)."""
         return self.rungs[self.rung][0]
@@ -109,8 +144,15 @@ class ARMLayer(CacheLayer):
         slots = self.rungs[self.rung][1]
         if self._grows():
             slots = min(slots, INITIAL_SLOTS)
-        self.state = self._stored(self.memory.init_state(B, key.dtype, key.device, dataclasses.replace(c, slots=slots)))
+        self.state = self._stored(self.memory.init_state(B, self.work_dtype, key.device, dataclasses.replace(c, slots=slots)))
         self.reach = 0
+        self.mixing = mixing_matrix(d, key.dtype, key.device)  # (fetched once: a compiled step reads it as a tensor)
+        if self._step is not None:
+            self.waiting = (
+                key.new_zeros(B, H, c.sync, d), key.new_zeros(B, H, c.sync, d),
+                torch.zeros(B, c.sync, dtype=torch.bool, device=key.device),
+                torch.zeros(B, c.sync, dtype=torch.long, device=key.device),
+            )
         self._reserve_ladder_bytes()
 
     def _grows(self) -> bool:
@@ -165,10 +207,47 @@ class ARMLayer(CacheLayer):
         target = st.groups * max(slots * slot_bytes(fmt, info.head_dim, info.dtype_bytes) for fmt, slots in self.rungs)
         self.reserve = torch.empty(max(0, target - st.nbytes()), dtype=torch.uint8, device=st.count.device)
 
+    static_decode = True
+
+    def decode_ready(self) -> bool:
+        """Compiled steps start once the prefill is written (nothing pending) and the
+        buckets each row reads are decided; training (gradients, the soft cascade) stays eager."""
+        return self.buffer is not None and self.pending is None and self.m is not None and not self.memory.training
+
+    def decode_step(self, query, key, value, valid, positions, scaling):
+        """:meth:`attend_chunk` for one token with static shapes and no host sync (see the
+        class docstring); the write is :meth:`after_decode_step`'s."""
+        buf_k, buf_v, buf_valid, _ = self.buffer.kv()
+        exact_k = torch.cat([buf_k, self.waiting[0]], 2)
+        exact_v = torch.cat([buf_v, self.waiting[1]], 2)
+        exact_valid = torch.cat([buf_valid, self.waiting[2]], 1)
+        if self._reads_all and self.config.position_mode == "stored":
+            out = self._decode_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
+        else:
+            out = self._chunk_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, self._reads_all)
+        overflow = self.buffer.push(key, value, valid, positions)  # one entry a row, valid where a token left
+        for held, new in zip(self.waiting, (overflow.key, overflow.value, overflow.valid, overflow.positions)):
+            dim = 2 if held.ndim == 4 else 1
+            held.copy_(torch.cat([held.narrow(dim, 1, held.shape[dim] - 1), new.to(held.dtype)], dim))
+        return out
+
+    def after_decode_step(self) -> None:
+        """Every ``sync`` compiled steps: write the waiting tokens (eagerly) and empty the buffer."""
+        self.waiting_steps += 1
+        if self.waiting_steps < self.config.sync:
+            return
+        self.pending = tuple(t.clone() for t in self.waiting)
+        self._flush()
+        for t in self.waiting:
+            t.zero_()
+        self.waiting_steps = 0
+
     def state_bytes(self) -> int:
         if self.buffer is None:
             return 0
         waiting = 0 if self.pending is None else self.pending[0].nbytes + self.pending[1].nbytes
+        if self.waiting is not None:  # (compiled decoding: the fixed buffer, at most `sync` tokens)
+            waiting = max(waiting, self.waiting[0].nbytes + self.waiting[1].nbytes)
         reserved = 0 if self.reserve is None else self.reserve.nbytes
         return self.buffer.state_bytes() + self.state.nbytes() + waiting + reserved
 
@@ -179,7 +258,7 @@ class ARMLayer(CacheLayer):
         c = self.config
         T = query.shape[2]
         if self.m is None:
-            self._decide_m(self.rotary.unrotate(key, positions.unsqueeze(1)), valid)
+            self._decide_m(self.rotary.unrotate(key.to(self.work_dtype), positions.unsqueeze(1)), valid)
 
         exact_k, exact_v, exact_valid = self._exact()
         # which slots each query reads: those of its top-M buckets (M per row); reading every
@@ -233,8 +312,8 @@ class ARMLayer(CacheLayer):
         H = key.shape[1]
         st = self._readable()
         S, R = st.slots, Hq // H
-        mix = mixing_matrix(d, query.dtype, query.device) if st.mixed else None
-        bias = self._decode_bias(query.dtype)
+        mix = self.mixing.to(query.dtype) if st.mixed else None
+        bias = self._decode_bias()
         kernel = kernels.fused_read(query, st.value) if fused and st.key_scale is not None else None
         if kernel is not None:
             G, L = B * H, exact_k.shape[2]
@@ -247,29 +326,35 @@ class ARMLayer(CacheLayer):
             return out.reshape(B, Hq, 1, d).transpose(1, 2)
         q = query.reshape(B, H, R, d)  # the query heads of a KV head share its keys
         q_slots = (q if mix is None else q @ mix).reshape(B * H, R, d)
+        # the logits come out of the products in the model's dtype (accumulated in float32
+        # inside them) and are biased and softmaxed in float32 (no-ops for a float32 model)
         scores = torch.cat(
             [
-                st.key_scores(q_slots).view(B, H, R, S) * scaling + bias.unsqueeze(2),
-                decode_scores(q, key, valid, scaling, exact_k, exact_valid[:, None, None, :]),
+                at_least_float32(st.key_scores(q_slots).view(B, H, R, S)) * scaling + bias.unsqueeze(2),
+                at_least_float32(decode_scores(q, key, valid, scaling, exact_k, exact_valid[:, None, None, :])),
             ],
             -1,
         )
-        w = safe_softmax(scores)
+        w = safe_softmax(scores).to(query.dtype)
         from_slots = st.weighted_values(w[..., :S].reshape(B * H, R, S)).view(B, H, R, d)
         if mix is not None:
             from_slots = from_slots @ mix.T
         out = from_slots + decode_values(w[..., S:], exact_v, value, valid)
         return out.reshape(B, Hq, 1, d).transpose(1, 2)
 
-    def _decode_bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """Each slot's logit bias for the decode read, -inf for free slots [B, H, S]: it changes
-        only when the slots are written, so it is kept until the state is replaced."""
-        if self._bias_for is not None and self._bias_for[0] is self.state and self._bias_for[1].dtype == dtype:
+    def _decode_bias(self) -> torch.Tensor:
+        """Each slot's logit bias for the decode read, -inf for free slots [B, H, S] float32: it
+        changes only when the slots are written, so it is kept until the state is replaced."""
+        if self._step is not None and torch.compiler.is_compiling():  # (in the step: no Python cache)
+            st = self.state
+            count = st.count.reshape(*self.buffer.sink_k.shape[:2], st.slots)
+            return at_least_float32(torch.where(count > 0, self._slot_bias(count), -torch.inf))
+        if self._bias_for is not None and self._bias_for[0] is self.state:
             return self._bias_for[1]
         st = self._readable()
         B, H = self.buffer.sink_k.shape[:2]
         count = st.count.reshape(B, H, st.slots)
-        bias = torch.where(count > 0, self._slot_bias(count), -torch.inf).to(dtype)
+        bias = at_least_float32(torch.where(count > 0, self._slot_bias(count), -torch.inf))
         self._bias_for = (self.state, bias)
         return bias
 
@@ -287,7 +372,7 @@ class ARMLayer(CacheLayer):
         # queries and the exact entries costs a few hundred rows; unmixing the slots, thousands
         mix = None
         if c.position_mode == "stored" and self.state.mixed and self.state.key_scale is not None:
-            mix = mixing_matrix(d, query.dtype, query.device)
+            mix = self.mixing.to(query.dtype)
             query, key, value, exact_k, exact_v = (t @ mix for t in (query, key, value, exact_k, exact_v))
         slot_k, slot_v, occupied, bias = self._slots(unmix=mix is None)
         slot_masks = [None] if reads_all else self._masks_for(q_pre, occupied, rep)
@@ -355,6 +440,8 @@ class ARMLayer(CacheLayer):
         c, mem = self.config, self.memory
         keys, values, valid, positions = self.pending
         self.pending = None
+        work = self.work_dtype  # (the module docstring: the memory computes in float32)
+        keys, values = keys.to(work), values.to(work)
         k_pre = self.rotary.unrotate(keys, positions.unsqueeze(1))
         if mem.training and c.write != "fifo":
             self.aux["balance"] = self.aux.get("balance", 0) + mem.router.balance_loss(k_pre, valid)
@@ -402,6 +489,8 @@ class ARMLayer(CacheLayer):
         (views where they are contiguous): a read over them equals a read over all, the free
         slots past them taking no weight. Kept until the state is replaced."""
         st = self.state
+        if self._step is not None and torch.compiler.is_compiling():  # a static shape: every slot
+            return st
         if self._read_view is not None and self._read_view[0] is st:
             return self._read_view[1]
         view = st.first(max(self.reach, 1))
@@ -502,14 +591,12 @@ class ARMLayer(CacheLayer):
         state = dataclasses.replace(state, key=key, value=state.value.masked_fill(~occupied, 0.0))
         if self.memory.training:
             return state.pack("model")
-        return state.pack(self.slot_format, mix=self.config.slot_mixing)
+        return state.pack(self.slot_format, mix=self.config.slot_mixing, dtype=self.buffer.k.dtype)
 
     def _masks_for(self, q_pre: torch.Tensor, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
         mem = self.memory
         B, Hq = q_pre.shape[:2]
-        extra = 0 if self.mix is None else 1
-        k = min(int(self.m.max()) + extra, mem.router.num_buckets)
-        buckets = mem.route_queries(q_pre, k)
+        buckets = mem.route_queries(q_pre.to(self.work_dtype), self._route_k)
         readable = self._readable()
         slot_bucket = readable.bucket.long().reshape(B, -1, readable.slots).repeat_interleave(rep, 1)
         occ = occupied.repeat_interleave(rep, 1).unsqueeze(2)
@@ -526,6 +613,7 @@ class ARMLayer(CacheLayer):
         if c.top_m == "fixed" or self.memory.policy is None:
             self.m = torch.full((k_pre.shape[0],), c.fixed_m, dtype=torch.long, device=k_pre.device)
             self._reads_all = c.fixed_m >= num_buckets
+            self._route_k = min(c.fixed_m, num_buckets)
             return
         m, g, expected = self.memory.policy.decide(pooled.flatten(1), self.memory.training, c.epsilon, self.generator)
         self.m = m.clamp_max(num_buckets)
@@ -533,6 +621,8 @@ class ARMLayer(CacheLayer):
         if self.memory.training:
             self.mix = g
             self.aux["budget"] = expected.mean() / self.memory.router.num_buckets
+        # (known here, once per sequence: the decode step's routing then needs no host sync)
+        self._route_k = min(int(self.m.max()) + (0 if self.mix is None else 1), num_buckets)
 
     def diagnostics(self, positions: torch.Tensor | None = None) -> dict:
         """What the memory holds now: slots used, tokens per used slot, and, for the given
@@ -602,6 +692,30 @@ def _random_arm(num_layers: int, num_kv_heads: int, head_dim: int, config_json: 
 
     torch.manual_seed(0)
     return ARMModel(ARMConfig.from_dict(json.loads(config_json)), num_layers, num_kv_heads, head_dim).eval()
+
+
+# (ARM parameters, device) -> their copy on that device; the copy lives as long as the original
+_ON_DEVICE: "weakref.WeakKeyDictionary[ARMModel, dict[str, ARMModel]]" = weakref.WeakKeyDictionary()
+
+
+def arm_on_device(arm: ARMModel, device: torch.device | str, given: bool = False) -> ARMModel:
+    """``arm`` where its parameters are on ``device`` already, else a copy there (made once
+    per adapter and device, and shared by every cache made from it). Parameters the caller
+    gave (``given``: ``make_cache(..., arm=)``, e.g. those being trained) are never copied:
+    on another device they are an error, since a copy would not be the parameters trained."""
+    device = torch.device(device)
+    where = next(arm.parameters()).device
+    if where.type == device.type and (device.index is None or where.index == device.index):
+        return arm
+    if given:
+        raise ArmkvError(
+            f"the ARM parameters are on {where} but the model is on {device}: move them with arm.to({str(device)!r})"
+        )
+    copies = _ON_DEVICE.setdefault(arm, {})
+    key = str(device)
+    if key not in copies:
+        copies[key] = copy.deepcopy(arm).to(device)
+    return copies[key]
 
 
 def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None = None, overrides: dict | None = None):
@@ -789,6 +903,7 @@ def make_arm(
             own = ARMConfig.for_budget(share, info.head_dim, info.dtype_bytes, slot_format=runtime.slot_format)
             overrides = {"window": own.window, **overrides, "sync": runtime.sync}
         arm_model, runtime = resolve_arm(info, share, arm=arm_model, overrides=overrides)  # the same parameters, resized
+    arm_model = arm_on_device(arm_model, info.device, given=arm is not None)
     return ARMLayer(layer_idx, info, rotary, arm_model.layers[layer_idx], runtime)
 
 
@@ -796,10 +911,12 @@ def make_arm(
 def make_fifo(layer_idx: int, info: ModelInfo, rotary: Rotary | None, budget: int | None, chunk: int, **options):
     overrides = dict(options.pop("arm_overrides", None) or {})
     overrides.update(write="fifo", top_m="fixed", log_count_bias=False)
+    given = options.get("arm") is not None
     arm_model, runtime = resolve_arm(info, require_budget("fifo", budget, 8, "sinks + window + slots"), options.pop("adapter", None), options.pop("arm", None), {**overrides, "chunk": chunk})
     if options:
         raise ArmkvError(f"method 'fifo' takes no option {', '.join(sorted(options))}")
     runtime = dataclasses.replace(runtime, m_fixed=arm_model.config.num_buckets)
+    arm_model = arm_on_device(arm_model, info.device, given=given)
     return ARMLayer(layer_idx, info, rotary, arm_model.layers[layer_idx], runtime)
 
 

@@ -3,12 +3,23 @@
 A new chunk of T tokens attends over the layer's state (L keys, each valid or not) and over
 itself causally, in one softmax. Grouped-query attention is handled by viewing the Hq query
 heads as Hkv groups of G = Hq / Hkv, so the keys are never repeated in memory.
+
+Every tensor is in the model's dtype and on its device. A chunk's read is SDPA (which
+accumulates a bfloat16 or float16 read in float32 itself); a decode step's read takes
+its logits from the products in the model's dtype and softmaxes them in float32. The
+split CPU path (two flash attentions merged by their log-sum-exps) serves float32 only.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 where its dtype is narrower (bfloat16, float16), else x itself: where a
+    read's logits are softmaxed and its weights summed."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
 
 
 def safe_softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -279,6 +290,8 @@ def _decode_attention(query, key, value, valid, scaling, state_key, state_value,
     g = hq // hkv
     q = query.reshape(b, hkv, g, d)
     state_key, state_value, ok = _readable(state_key, state_value, state_valid, state_mask, state_clean, g)
-    weights = safe_softmax(decode_scores(q, key, valid, scaling, state_key, ok, state_bias))
+    # softmax in float32 (the logits of a bfloat16 or float16 model as its products round
+    # them, as transformers' eager attention takes them; no-ops for float32)
+    weights = safe_softmax(at_least_float32(decode_scores(q, key, valid, scaling, state_key, ok, state_bias))).to(query.dtype)
     out = decode_values(weights, state_value, value, valid)
     return out.reshape(b, hq, 1, d).transpose(1, 2)

@@ -55,8 +55,12 @@ class CacheLayer(ABC):
         self.rotary = rotary
         self.seen = 0  # tokens (padding included) this layer has been given
         self.peak_bytes = 0
+        self._step = None  # the compiled decode step (compile_decode), None: eager
 
     chunk: int = 256  # P: new tokens are processed in chunks of this many (the sync point)
+    # whether decode_step keeps static shapes and makes no host sync, so compile_decode
+    # applies (the bounded methods; full and offload grow with every token)
+    static_decode: bool = False
 
     def attend(
         self,
@@ -81,6 +85,15 @@ class CacheLayer(ABC):
         -------
         [B, T, Hq, d] attention output (transformers' layout after attention)
         """
+        if self._step is not None and query.shape[2] == 1 and self.decode_ready():
+            # dense copies: the validity is a slice of the growing attention mask, whose
+            # stride changes every step (the compiled graph is specialised on strides)
+            valid, positions = (t.clone(memory_format=torch.contiguous_format) for t in (valid, positions))
+            out = self._step(query, key, value, valid, positions, scaling)
+            self.seen += 1
+            self.after_decode_step()
+            self.note_peak()
+            return out
         outputs = []
         for start in range(0, query.shape[2], self.chunk):
             end = start + self.chunk
@@ -109,6 +122,35 @@ class CacheLayer(ABC):
         scaling: float,
     ) -> torch.Tensor:
         """:meth:`attend` for at most ``chunk`` new tokens: same shapes, same contract."""
+
+    # ------------------------------------------------------------------ compiled decoding
+    def decode_step(self, query, key, value, valid, positions, scaling) -> torch.Tensor:
+        """:meth:`attend_chunk` for one token (T = 1), the unit ``compile_decode`` compiles: in a
+        method with ``static_decode`` it allocates nothing whose shape depends on the
+        sequence, makes no host synchronisation and reads no Python state that changes from
+        step to step, so one graph serves every step (and, on a GPU, one CUDA graph). Work
+        that cannot be so (ARM's write every ``sync`` tokens) runs after it, eagerly, in
+        :meth:`after_decode_step`."""
+        return self.attend_chunk(query, key, value, valid, positions, scaling)
+
+    def decode_ready(self) -> bool:
+        """Whether the state is allocated (the first chunk does it): until then a token takes
+        the eager path."""
+        return True
+
+    def after_decode_step(self) -> None:
+        """Eager work after a compiled decode step (see :meth:`decode_step`)."""
+
+    def compile_decode(self, **options) -> None:
+        """Run decode steps through ``torch.compile(self.decode_step, fullgraph=True, **options)``
+        (e.g. ``mode="reduce-overhead"`` on a GPU: the step replayed as a CUDA graph). Layers
+        of one shape share the compiled graph; a prefill chunk stays eager."""
+        if not self.static_decode:
+            raise ArmkvError(
+                f"{type(self).__name__}'s decode step grows with the sequence and cannot be compiled: "
+                "compile a bounded method (sink, swa, kivi with a budget, arm, fifo)"
+            )
+        self._step = torch.compile(self.decode_step, fullgraph=True, **options)
 
     @abstractmethod
     def state_bytes(self) -> int:

@@ -34,12 +34,14 @@ def quantise(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.
     """Asymmetric min-max quantisation along ``dim``.
 
     Returns codes (uint8, same shape as x), scale and zero (x's dtype, size 1 along dim):
-    x ~= codes * scale + zero.
+    x ~= codes * scale + zero. Computed in float32 whatever x's dtype, the scale and zero
+    rounded to x's dtype (what is stored) before the codes are taken against them.
     """
-    lo = x.amin(dim=dim, keepdim=True)
-    hi = x.amax(dim=dim, keepdim=True)
-    scale = ((hi - lo) / (2**bits - 1)).clamp(min=torch.finfo(x.dtype).tiny)
-    codes = ((x - lo) / scale).round().clamp(0, 2**bits - 1).to(torch.uint8)
+    xf = x.float()
+    lo = xf.amin(dim=dim, keepdim=True).to(x.dtype)
+    hi = xf.amax(dim=dim, keepdim=True)
+    scale = ((hi - lo.float()) / (2**bits - 1)).clamp(min=torch.finfo(x.dtype).tiny).to(x.dtype)
+    codes = ((xf - lo.float()) / scale.float()).round().clamp(0, 2**bits - 1).to(torch.uint8)
     return codes, scale, lo
 
 
@@ -75,6 +77,8 @@ class KiviLayer(CacheLayer):
         self.groups: dict[str, torch.Tensor] = {}
         self.group_valid = None  # [B, Q] bool
         self.write_at = None  # [B] long: next ring entry per row
+        # under a budget the ring has a fixed size: the decode step compiles (decode_step)
+        self.static_decode = capacity is not None
 
     # -------------------------------------------------------------- allocation
     def _allocate(self, key: torch.Tensor) -> None:
@@ -119,9 +123,49 @@ class KiviLayer(CacheLayer):
             self._stage(lost.key, lost.value, lost.valid)
         return out
 
-    def _dequantised(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys, values [B, H, Q*G, d] and validity [B, Q*G] of the groups written so far."""
-        used = min(self.group_valid.shape[1], int(self.write_at.max()))
+    def decode_ready(self) -> bool:
+        return self.exact is not None
+
+    def decode_step(self, query, key, value, valid, positions, scaling):
+        """:meth:`attend_chunk` for one token with static shapes and no host sync (bounded
+        ring): every ring entry is read (the unwritten ones masked out), and the token that
+        leaves the residual is staged by :meth:`_stage_one`. Equal to the eager step."""
+        ek, ev, evalid, _ = self.exact.kv()
+        dk, dv, dvalid = self._dequantised(every_group=True)
+        stage_valid = torch.arange(self.group, device=key.device)[None, :] < self.stage_count[:, None]
+        state_k = torch.cat([ek, dk, self.stage_k], dim=2)
+        state_v = torch.cat([ev, dv, self.stage_v], dim=2)
+        state_valid = torch.cat([evalid, dvalid, stage_valid], dim=1)
+        out = joint_attention(query, key, value, valid, scaling, state_k, state_v, state_valid)
+        lost = self.exact.push(key, value, valid, positions)  # one entry a row, valid where a token left
+        self._stage_one(lost.key, lost.value, lost.valid[:, 0])
+        return out
+
+    def _stage_one(self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> None:
+        """:meth:`_stage` of at most one token a row (key, value [B, H, 1, d], valid [B]) with
+        static shapes: the token goes to its row's next staging entry; every row's staging
+        group is quantised, and written to the ring's next entry where it just filled."""
+        b, h = key.shape[:2]
+        hot = (torch.arange(self.group, device=key.device)[None, :] == self.stage_count[:, None]) & valid[:, None]
+        self.stage_k.copy_(torch.where(hot[:, None, :, None], key, self.stage_k))
+        self.stage_v.copy_(torch.where(hot[:, None, :, None], value, self.stage_v))
+        count = self.stage_count + valid.long()
+        full = count == self.group  # [B]
+        new = self._quantised_groups(self.stage_k.unsqueeze(2), self.stage_v.unsqueeze(2))  # one group a row
+        slot = self.write_at % self.capacity  # [B]
+        for name, tensor in new.items():
+            store = self.groups[name]  # [B, H, Q, ...]
+            at = slot.view(b, 1, 1, *[1] * (store.ndim - 3)).expand(b, h, 1, *store.shape[3:])
+            keep = store.gather(2, at)
+            store.scatter_(2, at, torch.where(full.view(b, *[1] * (store.ndim - 1)), tensor, keep))
+        self.group_valid.scatter_(1, slot[:, None], self.group_valid.gather(1, slot[:, None]) | full[:, None])
+        self.write_at.add_(full.long())
+        self.stage_count.copy_(torch.where(full, 0, count))
+
+    def _dequantised(self, every_group: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values [B, H, Q*G, d] and validity [B, Q*G] of the groups written so far (all
+        ``Q`` with ``every_group``: a static shape, no host sync)."""
+        used = self.group_valid.shape[1] if every_group else min(self.group_valid.shape[1], int(self.write_at.max()))
         g = self.groups
         b, h, _, gsize, _ = g["key_codes"].shape
         d = g["key_scale"].shape[-1]
@@ -163,17 +207,7 @@ class KiviLayer(CacheLayer):
     def _write_groups(self, gk: torch.Tensor, gv: torch.Tensor, is_new: torch.Tensor) -> None:
         """Quantise groups gk, gv [B, H, n, G, d] and write row b's first is_new[b].sum() of them."""
         b, h, n, gsize, d = gk.shape
-        key_codes, key_scale, key_zero = quantise(gk, self.bits, dim=3)  # per channel over the G tokens
-        vg = gv.reshape(b, h, n, gsize, d // self.value_group, self.value_group)
-        value_codes, value_scale, value_zero = quantise(vg, self.bits, dim=-1)  # per token, channel groups
-        new = {
-            "key_codes": pack(key_codes, self.bits),
-            "key_scale": key_scale,
-            "key_zero": key_zero,
-            "value_codes": pack(value_codes.reshape(b, h, n, gsize, d), self.bits),
-            "value_scale": value_scale,
-            "value_zero": value_zero,
-        }
+        new = self._quantised_groups(gk, gv)
         if self.capacity is not None:
             # More new groups than the ring holds: only the last `capacity` of a row survive.
             is_new = is_new & (torch.arange(n, device=gk.device)[None, :] >= is_new.sum(1, keepdim=True) - self.capacity)
@@ -192,6 +226,21 @@ class KiviLayer(CacheLayer):
         # Entries ever written form a prefix of the store (every row starts at entry 0), so
         # max(write_at) bounds what is worth dequantising.
         self.write_at = self.write_at + is_new.sum(1)
+
+    def _quantised_groups(self, gk: torch.Tensor, gv: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Groups gk, gv [B, H, n, G, d] as stored: codes, scales and zero-points (``self.groups``' layout)."""
+        b, h, n, gsize, d = gk.shape
+        key_codes, key_scale, key_zero = quantise(gk, self.bits, dim=3)  # per channel over the G tokens
+        vg = gv.reshape(b, h, n, gsize, d // self.value_group, self.value_group)
+        value_codes, value_scale, value_zero = quantise(vg, self.bits, dim=-1)  # per token, channel groups
+        return {
+            "key_codes": pack(key_codes, self.bits),
+            "key_scale": key_scale,
+            "key_zero": key_zero,
+            "value_codes": pack(value_codes.reshape(b, h, n, gsize, d), self.bits),
+            "value_scale": value_scale,
+            "value_zero": value_zero,
+        }
 
     def _grow(self, need: int) -> None:
         """Unbudgeted: extend the group store to ``need`` groups (doubling, to amortise the copies)."""

@@ -15,7 +15,13 @@ from armkv.methods.buffers import ExactBuffer
 
 
 class WindowLayer(CacheLayer):
-    """``sinks`` first valid tokens and the ``window`` last ones, per batch row."""
+    """``sinks`` first valid tokens and the ``window`` last ones, per batch row.
+
+    Its decode step (one token: read the buffer, push the token into the window's ring) has
+    static shapes and no host sync, so it compiles whole (``CacheLayer.compile_decode``).
+    """
+
+    static_decode = True
 
     def __init__(self, layer_idx: int, info: ModelInfo, rotary: Rotary | None, chunk: int, sinks: int, window: int):
         super().__init__(layer_idx, info, rotary)
@@ -32,6 +38,9 @@ class WindowLayer(CacheLayer):
         out = joint_attention(query, key, value, valid, scaling, state_k, state_v, state_valid, state_clean=True)
         self.buffer.push(key, value, valid, positions)
         return out
+
+    def decode_ready(self) -> bool:
+        return self.buffer is not None
 
     def state_bytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.state_bytes()

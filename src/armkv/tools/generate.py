@@ -54,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of tokens with this probability")
     g.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     g.add_argument("--seed", type=int, default=0, help="seed of each request's draws (sampling only)")
+    parser.add_argument("--compile", action="store_true", help="decode through the method's torch.compile'd step (bounded methods)")
 
 
 def read_requests(path: str) -> list[dict]:
@@ -261,7 +262,7 @@ def run(args, requests: list[dict], output: Output, budget, options: dict, sampl
     if not todo:
         return 0
     model, tokenizer = load_model(args.model)
-    runner = Runner(model, tokenizer, args.method, budget=budget, chunk=args.chunk, chat=args.chat, **options)
+    runner = Runner(model, tokenizer, args.method, budget=budget, chunk=args.chunk, chat=args.chat, compile=args.compile, **options)
     sample = {} if sampling is None else {
         "do_sample": True, "temperature": sampling["temperature"], "top_p": sampling["top_p"],
         "top_k": sampling["top_k"], "seed": sampling["seed"],
