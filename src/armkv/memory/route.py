@@ -13,6 +13,8 @@ write bias ``b_p`` holds -|c|^2 / 2 for nearest-centroid routing of keys).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -138,6 +140,42 @@ class Router(nn.Module):
             scores, buckets = self.leaf_scores(x, read).topk(m, dim=-1)
             return buckets, scores
         return self.beam_topm(x, m, read)
+
+    def group_topm_buckets(self, x: torch.Tensor, m: int, read: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The m best buckets of each group of R queries that share a KV head's keys: a
+        bucket's group score is log of the mean over the R queries of their path
+        probabilities (a bucket one query head wants strongly ranks high, as it would for
+        that head alone). Exhaustive or beam search as :meth:`topm_buckets`; the beam keeps
+        the m best partial paths by the same group score.
+
+        Why one choice per group: the R query heads of a KV head read the same slots, so a
+        sparse read gathers each of its slots once and scores it against all R heads in one
+        product (the dense read's reuse of a key); per-head choices would gather up to R
+        times as many slots for the same M.
+
+        x : [B, H, R, N, d] -> (buckets [B, H, N, m'], scores [B, H, N, m']), m' = min(m, N_b)
+        """
+        B, H, R, N, d = x.shape
+        m = min(m, self.num_buckets)
+        flat = x.reshape(B, H, R * N, d)
+        check_tensor("x", flat, ndim=4, last=self.head_dim)
+        if self.num_nodes * self.branching <= self.depth * m * self.branching:
+            group = torch.logsumexp(self.leaf_scores(flat, read).view(B, H, R, N, -1), 2) - math.log(R)
+            scores, buckets = group.topk(m, dim=-1)
+            return buckets, scores
+        C = self.branching
+        node = torch.zeros(B, H, N, 1, dtype=torch.long, device=x.device)
+        score = torch.zeros(B, H, R, N, 1, dtype=x.dtype, device=x.device)  # each query's path log-prob
+        for _ in range(self.depth):
+            K = node.shape[-1]
+            nodes = node.unsqueeze(2).expand(B, H, R, N, K).reshape(B, H, R * N, K)
+            logp = torch.log_softmax(self._logits_at(flat, nodes, read), dim=-1).view(B, H, R, N, K, C)
+            cand = (score.unsqueeze(-1) + logp).flatten(-2)  # [B, H, R, N, K * C]
+            child = (node.unsqueeze(-1) * C + 1 + torch.arange(C, device=x.device)).flatten(-2)
+            _, idx = torch.logsumexp(cand, 2).topk(min(m, K * C), dim=-1)
+            node = child.gather(-1, idx)
+            score = cand.gather(-1, idx.unsqueeze(2).expand(B, H, R, N, idx.shape[-1]))
+        return node - self.num_nodes, torch.logsumexp(score, 2) - math.log(R)
 
     # ------------------------------------------------------------------ training signal
     def balance_loss(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:

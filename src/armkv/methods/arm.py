@@ -21,7 +21,7 @@ from armkv.config import ARMConfig, slot_bytes
 from armkv.errors import ArmkvError
 from armkv.memory import kernels
 from armkv.memory.module import ARMModel
-from armkv.memory.read import bucket_slot_mask
+from armkv.memory.read import bucket_index, bucket_slot_mask, gather_slots, gathered_read, slots_of_buckets
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
 from armkv.memory.write import roomy_groups
@@ -38,6 +38,10 @@ RUNTIME_FIELDS = {
 }  # fmt: skip
 
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
+
+# Reads of at most this many tokens at M < N_b gather their buckets' slots (ARMLayer._sparse_read);
+# longer chunks mask the whole pool, where one matrix product over every slot serves all queries
+SPARSE_MAX_QUERIES = 16
 
 
 class ARMLayer(CacheLayer):
@@ -62,6 +66,8 @@ class ARMLayer(CacheLayer):
         self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.m: torch.Tensor | None = None  # [B] buckets each row reads
         self._reads_all = False  # every row reads every bucket (no routing, no per-query mask)
+        self._m_read = 0  # buckets the sparse read gathers per query: the largest row's M
+        self._index_for = None  # (state, its BucketIndex) for the sparse read
         self.mix: torch.Tensor | None = None  # [B] soft-cascade weight of Top(M + 1) (training)
         self.aux: dict[str, torch.Tensor] = {}
         self.generator: torch.Generator | None = None
@@ -137,6 +143,8 @@ class ARMLayer(CacheLayer):
         reads_all = self.mix is None and self._reads_all
         if T == 1 and reads_all and c.position_mode == "stored":
             out = self._decode_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
+        elif self._reads_sparse(T, reads_all):
+            out = self._sparse_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid)
         else:
             out = self._chunk_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all)
 
@@ -456,12 +464,66 @@ class ARMLayer(CacheLayer):
         B, Hq = q_pre.shape[:2]
         extra = 0 if self.mix is None else 1
         k = min(int(self.m.max()) + extra, mem.router.num_buckets)
-        buckets = mem.route_queries(q_pre, k)
+        buckets = self._group_buckets(q_pre, k).repeat_interleave(rep, 1)
         readable = self._readable()
         slot_bucket = readable.bucket.long().reshape(B, -1, readable.slots).repeat_interleave(rep, 1)
         occ = occupied.repeat_interleave(rep, 1).unsqueeze(2)
         ms = [self.m] if self.mix is None else [self.m, (self.m + 1).clamp_max(mem.router.num_buckets)]
         return [bucket_slot_mask(buckets, m, slot_bucket, mem.router.num_buckets) & occ for m in ms]
+
+    # ------------------------------------------------------------------ sparse read
+    def _group_buckets(self, q_pre: torch.Tensor, m: int) -> torch.Tensor:
+        """Each query's m buckets, one choice per KV head for its R query heads
+        (``Router.group_topm_buckets``), scored in the routers' dtype.
+        q_pre [B, Hq, T, d] pre-RoPE -> [B, H, T, m']."""
+        router = self.memory.router
+        B, Hq, T, d = q_pre.shape
+        H = self.info.num_kv_heads
+        x = q_pre.reshape(B, H, Hq // H, T, d).to(router.weight.dtype)
+        return router.group_topm_buckets(x, m)[0]
+
+    def _reads_sparse(self, T: int, reads_all: bool) -> bool:
+        """Whether this read gathers its buckets' slots (:meth:`_sparse_read`) instead of masking
+        the whole pool (:meth:`_chunk_read`, its reference): at inference, stored positions, with
+        fewer buckets than all, for reads of at most SPARSE_MAX_QUERIES tokens."""
+        c = self.config
+        return (
+            not reads_all and self.mix is None and not self.memory.training and c.position_mode == "stored"
+            and T <= SPARSE_MAX_QUERIES and self._m_read < self.memory.router.num_buckets
+        )
+
+    def _bucket_index(self):
+        """The readable slots listed by bucket (``read.bucket_index``): they change only at
+        writes, so it is built once per state."""
+        if self._index_for is not None and self._index_for[0] is self.state:
+            return self._index_for[1]
+        st = self._readable()
+        index = bucket_index(st.bucket, st.count > 0, self.memory.router.num_buckets)
+        self._index_for = (self.state, index)
+        return index
+
+    def _sparse_read(self, query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, fused: bool = True) -> torch.Tensor:
+        """:meth:`_chunk_read` at M < N_b with each query's slots gathered: the slots of its
+        KV head's top-M buckets (``read.slots_of_buckets``, a fixed width per write: no host
+        sync in the step), read from their stored codes (``read.gathered_read``). Its cost
+        falls with M; it equals the masked read of the whole pool (tests/test_sparse_read.py).
+        Returns [B, T, Hq, d]."""
+        B, Hq, T, d = query.shape
+        H, M = key.shape[1], self._m_read
+        G = B * H
+        q_pre = self.rotary.unrotate(query, positions.unsqueeze(1))
+        buckets = self._group_buckets(q_pre, M)  # [B, H, T, M]
+        M = buckets.shape[-1]
+        take = (torch.arange(M, device=query.device) < self.m.view(B, 1, 1, 1)).expand(B, H, T, M)
+        index = self._bucket_index()
+        ids, used = slots_of_buckets(index, buckets.reshape(G, T, M), index.width(M), take.reshape(G, T, M))
+        W = ids.shape[-1]
+        st = self._readable()
+        bias = self._decode_bias(query.dtype).reshape(G, st.slots).gather(1, ids.view(G, T * W)).view(B, H, T, W)
+        bias = bias.masked_fill(~used.view(B, H, T, W), -torch.inf)
+        return gathered_read(
+            query, key, value, valid, scaling, exact_k, exact_v, exact_valid, gather_slots(st, ids), bias, fused=fused
+        )
 
     def _decide_m(self, k_pre: torch.Tensor, valid: torch.Tensor) -> None:
         """The policy's state: the mean of the first l valid tokens' pre-RoPE keys."""
@@ -473,10 +535,12 @@ class ARMLayer(CacheLayer):
         if c.top_m == "fixed" or self.memory.policy is None:
             self.m = torch.full((k_pre.shape[0],), c.fixed_m, dtype=torch.long, device=k_pre.device)
             self._reads_all = c.fixed_m >= num_buckets
+            self._m_read = min(c.fixed_m, num_buckets)
             return
         m, g, expected = self.memory.policy.decide(pooled.flatten(1), self.memory.training, c.epsilon, self.generator)
         self.m = m.clamp_max(num_buckets)
         self._reads_all = bool((self.m >= num_buckets).all())
+        self._m_read = int(self.m.max())
         if self.memory.training:
             self.mix = g
             self.aux["budget"] = expected.mean() / self.memory.router.num_buckets
