@@ -10,7 +10,7 @@ import torch
 import armkv.methods.arm as arm_method
 from armkv.config import ARMConfig
 from armkv.hf.attach import make_cache
-from armkv.memory.read import bucket_index, gather_slots, slots_of_buckets
+from armkv.memory.read import bucket_index, gather_slots, run_breaks, slots_of_buckets, sort_by_bucket
 from armkv.memory.route import Router
 from armkv.memory.state import MemoryState
 from armkv.methods.arm import resolve_arm
@@ -74,6 +74,9 @@ def test_group_routing_is_the_mean_path_probability_of_the_group(depth, m):
     else:  # the beam: picks the best surviving leaves, never better than the exhaustive top-m
         assert (scores <= want_scores + 1e-5).all()
     torch.testing.assert_close(scores, group.gather(-1, buckets))
+    # the one-product scoring of a small tree, against the level-by-level reference
+    for read in (True, False):
+        torch.testing.assert_close(router._all_leaf_scores(x[:, :, 0], read), router.leaf_scores(x[:, :, 0], read))
     # one query per group: the per-query routing
     one, _ = router.group_topm_buckets(x[:, :, :1], m)
     assert torch.equal(one, router.topm_buckets(x[:, :, 0], m)[0])
@@ -159,10 +162,44 @@ def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch):
     calls = []
     gathered = arm_method.ARMLayer._sparse_read
     monkeypatch.setattr(arm_method.ARMLayer, "_sparse_read", lambda self, *a, **k: calls.append(a[0].shape[2]) or gathered(self, *a, **k))
+    monkeypatch.setattr(arm_method, "RESORT_SHARE", 1_000_000)  # re-lay the pool at every write that breaks its order
+    monkeypatch.setattr(arm_method, "RESORT_PER_BUCKET", 0)
+    sorts = []
+    relay = arm_method.sort_by_bucket
+    monkeypatch.setattr(arm_method, "sort_by_bucket", lambda st, index: sorts.append(1) or relay(st, index))
     sparse, cache = run()
+    assert len(sorts) > 10
     assert cache.layers[0]._m_read < cache.layers[0].memory.router.num_buckets
     assert calls.count(1) == 2 * 60  # every decode step of both layers gathered
-    monkeypatch.setattr(arm_method, "SPARSE_MAX_QUERIES", 0)
+    # the reference: every read masked over the whole pool, the pool re-laid by bucket as the
+    # sparse run lays it (where slots lie changes no read, but a write's ties may fall otherwise)
+    def masked(self, query, key, value, valid, positions, scaling, *exact, fused=True):
+        self._bucket_index()
+        return self._chunk_read(query, key, value, valid, positions, scaling, *exact, reads_all=False)
+
+    monkeypatch.setattr(arm_method.ARMLayer, "_sparse_read", masked)
     dense, _ = run()
-    assert calls.count(1) == 2 * 60
     torch.testing.assert_close(sparse, dense, rtol=1e-4, atol=1e-4)
+
+
+def test_sort_by_bucket_lays_the_same_slots_bucket_by_bucket():
+    g = torch.Generator().manual_seed(5)
+    G, S, d, nb, reach = 2, 53, 32, 6, 41
+    st = MemoryState.empty(G, S, d)
+    used = torch.rand(G, reach, generator=g) < 0.8
+    st.count[:, :reach] = torch.where(used, torch.randint(1, 4, (G, reach), generator=g).float(), 0.0)
+    st.bucket[:, :reach] = torch.where(used, torch.randint(0, nb, (G, reach), generator=g), -1)
+    st.key[:, :reach] = torch.randn(G, reach, d, generator=g) * used.unsqueeze(-1)
+    st.value[:, :reach] = torch.randn(G, reach, d, generator=g) * used.unsqueeze(-1)
+    st.pos[:, :reach] = torch.rand(G, reach, generator=g) * 100 * used
+    packed = st.pack("k4v4", mix=True)
+    index = bucket_index(packed.bucket[:, :reach], packed.count[:, :reach] > 0, nb)
+    assert run_breaks(index) > nb
+    laid = sort_by_bucket(packed, index)
+    after = bucket_index(laid.bucket[:, :reach], laid.count[:, :reach] > 0, nb)
+    assert run_breaks(after) < nb and torch.equal(after.size, index.size)
+    assert torch.equal(after.order[:, : int(index.size.sum(1).min())], torch.arange(int(index.size.sum(1).min())).expand(G, -1))
+    a, b = packed.unpack(torch.float32), laid.unpack(torch.float32)
+    for gi in range(G):  # the same slots: every row of (key, value, pos, count, bucket) once
+        rows = lambda s: sorted(map(tuple, torch.cat([s.key[gi], s.value[gi], s.pos[gi, :, None], s.count[gi, :, None], s.bucket[gi, :, None].float()], 1).tolist()))  # noqa: E731
+        assert rows(a) == rows(b)

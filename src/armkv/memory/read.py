@@ -85,15 +85,17 @@ def bucket_index(slot_bucket: torch.Tensor, occupied: torch.Tensor, num_buckets:
 
 
 def slots_of_buckets(
-    index: BucketIndex, buckets: torch.Tensor, width: int, take: torch.Tensor | None = None
+    index: BucketIndex, buckets: torch.Tensor, width: int | None = None, take: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slots filed under each query's buckets, packed into a fixed width.
+    """The slots filed under each query's buckets, packed into one width.
 
-    buckets : [G, Q, M] distinct bucket ids per query; width >= the slots any M buckets hold
-    (:meth:`BucketIndex.width`); take : [G, Q, M] bool, which of the buckets to read (None:
-    all) -> (slot ids [G, Q, width], used [G, Q, width] bool). The
-    buckets' slot lists are laid end to end; positions past their total are unused (their
-    ids point at some slot, to be given no weight). No host sync.
+    buckets : [G, Q, M] distinct bucket ids per query; take : [G, Q, M] bool, which of them to
+    read (None: all); width : the packed width, at least the slots any M buckets hold
+    (:meth:`BucketIndex.width`: fixed between writes, no host sync), or None: the most that
+    these queries' buckets hold, rounded up to WIDTH_STEP (one host sync, a tighter gather)
+    -> (slot ids [G, Q, width], used [G, Q, width] bool). The buckets' slot lists are laid
+    end to end; positions past their total are unused (their ids point at some slot, to be
+    given no weight).
     """
     G, Q, M = buckets.shape
     S = index.order.shape[1]
@@ -103,6 +105,8 @@ def slots_of_buckets(
         size = size * take
     start = index.start.gather(1, flat).view(G, Q, M)
     end = size.cumsum(-1)  # where each bucket's run ends in the packed list
+    if width is None:
+        width = max(1, min(S, -(-int(end[..., -1].max()) // WIDTH_STEP) * WIDTH_STEP))
     j = torch.arange(width, device=buckets.device).expand(G, Q, width).contiguous()
     k = torch.searchsorted(end, j, right=True)  # the bucket whose run holds position j
     used = k < M
@@ -112,11 +116,13 @@ def slots_of_buckets(
     return slots, used
 
 
-def gather_slots(state: MemoryState, slots: torch.Tensor) -> MemoryState:
+def gather_slots(state: MemoryState, slots: torch.Tensor, for_reading: bool = False) -> MemoryState:
     """The given slots of each group, as a state of G * Q groups of ``width`` slots (packed
     codes stay packed: a read of it dequantises only what it gathered).
 
     state : G groups of S slots; slots : [G, Q, width] slot ids -> MemoryState
+    for_reading : gather only what a read uses (keys, values, their scales, counts); the
+    positions and buckets are then zeros
     """
     G, Q, W = slots.shape
     S = state.slots
@@ -133,10 +139,36 @@ def gather_slots(state: MemoryState, slots: torch.Tensor) -> MemoryState:
         key = key.unsqueeze(1).expand(G, Q, C, S).gather(3, slots.unsqueeze(2).expand(G, Q, C, W)).reshape(G * Q, C, W)
     else:
         key = rows(key)
+    count = rows(state.count)
+    if for_reading:
+        pos, bucket = count.new_zeros(()).expand(G * Q, W), state.bucket.new_zeros(()).expand(G * Q, W)
+    else:
+        pos, bucket = rows(state.pos), rows(state.bucket)
     return MemoryState(
-        key=key, value=rows(state.value), pos=rows(state.pos), count=rows(state.count), bucket=rows(state.bucket),
+        key=key, value=rows(state.value), pos=pos, count=count, bucket=bucket,
         key_scale=rows(state.key_scale), value_scale=rows(state.value_scale), mixed=state.mixed,
     )
+
+
+def run_breaks(index: BucketIndex) -> int:
+    """How far the slots are from lying bucket by bucket in the pool: the most, over groups,
+    of places where the next slot of the bucket order is not the next slot of the pool (a
+    pool sorted by bucket has one per bucket). A gather from channel-major codes costs a
+    cache line per channel for each slot that starts a run, so a read of a pool with few
+    breaks streams (one host sync)."""
+    total = index.size.sum(1, keepdim=True)  # [G, 1] occupied slots
+    j = torch.arange(index.order.shape[1] - 1, device=index.order.device)
+    step = (index.order[:, 1:] - index.order[:, :-1] != 1) & (j < total - 1)
+    return int(step.sum(1).max()) if step.numel() else 0
+
+
+def sort_by_bucket(state: MemoryState, index: BucketIndex) -> MemoryState:
+    """The same slots laid bucket by bucket (free slots last): ``index.order`` applied to
+    every field. A read gathers each bucket's slots as one contiguous run; the index of the
+    result is ``index`` with ``order`` the identity."""
+    G, R = index.order.shape  # the index may cover the first R slots only (the rest free)
+    rest = torch.arange(R, state.slots, device=index.order.device).expand(G, -1)
+    return gather_slots(state, torch.cat([index.order, rest], 1).unsqueeze(1))
 
 
 def gathered_read(

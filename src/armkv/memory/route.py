@@ -108,6 +108,36 @@ class Router(nn.Module):
             score = (score.unsqueeze(-1) + logp).flatten(-2)
         return score
 
+    def _all_leaf_scores(self, x: torch.Tensor, read: bool = True) -> torch.Tensor:
+        """:meth:`leaf_scores` for a small tree in one product: every router's logits at once
+        ([N, d] x [d, nodes * C] per head), one log-softmax, then each leaf sums the D entries
+        on its path (fewer, larger ops: a decode step routes a handful of queries).
+
+        x : [B, H, N, d] -> [B, H, N, N_b]"""
+        H, K, C, d = self.weight.shape
+        w = self.weight.reshape(H, K * C, d).transpose(1, 2)  # [H, d, K * C]
+        logits = torch.matmul(x, w.to(x.dtype))
+        if read:
+            logits = logits * self.read_scale + self.read_bias.reshape(H, 1, K * C).to(x.dtype)
+        else:
+            logits = logits + self.bias.reshape(H, 1, K * C).to(x.dtype)
+        logp = torch.log_softmax(logits.unflatten(-1, (K, C)), dim=-1).flatten(-2)
+        return logp[..., self._leaf_paths(x.device)].sum(-2)
+
+    def _leaf_paths(self, device) -> torch.Tensor:
+        """[D, N_b]: for each leaf, the flat (node * C + child) index of its path's step at each level."""
+        cached = getattr(self, "_paths", None)
+        if cached is None or cached.device != torch.device(device):
+            C = self.branching
+            node = torch.arange(self.num_buckets, device=device) + self.num_nodes
+            steps = []
+            for _ in range(self.depth):
+                parent = (node - 1) // C
+                steps.append(parent * C + (node - 1) % C)
+                node = parent
+            cached = self._paths = torch.stack(steps[::-1])
+        return cached
+
     def beam_topm(self, x: torch.Tensor, m: int, read: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Beam search of width m down the tree: D * m * C dot products per query, whatever N_b.
 
@@ -160,7 +190,7 @@ class Router(nn.Module):
         flat = x.reshape(B, H, R * N, d)
         check_tensor("x", flat, ndim=4, last=self.head_dim)
         if self.num_nodes * self.branching <= self.depth * m * self.branching:
-            group = torch.logsumexp(self.leaf_scores(flat, read).view(B, H, R, N, -1), 2) - math.log(R)
+            group = torch.logsumexp(self._all_leaf_scores(flat, read).view(B, H, R, N, -1), 2) - math.log(R)
             scores, buckets = group.topk(m, dim=-1)
             return buckets, scores
         C = self.branching

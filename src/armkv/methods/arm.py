@@ -21,7 +21,9 @@ from armkv.config import ARMConfig, slot_bytes
 from armkv.errors import ArmkvError
 from armkv.memory import kernels
 from armkv.memory.module import ARMModel
-from armkv.memory.read import bucket_index, bucket_slot_mask, gather_slots, gathered_read, slots_of_buckets
+from armkv.memory.read import (
+    BucketIndex, bucket_index, bucket_slot_mask, gather_slots, gathered_read, run_breaks, slots_of_buckets, sort_by_bucket,
+)
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
 from armkv.memory.write import roomy_groups
@@ -42,6 +44,11 @@ SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
 # Reads of at most this many tokens at M < N_b gather their buckets' slots (ARMLayer._sparse_read);
 # longer chunks mask the whole pool, where one matrix product over every slot serves all queries
 SPARSE_MAX_QUERIES = 16
+# the shared pool is re-laid bucket by bucket once its bucket order breaks in more than
+# 1 / RESORT_SHARE of its readable slots, and more than RESORT_PER_BUCKET times per bucket
+# (a sorted pool breaks once per bucket) (ARMLayer._bucket_index)
+RESORT_SHARE = 64
+RESORT_PER_BUCKET = 2
 
 
 class ARMLayer(CacheLayer):
@@ -494,18 +501,26 @@ class ARMLayer(CacheLayer):
 
     def _bucket_index(self):
         """The readable slots listed by bucket (``read.bucket_index``): they change only at
-        writes, so it is built once per state."""
+        writes, so it is built once per state. Where the list has drifted far from the pool's
+        order (``read.run_breaks``: writes put new slots wherever a slot is free) the shared
+        pool is first re-laid bucket by bucket (``read.sort_by_bucket``, a copy of the pool,
+        every few hundred decoded tokens), so that a read's gathers are contiguous runs. A
+        state's meaning does not depend on where its slots lie."""
         if self._index_for is not None and self._index_for[0] is self.state:
             return self._index_for[1]
-        st = self._readable()
-        index = bucket_index(st.bucket, st.count > 0, self.memory.router.num_buckets)
+        st, num_buckets = self._readable(), self.memory.router.num_buckets
+        index = bucket_index(st.bucket, st.count > 0, num_buckets)
+        if self.config.pool == "shared" and run_breaks(index) > max(RESORT_PER_BUCKET * num_buckets, st.slots // RESORT_SHARE):
+            self.state = sort_by_bucket(self.state, index)  # (the occupied slots stay within `reach`)
+            order = torch.arange(st.slots, device=index.order.device).expand_as(index.order)
+            index = BucketIndex(order=order, start=index.start, size=index.size)
         self._index_for = (self.state, index)
         return index
 
     def _sparse_read(self, query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, fused: bool = True) -> torch.Tensor:
         """:meth:`_chunk_read` at M < N_b with each query's slots gathered: the slots of its
-        KV head's top-M buckets (``read.slots_of_buckets``, a fixed width per write: no host
-        sync in the step), read from their stored codes (``read.gathered_read``). Its cost
+        KV head's top-M buckets (``read.slots_of_buckets``), read from their stored codes
+        (``read.gathered_read``). Its cost
         falls with M; it equals the masked read of the whole pool (tests/test_sparse_read.py).
         Returns [B, T, Hq, d]."""
         B, Hq, T, d = query.shape
@@ -516,13 +531,16 @@ class ARMLayer(CacheLayer):
         M = buckets.shape[-1]
         take = (torch.arange(M, device=query.device) < self.m.view(B, 1, 1, 1)).expand(B, H, T, M)
         index = self._bucket_index()
-        ids, used = slots_of_buckets(index, buckets.reshape(G, T, M), index.width(M), take.reshape(G, T, M))
+        # eager on a CPU, the width these queries need (a host sync costs nothing there); compiled
+        # or on an accelerator, the width any M buckets need, fixed until the next write
+        eager_cpu = query.device.type == "cpu" and not torch.compiler.is_compiling()
+        ids, used = slots_of_buckets(index, buckets.reshape(G, T, M), None if eager_cpu else index.width(M), take.reshape(G, T, M))
         W = ids.shape[-1]
         st = self._readable()
         bias = self._decode_bias(query.dtype).reshape(G, st.slots).gather(1, ids.view(G, T * W)).view(B, H, T, W)
         bias = bias.masked_fill(~used.view(B, H, T, W), -torch.inf)
         return gathered_read(
-            query, key, value, valid, scaling, exact_k, exact_v, exact_valid, gather_slots(st, ids), bias, fused=fused
+            query, key, value, valid, scaling, exact_k, exact_v, exact_valid, gather_slots(st, ids, for_reading=True), bias, fused=fused
         )
 
     def _decide_m(self, k_pre: torch.Tensor, valid: torch.Tensor) -> None:
