@@ -112,7 +112,7 @@ FORMATS = [{"slot_format": "k4v4"}, {"slot_format": "k8v4", "slot_mixing": False
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("overrides", FORMATS)
 @pytest.mark.parametrize("T", [1, 5])
-def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overrides, T):
+def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overrides, T, monkeypatch):
     """Tolerances: fp32 2e-5 (the two reads sum the same terms in another order, slots
     dequantised alike); bf16 2e-2 (bf16 products and softmax, rounded at other points)."""
     model, layer = _layer_with_memory(dtype, overrides)
@@ -135,6 +135,11 @@ def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overri
             every = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
         torch.testing.assert_close(fast, ref, rtol=tol, atol=tol)
         torch.testing.assert_close(eager, ref, rtol=tol, atol=tol)
+        with monkeypatch.context() as patch:  # compiled: the fixed width of any M buckets, no host sync
+            patch.setattr(torch.compiler, "is_compiling", lambda: True)
+            with torch.no_grad():
+                fixed = layer._sparse_read(query, key, value, valid, positions, 0.3, *exact)
+        torch.testing.assert_close(fixed, ref, rtol=tol, atol=tol)
         # the masks mattered (not every slot was read): reading all differs far more than the two reads
         assert (every.float() - ref.float()).abs().max() > 4 * (fast.float() - ref.float()).abs().max()
     # the gather reads a fraction of the pool
