@@ -54,6 +54,7 @@ class BucketIndex:
 
     order : [G, S] slot ids sorted by bucket (stable), free slots last
     start : [G, N_b] where bucket b's slots begin in ``order``; size : [G, N_b] how many
+    (all int32: held beside the state between writes, 4 bytes a slot and 8 a bucket)
     """
 
     order: torch.Tensor
@@ -72,6 +73,11 @@ class BucketIndex:
             self._widths[m] = max(1, min(S, -(-most // WIDTH_STEP) * WIDTH_STEP))
         return self._widths[m]
 
+    def nbytes(self) -> int:
+        """Bytes held (an ``order`` that is a broadcast view holds none)."""
+        held = self.order.untyped_storage().nbytes() if self.order.stride(0) else 0
+        return held + self.start.nbytes + self.size.nbytes
+
 
 def bucket_index(slot_bucket: torch.Tensor, occupied: torch.Tensor, num_buckets: int) -> BucketIndex:
     """slot_bucket [G, S] bucket of each slot, occupied [G, S] bool -> :class:`BucketIndex`.
@@ -81,7 +87,7 @@ def bucket_index(slot_bucket: torch.Tensor, occupied: torch.Tensor, num_buckets:
     size = torch.zeros(key.shape[0], num_buckets + 1, dtype=torch.long, device=key.device)
     size.scatter_add_(1, key, torch.ones_like(key))
     size = size[:, :num_buckets]
-    return BucketIndex(order=order, start=size.cumsum(1) - size, size=size)
+    return BucketIndex(order=order.int(), start=(size.cumsum(1) - size).int(), size=size.int())
 
 
 def slots_of_buckets(
@@ -100,10 +106,10 @@ def slots_of_buckets(
     G, Q, M = buckets.shape
     S = index.order.shape[1]
     flat = buckets.reshape(G, Q * M)
-    size = index.size.gather(1, flat).view(G, Q, M)
+    size = index.size.gather(1, flat).view(G, Q, M).long()
     if take is not None:
         size = size * take
-    start = index.start.gather(1, flat).view(G, Q, M)
+    start = index.start.gather(1, flat).view(G, Q, M).long()
     end = size.cumsum(-1)  # where each bucket's run ends in the packed list
     if width is None:
         width = max(1, min(S, -(-int(end[..., -1].max()) // WIDTH_STEP) * WIDTH_STEP))
@@ -112,7 +118,7 @@ def slots_of_buckets(
     used = k < M
     k = k.clamp_max(M - 1)
     pos = start.gather(-1, k) + j - (end.gather(-1, k) - size.gather(-1, k))
-    slots = index.order.gather(1, pos.clamp(0, max(S - 1, 0)).view(G, Q * width)).view(G, Q, width)
+    slots = index.order.gather(1, pos.clamp(0, max(S - 1, 0)).view(G, Q * width)).view(G, Q, width).long()
     return slots, used
 
 
@@ -156,7 +162,7 @@ def run_breaks(index: BucketIndex) -> int:
     pool sorted by bucket has one per bucket). A gather from channel-major codes costs a
     cache line per channel for each slot that starts a run, so a read of a pool with few
     breaks streams (one host sync)."""
-    total = index.size.sum(1, keepdim=True)  # [G, 1] occupied slots
+    total = index.size.sum(1, keepdim=True, dtype=torch.long)  # [G, 1] occupied slots
     j = torch.arange(index.order.shape[1] - 1, device=index.order.device)
     step = (index.order[:, 1:] - index.order[:, :-1] != 1) & (j < total - 1)
     return int(step.sum(1).max()) if step.numel() else 0
@@ -168,7 +174,7 @@ def sort_by_bucket(state: MemoryState, index: BucketIndex) -> MemoryState:
     result is ``index`` with ``order`` the identity."""
     G, R = index.order.shape  # the index may cover the first R slots only (the rest free)
     rest = torch.arange(R, state.slots, device=index.order.device).expand(G, -1)
-    return gather_slots(state, torch.cat([index.order, rest], 1).unsqueeze(1))
+    return gather_slots(state, torch.cat([index.order.long(), rest], 1).unsqueeze(1))
 
 
 def gathered_read(

@@ -133,7 +133,8 @@ class ARMLayer(CacheLayer):
             return 0
         waiting = 0 if self.pending is None else self.pending[0].nbytes + self.pending[1].nbytes
         reserved = 0 if self.reserve is None else self.reserve.nbytes
-        return self.buffer.state_bytes() + self.state.nbytes() + waiting + reserved
+        index = self._index_for[1].nbytes() if self._index_for is not None and self._index_for[0] is self.state else 0
+        return self.buffer.state_bytes() + self.state.nbytes() + waiting + reserved + index
 
     # ------------------------------------------------------------------ attention
     def attend_chunk(self, query, key, value, valid, positions, scaling):
@@ -513,7 +514,7 @@ class ARMLayer(CacheLayer):
         index = bucket_index(st.bucket, st.count > 0, num_buckets)
         if self.config.pool == "shared" and run_breaks(index) > max(RESORT_PER_BUCKET * num_buckets, st.slots // RESORT_SHARE):
             self.state = sort_by_bucket(self.state, index)  # (the occupied slots stay within `reach`)
-            order = torch.arange(st.slots, device=index.order.device).expand_as(index.order)
+            order = torch.arange(st.slots, dtype=torch.int32, device=index.order.device).expand_as(index.order)
             index = BucketIndex(order=order, start=index.start, size=index.size)
         self._index_for = (self.state, index)
         return index
