@@ -42,8 +42,9 @@ RUNTIME_FIELDS = {
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
 
 # Reads of at most this many tokens at M < N_b gather their buckets' slots (ARMLayer._sparse_read);
-# longer chunks mask the whole pool (the gathered copies grow with the tokens: at 64 tokens and
-# a full pool of budget 4096, 2.9x faster than the masked read; armkv bench ops)
+# longer chunks mask the whole pool (the gathered copies grow with the tokens; at 64 tokens and
+# a full pool of budget 4096 the gathered read measured 2.5-2.9x faster than the masked one,
+# `armkv bench ops`)
 SPARSE_MAX_QUERIES = 64
 # the shared pool is re-laid bucket by bucket once its bucket order breaks in more than
 # 1 / RESORT_SHARE of its readable slots, and more than RESORT_PER_BUCKET times per bucket
