@@ -9,6 +9,13 @@
 - int4 read: the decode step's read of one layer's k4v4 slots (key scores, then the
   weighted values) by the fused CPU kernel (``armkv.memory.kernels``) against the PyTorch
   ops it replaces, at each ``--int4-slots`` pool size, with the largest difference.
+- sparse read: one layer's read at M = N_b / ``--sparse-fraction`` on the default model's shape
+  (3 KV heads of 3 query heads, d = 64, the shipped adapter's 64-bucket tree, k4v4 slots, a
+  full pool of each ``--sparse-budgets`` budget): the gathered read of the top-M buckets'
+  slots (``ARMLayer._sparse_read``) against the dense read of every slot (the decode step's
+  ``ARMLayer._decode_read``) and the masked read of the whole pool at the same M
+  (``ARMLayer._chunk_read``, the sparse read's reference), for one query and for chunks of
+  ``--sparse-queries``; with the largest difference from the masked read.
 - chunk read: one prefill chunk's attention over a state of each ``--int4-slots`` size and
   itself (``joint_attention``): the split form (two flash attentions merged by their
   log-sum-exps) against one SDPA call over [state | chunk] with the full float mask.
@@ -28,7 +35,7 @@ import torch
 from armkv.config import ARMConfig
 from armkv.memory import naive
 from armkv.memory.module import ARMMemory
-from armkv.memory.read import bucket_slot_mask
+from armkv.memory.read import bucket_index, bucket_slot_mask, slots_of_buckets
 from armkv.memory.write import gate_weights, scan_writes
 
 
@@ -43,18 +50,27 @@ def add_arguments(parser) -> None:
     parser.add_argument("--queries", type=int, default=64, help="queries per read")
     parser.add_argument("--int4-slots", default="2706,8295",
                         help="pool sizes for the int4 read timing (2706: budget 512, d = 64; 8295: the largest calibrated share)")
+    parser.add_argument("--sparse-budgets", default="2048,4096,8192", help="budgets for the sparse read timing (full pools)")
+    parser.add_argument("--sparse-fraction", type=int, default=8, help="the sparse read's M = N_b / this")
+    parser.add_argument("--sparse-queries", default="1,16,64", help="tokens per read for the sparse read timing")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--clock", choices=tuple(CLOCK), default="wall",
+                        help="wall time, or the process's CPU time (steadier on a shared machine; with --threads 1)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
+
+
+CLOCK = {"wall": time.perf_counter, "process": time.process_time}
+_clock = time.perf_counter
 
 
 def _time(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(_clock() - t0)
     return statistics.median(times)
 
 
@@ -171,6 +187,85 @@ def bench_int4_read(slots: list[int], kv_heads: int, head_dim: int, repeats: int
     return out
 
 
+def _full_arm_layer(budget: int, fraction: int, seed: int = 0):
+    """Layer 0 of the arm cache on the default model's shape at ``budget`` (even shares),
+    its pool full of slots: keys drawn near the tree's leaf centroids (every bucket used, as
+    calibrated routing of text spreads them) plus noise, each filed where the tree routes it."""
+    from armkv.memory.rope import Rotary
+    from armkv.memory.state import MemoryState
+    from armkv.methods.arm import make_arm
+    from armkv.methods.base import ModelInfo
+
+    info = ModelInfo(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_positions=8192)
+    rotary = Rotary(1.0 / 100000 ** (torch.arange(0, 64, 2).float() / 64))
+    probe = make_arm(0, info, rotary, budget, 256, layer_weights="even")
+    nb = probe.memory.router.num_buckets
+    layer = make_arm(0, info, rotary, budget, 256, layer_weights="even", top_m="fixed", m_fixed=max(1, nb // fraction))
+    g = torch.Generator().manual_seed(seed)
+    H, d = info.num_kv_heads, info.head_dim
+    with torch.no_grad():
+        layer._lazy_init(torch.zeros(1, H, 1, d))
+        layer.rung = len(layer.rungs) - 1
+        S = layer.rungs[-1][1]
+        router = layer.memory.router
+        leaves = router.weight[:, router.num_nodes - nb // router.branching :].reshape(H, nb, d)  # the last level's rows
+        pick = torch.randint(0, nb, (H, S), generator=g)
+        keys = leaves.gather(1, pick.unsqueeze(-1).expand(H, S, d))
+        keys = keys + 0.3 * keys.norm(dim=-1, keepdim=True) / d**0.5 * torch.randn(H, S, d, generator=g)
+        state = MemoryState(key=keys, value=torch.randn(H, S, d, generator=g), pos=torch.arange(S).float().expand(H, S).clone(),
+                            count=torch.ones(H, S), bucket=router.route_writes(keys.unsqueeze(0))[0])
+        layer.state = layer._stored(state)
+        layer.reach = S
+        layer._decide_m(torch.zeros(1, H, 1, d), torch.ones(1, 1, dtype=torch.bool))
+    return layer, info
+
+
+def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], repeats: int) -> dict:
+    """Per budget: microseconds per layer of the gathered read at M = N_b / fraction, the dense
+    read of every slot (one query) and the masked read at M, and the share of the pool gathered."""
+    out = {}
+    for budget in budgets:
+        layer, info = _full_arm_layer(budget, fraction)
+        H, Hq, d = info.num_kv_heads, info.num_heads, info.head_dim
+        g = torch.Generator().manual_seed(budget)
+        exact = layer._exact()
+        st, nb, M = layer._readable(), layer.memory.router.num_buckets, layer._m_read
+        t0 = time.perf_counter()
+        bucket_index(st.bucket, st.count > 0, nb)
+        build = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        index = layer._bucket_index()  # the synthetic pool lies in random order: re-laid by bucket here
+        relay = time.perf_counter() - t0
+        width = index.width(M)
+        row = {"slots": layer.state.slots, "buckets": nb, "m": M, "fixed_width": width, "fixed_width_share": width / layer.state.slots,
+               "index_build_ms": 1e3 * build, "index_and_relay_ms": 1e3 * relay}
+        for T in queries:
+            q = torch.randn(1, Hq, T, d, generator=g)
+            k, v = torch.randn(1, H, T, d, generator=g), torch.randn(1, H, T, d, generator=g)
+            valid = torch.ones(1, T, dtype=torch.bool)
+            pos = torch.arange(layer.state.slots, layer.state.slots + T).unsqueeze(0)
+            with torch.no_grad():
+                if T == 1:  # the width an eager CPU read gathers for this query (the fixed one serves compiled reads)
+                    q_pre = layer.rotary.unrotate(q, pos.unsqueeze(1))
+                    picked = layer._group_buckets(q_pre, M).reshape(H, 1, -1)
+                    row["eager_width_share"] = slots_of_buckets(index, picked)[0].shape[-1] / layer.state.slots
+                sparse = lambda: layer._sparse_read(q, k, v, valid, pos, d**-0.5, *exact)  # noqa: E731
+                masked = lambda: layer._chunk_read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=False)  # noqa: E731
+                diff = (sparse() - masked()).abs().max().item()
+                cell = {"sparse_us": 1e6 * _time(sparse, repeats), "masked_us": 1e6 * _time(masked, repeats), "max_abs_diff": diff}
+                if T == 1:
+                    cell["dense_us"] = 1e6 * _time(lambda: layer._decode_read(q, k, v, valid, d**-0.5, *exact), repeats)
+                    cell["speedup_vs_dense"] = cell["dense_us"] / cell["sparse_us"]
+                else:
+                    every = lambda: layer._chunk_read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=True)  # noqa: E731
+                    cell["dense_us"] = 1e6 * _time(every, repeats)
+                    cell["speedup_vs_dense"] = cell["dense_us"] / cell["sparse_us"]
+                cell["speedup_vs_masked"] = cell["masked_us"] / cell["sparse_us"]
+            row[f"T{T}"] = cell
+        out[str(budget)] = row
+    return out
+
+
 def bench_chunk_read(states: list[int], chunk: int, kv_heads: int, head_dim: int, repeats: int, rep: int = 3) -> dict:
     """One prefill chunk's read of one layer (``joint_attention``, no gradients), split into
     two flash attentions against the one-call SDPA: milliseconds per layer and chunk."""
@@ -204,6 +299,8 @@ def bench_chunk_read(states: list[int], chunk: int, kv_heads: int, head_dim: int
 
 
 def main(args) -> int:
+    global _clock
+    _clock = CLOCK[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
@@ -229,12 +326,22 @@ def main(args) -> int:
             log(f"| {n} | {r['fused_us']:.0f} | {r['pytorch_us']:.0f} | {r['speedup']:.1f}x |")
     else:
         log("int4 read: the fused kernel is not available here (see the warning); not timed")
+    sparse = bench_sparse_read([int(b) for b in args.sparse_budgets.split(",") if b], args.sparse_fraction,
+                               [int(t) for t in args.sparse_queries.split(",") if t], max(args.repeats, 10))
+    log(f"| budget | slots | M / N_b | gathered share | T | sparse us | dense us (every slot) | masked us | vs dense | vs masked | max diff |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for b, r in sparse.items():
+        for key, cell in r.items():
+            if key.startswith("T"):
+                log(f"| {b} | {r['slots']} | {r['m']}/{r['buckets']} | {r.get('eager_width_share', float('nan')):.3f} | {key[1:]} | {cell['sparse_us']:.0f} | "
+                    f"{cell['dense_us']:.0f} | {cell['masked_us']:.0f} | {cell['speedup_vs_dense']:.1f}x | {cell['speedup_vs_masked']:.1f}x | {cell['max_abs_diff']:.1e} |")
     chunk_read = bench_chunk_read([int(n) for n in args.int4_slots.split(",") if n], args.chunk, args.kv_heads, args.head_dim, args.repeats)
     if chunk_read:
         log(f"| state keys | chunk read ms/layer, split | one SDPA call | speedup |  (chunk of {args.chunk})\n|---:|---:|---:|---:|")
         for n, r in chunk_read.items():
             log(f"| {n} | {r['split_ms']:.1f} | {r['one_call_ms']:.1f} | {r['speedup']:.1f}x |")
     result = {**scan, "read_us_per_query": read, "int4_read_us_per_layer": int4, "chunk_read_ms_per_layer": chunk_read,
-              "m": args.m, "threads": torch.get_num_threads()}
+              "sparse_read_us_per_layer": sparse,
+              "m": args.m, "threads": torch.get_num_threads(), "clock": args.clock}
     print(json.dumps(result))
     return 0

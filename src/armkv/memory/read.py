@@ -6,7 +6,13 @@ new chunk (causal): ``armkv.methods.attention.joint_attention``, shared by every
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+
+from armkv.memory import kernels
+from armkv.memory.quant import mixing_matrix
+from armkv.memory.state import MemoryState
 
 
 def bucket_slot_mask(
@@ -33,3 +39,203 @@ def bucket_slot_mask(
     chosen[..., num_buckets] = False  # column for free slots and unused picks
     idx = torch.where(slot_bucket < 0, num_buckets, slot_bucket).unsqueeze(2).expand(B, Hq, T, -1)
     return chosen.gather(-1, idx)
+
+
+# ---------------------------------------------------------------------- sparse reads
+# The gather width (slots gathered per query) is rounded up to a multiple of this, so that it
+# takes few distinct values over a generation (a compiled decode step sees few shapes)
+WIDTH_STEP = 64
+
+
+@dataclass
+class BucketIndex:
+    """The occupied slots of each group listed bucket by bucket: built once per write (slots
+    change only then) so that a read gathers the slots of its buckets instead of scanning all.
+
+    order : [G, S] slot ids sorted by bucket (stable), free slots last
+    start : [G, N_b] where bucket b's slots begin in ``order``; size : [G, N_b] how many
+    (all int32: held beside the state between writes, 4 bytes a slot and 8 a bucket)
+    """
+
+    order: torch.Tensor
+    start: torch.Tensor
+    size: torch.Tensor
+    _widths: dict = field(default_factory=dict)
+
+    def width(self, m: int) -> int:
+        """Slots gathered per query reading m buckets: the most that any m buckets of any
+        group hold (the sum of the group's m largest), rounded up to WIDTH_STEP, at most S.
+        Fixed between writes, so a read's shapes do not depend on which buckets it picks;
+        computed once per write and m (one host sync)."""
+        if m not in self._widths:
+            S = self.order.shape[1]
+            most = int(self.size.topk(min(m, self.size.shape[1]), dim=1).values.sum(1).max()) if S else 0
+            self._widths[m] = max(1, min(S, -(-most // WIDTH_STEP) * WIDTH_STEP))
+        return self._widths[m]
+
+    def nbytes(self) -> int:
+        """Bytes held (an ``order`` that is a broadcast view holds none)."""
+        held = self.order.untyped_storage().nbytes() if self.order.stride(0) else 0
+        return held + self.start.nbytes + self.size.nbytes
+
+
+def bucket_index(slot_bucket: torch.Tensor, occupied: torch.Tensor, num_buckets: int) -> BucketIndex:
+    """slot_bucket [G, S] bucket of each slot, occupied [G, S] bool -> :class:`BucketIndex`.
+    Free slots (in the paper's pool they keep their bucket) are listed under no bucket."""
+    key = torch.where(occupied, slot_bucket.long(), num_buckets)
+    order = torch.sort(key, dim=1, stable=True).indices
+    size = torch.zeros(key.shape[0], num_buckets + 1, dtype=torch.long, device=key.device)
+    size.scatter_add_(1, key, torch.ones_like(key))
+    size = size[:, :num_buckets]
+    return BucketIndex(order=order.int(), start=(size.cumsum(1) - size).int(), size=size.int())
+
+
+def slots_of_buckets(
+    index: BucketIndex, buckets: torch.Tensor, width: int | None = None, take: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots filed under each query's buckets, packed into one width.
+
+    buckets : [G, Q, M] distinct bucket ids per query; take : [G, Q, M] bool, which of them to
+    read (None: all); width : the packed width, at least the slots any M buckets hold
+    (:meth:`BucketIndex.width`: fixed between writes, no host sync), or None: the most that
+    these queries' buckets hold, rounded up to WIDTH_STEP (one host sync, a tighter gather)
+    -> (slot ids [G, Q, width], used [G, Q, width] bool). The buckets' slot lists are laid
+    end to end; positions past their total are unused (their ids point at some slot, to be
+    given no weight).
+    """
+    G, Q, M = buckets.shape
+    S = index.order.shape[1]
+    flat = buckets.reshape(G, Q * M)
+    size = index.size.gather(1, flat).view(G, Q, M).long()
+    if take is not None:
+        size = size * take
+    start = index.start.gather(1, flat).view(G, Q, M).long()
+    end = size.cumsum(-1)  # where each bucket's run ends in the packed list
+    if width is None:
+        width = max(1, min(S, -(-int(end[..., -1].max()) // WIDTH_STEP) * WIDTH_STEP))
+    j = torch.arange(width, device=buckets.device).expand(G, Q, width).contiguous()
+    k = torch.searchsorted(end, j, right=True)  # the bucket whose run holds position j
+    used = k < M
+    k = k.clamp_max(M - 1)
+    pos = start.gather(-1, k) + j - (end.gather(-1, k) - size.gather(-1, k))
+    slots = index.order.gather(1, pos.clamp(0, max(S - 1, 0)).view(G, Q * width)).view(G, Q, width).long()
+    return slots, used
+
+
+def gather_slots(state: MemoryState, slots: torch.Tensor, for_reading: bool = False) -> MemoryState:
+    """The given slots of each group, as a state of G * Q groups of ``width`` slots (packed
+    codes stay packed: a read of it dequantises only what it gathered).
+
+    state : G groups of S slots; slots : [G, Q, width] slot ids -> MemoryState
+    for_reading : gather only what a read uses (keys, values, their scales, counts); the
+    positions and buckets are then zeros
+    """
+    G, Q, W = slots.shape
+    S = state.slots
+    flat = (slots + torch.arange(G, device=slots.device).view(G, 1, 1) * S).reshape(-1)
+
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:  # [G, S, ...] -> [G * Q, W, ...]
+        if t is None:
+            return None
+        return t.reshape(G * S, *t.shape[2:]).index_select(0, flat).view(G * Q, W, *t.shape[2:])
+
+    key = state.key
+    if state.key_scale is not None:  # channel-major codes [G, width, S]
+        C = key.shape[1]
+        key = key.unsqueeze(1).expand(G, Q, C, S).gather(3, slots.unsqueeze(2).expand(G, Q, C, W)).reshape(G * Q, C, W)
+    else:
+        key = rows(key)
+    count = rows(state.count)
+    if for_reading:
+        pos, bucket = count.new_zeros(()).expand(G * Q, W), state.bucket.new_zeros(()).expand(G * Q, W)
+    else:
+        pos, bucket = rows(state.pos), rows(state.bucket)
+    return MemoryState(
+        key=key, value=rows(state.value), pos=pos, count=count, bucket=bucket,
+        key_scale=rows(state.key_scale), value_scale=rows(state.value_scale), mixed=state.mixed,
+    )
+
+
+def run_breaks(index: BucketIndex) -> int:
+    """How far the slots are from lying bucket by bucket in the pool: the most, over groups,
+    of places where the next slot of the bucket order is not the next slot of the pool (a
+    pool sorted by bucket has one per bucket). A gather from channel-major codes costs a
+    cache line per channel for each slot that starts a run, so a read of a pool with few
+    breaks streams (one host sync)."""
+    total = index.size.sum(1, keepdim=True, dtype=torch.long)  # [G, 1] occupied slots
+    j = torch.arange(index.order.shape[1] - 1, device=index.order.device)
+    step = (index.order[:, 1:] - index.order[:, :-1] != 1) & (j < total - 1)
+    return int(step.sum(1).max()) if step.numel() else 0
+
+
+def sort_by_bucket(state: MemoryState, index: BucketIndex) -> MemoryState:
+    """The same slots laid bucket by bucket (free slots last): ``index.order`` applied to
+    every field. A read gathers each bucket's slots as one contiguous run; the index of the
+    result is ``index`` with ``order`` the identity."""
+    G, R = index.order.shape  # the index may cover the first R slots only (the rest free)
+    rest = torch.arange(R, state.slots, device=index.order.device).expand(G, -1)
+    return gather_slots(state, torch.cat([index.order.long(), rest], 1).unsqueeze(1))
+
+
+def gathered_read(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    exact_valid: torch.Tensor,
+    slots: MemoryState,
+    slot_bias: torch.Tensor,
+    fused: bool = True,
+) -> torch.Tensor:
+    """One joint softmax over [gathered slots | exact entries | the chunk, causally]: the
+    read of ``ARMLayer._chunk_read`` with each query's slots gathered instead of masked.
+
+    query : [B, Hq, T, d] (post-RoPE); key, value : [B, H, T, d] the chunk; valid : [B, T]
+    exact_k, exact_v : [B, H, L, d] (entries holding no token zero); exact_valid : [B, L]
+    slots : B * H * T groups (row-major over b, h, t) of W slots in the read form (keys
+    rotated; codes in the mixed basis where ``slots.mixed``), as :func:`gather_slots` gives
+    slot_bias : [B, H, T, W] each gathered slot's logit bias, -inf where it is not read
+    -> [B, T, Hq, d]
+
+    The R = Hq / H query heads of a KV head read the same gathered slots (see
+    ``Router.group_topm_buckets``). One query (T = 1) with int4 values on a CPU in float32
+    goes through the decode step's fused kernel (``armkv.memory.kernels``) unless
+    ``fused=False``; the PyTorch ops below are its reference.
+    """
+    B, Hq, T, d = query.shape
+    H = key.shape[1]
+    R, W, L = Hq // H, slot_bias.shape[-1], exact_k.shape[2]
+    G = B * H
+    mix = mixing_matrix(d, query.dtype, query.device) if slots.mixed else None
+    kernel = kernels.fused_read(query, slots.value) if fused and T == 1 and slots.key_scale is not None else None
+    if kernel is not None:
+        out = kernel.arm_decode_read(
+            query.reshape(G, R, d), key.reshape(G, d), value.reshape(G, d), valid[:, :1].expand(B, H).reshape(G),
+            exact_k.reshape(G, L, d), exact_v.reshape(G, L, d), exact_valid[:, None, :].expand(B, H, L).reshape(G, L),
+            slots.key, slots.key_scale, slots.value, slots.value_scale, slot_bias.reshape(G, W),
+            mix if mix is not None else query.new_empty(0), float(scaling),
+        )
+        return out.reshape(B, Hq, 1, d).transpose(1, 2)
+    q = query.reshape(B, H, R, T, d)
+    q_slots = (q if mix is None else q @ mix).transpose(2, 3).reshape(G * T, R, d)
+    slot_scores = slots.key_scores(q_slots, fused=fused).view(B, H, T, R, W).transpose(2, 3) * scaling
+    slot_scores = slot_scores + slot_bias.unsqueeze(2).to(slot_scores.dtype)
+    flat = q.reshape(B, H, R * T, d)
+    exact_scores = (torch.matmul(flat, exact_k.transpose(-1, -2)) * scaling).view(B, H, R, T, L)
+    exact_scores = exact_scores.masked_fill(~exact_valid[:, None, None, None, :], float("-inf"))
+    chunk_scores = (torch.matmul(flat, key.transpose(-1, -2)) * scaling).view(B, H, R, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
+    chunk_scores = chunk_scores.masked_fill(~(causal & valid[:, None, None, None, :]), float("-inf"))
+    w = torch.softmax(torch.cat([slot_scores, exact_scores, chunk_scores], -1), dim=-1).nan_to_num_(0.0)
+    from_slots = slots.weighted_values(w[..., :W].transpose(2, 3).reshape(G * T, R, W), fused=fused)
+    from_slots = from_slots.view(B, H, T, R, d).transpose(2, 3)
+    if mix is not None:
+        from_slots = from_slots @ mix.T
+    chunk_v = torch.where(valid[:, None, :, None], value, torch.zeros((), dtype=value.dtype, device=value.device))
+    rest = torch.matmul(w[..., W : W + L].reshape(B, H, R * T, L), exact_v)
+    rest = rest + torch.matmul(w[..., W + L :].reshape(B, H, R * T, T), chunk_v)
+    out = from_slots + rest.view(B, H, R, T, d)
+    return out.reshape(B, Hq, T, d).transpose(1, 2)

@@ -13,6 +13,8 @@ write bias ``b_p`` holds -|c|^2 / 2 for nearest-centroid routing of keys).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -106,6 +108,36 @@ class Router(nn.Module):
             score = (score.unsqueeze(-1) + logp).flatten(-2)
         return score
 
+    def _all_leaf_scores(self, x: torch.Tensor, read: bool = True) -> torch.Tensor:
+        """:meth:`leaf_scores` for a small tree in one product: every router's logits at once
+        ([N, d] x [d, nodes * C] per head), one log-softmax, then each leaf sums the D entries
+        on its path (fewer, larger ops: a decode step routes a handful of queries).
+
+        x : [B, H, N, d] -> [B, H, N, N_b]"""
+        H, K, C, d = self.weight.shape
+        w = self.weight.reshape(H, K * C, d).transpose(1, 2)  # [H, d, K * C]
+        logits = torch.matmul(x, w.to(x.dtype))
+        if read:
+            logits = logits * self.read_scale + self.read_bias.reshape(H, 1, K * C).to(x.dtype)
+        else:
+            logits = logits + self.bias.reshape(H, 1, K * C).to(x.dtype)
+        logp = torch.log_softmax(logits.unflatten(-1, (K, C)), dim=-1).flatten(-2)
+        return logp[..., self._leaf_paths(x.device)].sum(-2)
+
+    def _leaf_paths(self, device) -> torch.Tensor:
+        """[D, N_b]: for each leaf, the flat (node * C + child) index of its path's step at each level."""
+        cached = getattr(self, "_paths", None)
+        if cached is None or cached.device != torch.device(device):
+            C = self.branching
+            node = torch.arange(self.num_buckets, device=device) + self.num_nodes
+            steps = []
+            for _ in range(self.depth):
+                parent = (node - 1) // C
+                steps.append(parent * C + (node - 1) % C)
+                node = parent
+            cached = self._paths = torch.stack(steps[::-1])
+        return cached
+
     def beam_topm(self, x: torch.Tensor, m: int, read: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Beam search of width m down the tree: D * m * C dot products per query, whatever N_b.
 
@@ -138,6 +170,42 @@ class Router(nn.Module):
             scores, buckets = self.leaf_scores(x, read).topk(m, dim=-1)
             return buckets, scores
         return self.beam_topm(x, m, read)
+
+    def group_topm_buckets(self, x: torch.Tensor, m: int, read: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The m best buckets of each group of R queries that share a KV head's keys: a
+        bucket's group score is log of the mean over the R queries of their path
+        probabilities (a bucket one query head wants strongly ranks high, as it would for
+        that head alone). Exhaustive or beam search as :meth:`topm_buckets`; the beam keeps
+        the m best partial paths by the same group score.
+
+        Why one choice per group: the R query heads of a KV head read the same slots, so a
+        sparse read gathers each of its slots once and scores it against all R heads in one
+        product (the dense read's reuse of a key); per-head choices would gather up to R
+        times as many slots for the same M.
+
+        x : [B, H, R, N, d] -> (buckets [B, H, N, m'], scores [B, H, N, m']), m' = min(m, N_b)
+        """
+        B, H, R, N, d = x.shape
+        m = min(m, self.num_buckets)
+        flat = x.reshape(B, H, R * N, d)
+        check_tensor("x", flat, ndim=4, last=self.head_dim)
+        if self.num_nodes * self.branching <= self.depth * m * self.branching:
+            group = torch.logsumexp(self._all_leaf_scores(flat, read).view(B, H, R, N, -1), 2) - math.log(R)
+            scores, buckets = group.topk(m, dim=-1)
+            return buckets, scores
+        C = self.branching
+        node = torch.zeros(B, H, N, 1, dtype=torch.long, device=x.device)
+        score = torch.zeros(B, H, R, N, 1, dtype=x.dtype, device=x.device)  # each query's path log-prob
+        for _ in range(self.depth):
+            K = node.shape[-1]
+            nodes = node.unsqueeze(2).expand(B, H, R, N, K).reshape(B, H, R * N, K)
+            logp = torch.log_softmax(self._logits_at(flat, nodes, read), dim=-1).view(B, H, R, N, K, C)
+            cand = (score.unsqueeze(-1) + logp).flatten(-2)  # [B, H, R, N, K * C]
+            child = (node.unsqueeze(-1) * C + 1 + torch.arange(C, device=x.device)).flatten(-2)
+            _, idx = torch.logsumexp(cand, 2).topk(min(m, K * C), dim=-1)
+            node = child.gather(-1, idx)
+            score = cand.gather(-1, idx.unsqueeze(2).expand(B, H, R, N, idx.shape[-1]))
+        return node - self.num_nodes, torch.logsumexp(score, 2) - math.log(R)
 
     # ------------------------------------------------------------------ training signal
     def balance_loss(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,210 @@
+"""The sparse read (each query gathers the slots of its top-M buckets) against the masked
+read of the whole pool, its reference: bucket lists, routing per KV head, and the layer's
+outputs at decode (T = 1) and in short chunks, fp32 and bf16, every slot format."""
+
+import copy
+
+import pytest
+import torch
+
+import armkv.methods.arm as arm_method
+from armkv.config import ARMConfig
+from armkv.hf.attach import make_cache
+from armkv.memory.read import bucket_index, gather_slots, run_breaks, slots_of_buckets, sort_by_bucket
+from armkv.memory.route import Router
+from armkv.memory.state import MemoryState
+from armkv.methods.arm import resolve_arm
+from armkv.methods.base import ModelInfo
+from conftest import tiny_model
+
+
+@pytest.mark.parametrize("G,S,nb,M,Q", [(3, 37, 5, 2, 4), (2, 101, 16, 3, 7), (1, 1, 4, 1, 1), (2, 64, 64, 9, 3)])
+def test_slots_of_buckets_lists_exactly_the_occupied_slots_of_the_picked_buckets(G, S, nb, M, Q):
+    g = torch.Generator().manual_seed(S)
+    slot_bucket = torch.randint(0, nb, (G, S), generator=g)
+    occupied = torch.rand(G, S, generator=g) < 0.7
+    slot_bucket = torch.where(occupied | (torch.rand(G, S, generator=g) < 0.5), slot_bucket, -1)  # some free slots keep a bucket
+    buckets = torch.stack([torch.stack([torch.randperm(nb, generator=g)[:M] for _ in range(Q)]) for _ in range(G)])
+    take = torch.rand(G, Q, M, generator=g) < 0.8
+    index = bucket_index(slot_bucket, occupied, nb)
+    width = index.width(M)
+    assert width % 64 == 0 or width == S
+    ids, used = slots_of_buckets(index, buckets, width, take)
+    for gi in range(G):
+        for qi in range(Q):
+            picked = [b for b, t in zip(buckets[gi, qi].tolist(), take[gi, qi].tolist()) if t]
+            want = sorted(s for s in range(S) if occupied[gi, s] and int(slot_bucket[gi, s]) in picked)
+            got = ids[gi, qi][used[gi, qi]].tolist()
+            assert sorted(got) == want and len(set(got)) == len(got)
+    # the width holds any M buckets of any group
+    sizes = torch.stack([torch.bincount(slot_bucket[gi][occupied[gi]], minlength=nb) for gi in range(G)])
+    assert width >= int(sizes.sort(1, descending=True).values[:, :M].sum(1).max())
+
+
+def test_gather_slots_takes_every_field_of_the_listed_slots():
+    g = torch.Generator().manual_seed(0)
+    G, S, d = 2, 29, 64
+    st = MemoryState.empty(G, S, d)
+    st.key.copy_(torch.randn(G, S, d, generator=g))
+    st.value.copy_(torch.randn(G, S, d, generator=g))
+    st.count.copy_(torch.randint(0, 3, (G, S), generator=g).float())
+    st.pos.copy_(torch.rand(G, S, generator=g) * 100)
+    st.bucket.copy_(torch.randint(0, 7, (G, S), generator=g))
+    ids = torch.randint(0, S, (G, 3, 11), generator=g)
+    for fmt in ("model", "bfloat16", "int8", "k8v4", "k4v4"):
+        packed = st.pack(fmt, mix=fmt in ("k8v4", "k4v4"))
+        got = gather_slots(packed, ids).unpack(torch.float32)
+        full = packed.unpack(torch.float32)
+        for name in ("key", "value", "pos", "count", "bucket"):
+            want = torch.stack([getattr(full, name)[gi][ids[gi, q]] for gi in range(G) for q in range(3)])
+            torch.testing.assert_close(getattr(got, name), want, rtol=0, atol=0, msg=f"{fmt} {name}")
+
+
+@pytest.mark.parametrize("depth,m", [(3, 16), (2, 3), (3, 5)])
+def test_group_routing_is_the_mean_path_probability_of_the_group(depth, m):
+    torch.manual_seed(0)
+    router = Router(2, 16, depth, 4)
+    x = torch.randn(2, 2, 3, 7, 16)  # [B, H, R, N, d]
+    buckets, scores = router.group_topm_buckets(x, m)
+    leaf = router.leaf_scores(x.reshape(2, 2, 21, 16)).view(2, 2, 3, 7, -1)
+    group = torch.logsumexp(leaf, 2) - torch.log(torch.tensor(3.0))
+    want_scores, want = group.topk(m, -1)
+    if m >= router.num_buckets // 4 or router.num_nodes * 4 <= depth * m * 4:  # exhaustive, or a beam wide enough to be exact
+        assert torch.equal(buckets, want)
+    else:  # the beam: picks the best surviving leaves, never better than the exhaustive top-m
+        assert (scores <= want_scores + 1e-5).all()
+    torch.testing.assert_close(scores, group.gather(-1, buckets))
+    # the one-product scoring of a small tree, against the level-by-level reference
+    for read in (True, False):
+        torch.testing.assert_close(router._all_leaf_scores(x[:, :, 0], read), router.leaf_scores(x[:, :, 0], read))
+    # one query per group: the per-query routing
+    one, _ = router.group_topm_buckets(x[:, :, :1], m)
+    assert torch.equal(one, router.topm_buckets(x[:, :, 0], m)[0])
+
+
+def _layer_with_memory(dtype, overrides, seed=1):
+    """Layer 1 of a tiny model's arm cache after a prompt and a few decode steps: merged
+    slots, tokens waiting, a left-padded row."""
+    model = tiny_model("llama").to(dtype).eval()
+    torch.manual_seed(seed)
+    ids = torch.randint(0, 100, (2, 301))
+    mask = torch.ones_like(ids)
+    mask[1, :120] = 0
+    overrides = {"sync": 5, "lazy_merge": False, "top_m": "fixed", "m_fixed": 3, **overrides}
+    info = ModelInfo(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_positions=512)
+    arm, _ = resolve_arm(info, 96, "random", overrides=overrides)
+    arm = copy.deepcopy(arm).to(dtype)  # the ARM parameters in the model's dtype
+    cache = make_cache(model, "arm", budget=96, chunk=32, arm=arm, arm_overrides=overrides)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for _ in range(3):
+            model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    layer = cache.layers[1]
+    assert layer.pending is not None and layer.state.count.max() > 1
+    assert layer.memory.router.num_buckets >= 8 and 0 < layer._m_read < layer.memory.router.num_buckets
+    return model, layer
+
+
+FORMATS = [{"slot_format": "k4v4"}, {"slot_format": "k8v4", "slot_mixing": False}, {"slot_format": "int8"},
+           {"slot_format": "bfloat16"}, {"slot_format": "model"}, {"slot_ladder": "int8,k8v4"}]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("overrides", FORMATS)
+@pytest.mark.parametrize("T", [1, 5])
+def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overrides, T, monkeypatch):
+    """Tolerances: fp32 2e-5 (the two reads sum the same terms in another order, slots
+    dequantised alike); bf16 2e-2 (bf16 products and softmax, rounded at other points)."""
+    model, layer = _layer_with_memory(dtype, overrides)
+    B, H = layer.buffer.sink_k.shape[:2]
+    Hq, d = model.config.num_attention_heads, layer.buffer.sink_k.shape[-1]
+    g = torch.Generator().manual_seed(T)
+    query = torch.randn(B, Hq, T, d, generator=g).to(dtype)
+    key, value = (torch.randn(B, H, T, d, generator=g).to(dtype) for _ in range(2))
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, 0] = False  # a padding token
+    positions = torch.arange(400, 400 + T).expand(B, T)
+    exact = layer._exact()
+    for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):  # rows may read fewer buckets than the widest
+        layer.m, layer._m_read = m, int(m.max())  # as ARMLayer._decide_m sets them
+        assert layer._reads_sparse(T, reads_all=False)
+        with torch.no_grad():
+            ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
+            fast = layer._sparse_read(query, key, value, valid, positions, 0.3, *exact)
+            eager = layer._sparse_read(query, key, value, valid, positions, 0.3, *exact, fused=False)
+            every = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
+        torch.testing.assert_close(fast, ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(eager, ref, rtol=tol, atol=tol)
+        with monkeypatch.context() as patch:  # compiled: the fixed width of any M buckets, no host sync
+            patch.setattr(torch.compiler, "is_compiling", lambda: True)
+            with torch.no_grad():
+                fixed = layer._sparse_read(query, key, value, valid, positions, 0.3, *exact)
+        torch.testing.assert_close(fixed, ref, rtol=tol, atol=tol)
+        # the masks mattered (not every slot was read): reading all differs far more than the two reads
+        assert (every.float() - ref.float()).abs().max() > 4 * (fast.float() - ref.float()).abs().max()
+    # the gather reads a fraction of the pool
+    index = layer._bucket_index()
+    assert index.width(3) <= layer._readable().slots
+
+
+def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch):
+    """Whole model, prefill in chunks then decoding (writes between the reads): the logits
+    with the gathered reads equal those with every read masked over the whole pool."""
+    model = tiny_model("llama").eval()
+    ids = torch.randint(0, 100, (2, 260), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        cache = make_cache(model, "arm", budget=96, chunk=16, adapter="random",
+                           arm_overrides={"sync": 3, "top_m": "fixed", "m_fixed": 2})
+        outs = []
+        with torch.no_grad():
+            logits = model(ids[:, :200], past_key_values=cache, use_cache=True).logits
+            outs.append(logits)
+            for t in range(200, 260):
+                outs.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+        return torch.cat(outs, 1), cache
+
+    calls = []
+    gathered = arm_method.ARMLayer._sparse_read
+    monkeypatch.setattr(arm_method.ARMLayer, "_sparse_read", lambda self, *a, **k: calls.append(a[0].shape[2]) or gathered(self, *a, **k))
+    monkeypatch.setattr(arm_method, "RESORT_SHARE", 1_000_000)  # re-lay the pool at every write that breaks its order
+    monkeypatch.setattr(arm_method, "RESORT_PER_BUCKET", 0)
+    sorts = []
+    relay = arm_method.sort_by_bucket
+    monkeypatch.setattr(arm_method, "sort_by_bucket", lambda st, index: sorts.append(1) or relay(st, index))
+    sparse, cache = run()
+    assert len(sorts) > 10
+    assert cache.layers[0]._m_read < cache.layers[0].memory.router.num_buckets
+    assert calls.count(1) == 2 * 60  # every decode step of both layers gathered
+    # the reference: every read masked over the whole pool, the pool re-laid by bucket as the
+    # sparse run lays it (where slots lie changes no read, but a write's ties may fall otherwise)
+    def masked(self, query, key, value, valid, positions, scaling, *exact, fused=True):
+        self._bucket_index()
+        return self._chunk_read(query, key, value, valid, positions, scaling, *exact, reads_all=False)
+
+    monkeypatch.setattr(arm_method.ARMLayer, "_sparse_read", masked)
+    dense, _ = run()
+    torch.testing.assert_close(sparse, dense, rtol=1e-4, atol=1e-4)
+
+
+def test_sort_by_bucket_lays_the_same_slots_bucket_by_bucket():
+    g = torch.Generator().manual_seed(5)
+    G, S, d, nb, reach = 2, 53, 32, 6, 41
+    st = MemoryState.empty(G, S, d)
+    used = torch.rand(G, reach, generator=g) < 0.8
+    st.count[:, :reach] = torch.where(used, torch.randint(1, 4, (G, reach), generator=g).float(), 0.0)
+    st.bucket[:, :reach] = torch.where(used, torch.randint(0, nb, (G, reach), generator=g), -1)
+    st.key[:, :reach] = torch.randn(G, reach, d, generator=g) * used.unsqueeze(-1)
+    st.value[:, :reach] = torch.randn(G, reach, d, generator=g) * used.unsqueeze(-1)
+    st.pos[:, :reach] = torch.rand(G, reach, generator=g) * 100 * used
+    packed = st.pack("k4v4", mix=True)
+    index = bucket_index(packed.bucket[:, :reach], packed.count[:, :reach] > 0, nb)
+    assert run_breaks(index) > nb
+    laid = sort_by_bucket(packed, index)
+    after = bucket_index(laid.bucket[:, :reach], laid.count[:, :reach] > 0, nb)
+    assert run_breaks(after) < nb and torch.equal(after.size, index.size)
+    assert torch.equal(after.order[:, : int(index.size.sum(1).min())], torch.arange(int(index.size.sum(1).min())).expand(G, -1))
+    a, b = packed.unpack(torch.float32), laid.unpack(torch.float32)
+    for gi in range(G):  # the same slots: every row of (key, value, pos, count, bucket) once
+        rows = lambda s: sorted(map(tuple, torch.cat([s.key[gi], s.value[gi], s.pos[gi, :, None], s.count[gi, :, None], s.bucket[gi, :, None].float()], 1).tolist()))  # noqa: E731
+        assert rows(a) == rows(b)
