@@ -212,13 +212,7 @@ def gathered_read(
     mix = mixing_matrix(d, query.dtype, query.device) if slots.mixed else None
     kernel = kernels.fused_read(query, slots.value) if fused and T == 1 and slots.key_scale is not None else None
     if kernel is not None:
-        out = kernel.arm_decode_read(
-            query.reshape(G, R, d), key.reshape(G, d), value.reshape(G, d), valid[:, :1].expand(B, H).reshape(G),
-            exact_k.reshape(G, L, d), exact_v.reshape(G, L, d), exact_valid[:, None, :].expand(B, H, L).reshape(G, L),
-            slots.key, slots.key_scale, slots.value, slots.value_scale, slot_bias.reshape(G, W),
-            mix if mix is not None else query.new_empty(0), float(scaling),
-        )
-        return out.reshape(B, Hq, 1, d).transpose(1, 2)
+        return fused_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, slots, slot_bias, mix, scaling)
     q = query.reshape(B, H, R, T, d)
     q_slots = (q if mix is None else q @ mix).transpose(2, 3).reshape(G * T, R, d)
     slot_scores = slots.key_scores(q_slots, fused=fused).view(B, H, T, R, W).transpose(2, 3) * scaling
@@ -239,3 +233,19 @@ def gathered_read(
     rest = rest + torch.matmul(w[..., W + L :].reshape(B, H, R * T, T), chunk_v)
     out = from_slots + rest.view(B, H, R, T, d)
     return out.reshape(B, Hq, T, d).transpose(1, 2)
+
+
+def fused_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, slots, slot_bias, mix, scaling):
+    """One query's read through the fused CPU kernel (``armkv.memory.kernels.fused_read``):
+    slots [G, ..., W] quantised (their codes and scales as stored), slot_bias [B, H, W] or
+    [G, W], the rest as :func:`gathered_read` takes them with T = 1. Returns [B, 1, Hq, d]."""
+    B, Hq, _, d = query.shape
+    H, L = key.shape[1], exact_k.shape[2]
+    G, R = B * H, Hq // H
+    out = kernel.arm_decode_read(
+        query.reshape(G, R, d), key.reshape(G, d), value.reshape(G, d), valid[:, :1].expand(B, H).reshape(G),
+        exact_k.reshape(G, L, d), exact_v.reshape(G, L, d), exact_valid[:, None, :].expand(B, H, L).reshape(G, L),
+        slots.key, slots.key_scale, slots.value, slots.value_scale, slot_bias.reshape(G, -1),
+        mix if mix is not None else query.new_empty(0), float(scaling),
+    )
+    return out.reshape(B, Hq, 1, d).transpose(1, 2)

@@ -38,7 +38,7 @@ from armkv.errors import ArmkvError
 from armkv.memory import kernels
 from armkv.memory.module import ARMModel
 from armkv.memory.read import (
-    BucketIndex, bucket_index, bucket_slot_mask, gather_slots, gathered_read, run_breaks, slots_of_buckets, sort_by_bucket,
+    BucketIndex, bucket_index, bucket_slot_mask, fused_decode_read, gather_slots, gathered_read, run_breaks, slots_of_buckets, sort_by_bucket,
 )
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
@@ -333,14 +333,7 @@ class ARMLayer(CacheLayer):
         bias = self._decode_bias()
         kernel = kernels.fused_read(query, st.value) if fused and st.key_scale is not None else None
         if kernel is not None:
-            G, L = B * H, exact_k.shape[2]
-            out = kernel.arm_decode_read(
-                query.reshape(G, R, d), key.reshape(G, d), value.reshape(G, d), valid[:, :1].expand(B, H).reshape(G),
-                exact_k.reshape(G, L, d), exact_v.reshape(G, L, d), exact_valid[:, None, :].expand(B, H, L).reshape(G, L),
-                st.key, st.key_scale, st.value, st.value_scale, bias.reshape(G, S),
-                mix if mix is not None else query.new_empty(0), float(scaling),
-            )
-            return out.reshape(B, Hq, 1, d).transpose(1, 2)
+            return fused_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, bias, mix, scaling)
         q = query.reshape(B, H, R, d)  # the query heads of a KV head share its keys
         q_slots = (q if mix is None else q @ mix).reshape(B * H, R, d)
         # the logits come out of the products in the model's dtype (accumulated in float32
