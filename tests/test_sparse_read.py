@@ -101,7 +101,7 @@ def _layer_with_memory(dtype, overrides, seed=1):
             model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
     layer = cache.layers[1]
     assert layer.pending is not None and layer.state.count.max() > 1
-    assert layer.memory.router.num_buckets >= 8 and 0 < layer._m_read < layer.memory.router.num_buckets
+    assert layer.memory.router.num_buckets >= 8 and 0 < layer._route_k < layer.memory.router.num_buckets
     return model, layer
 
 
@@ -126,7 +126,7 @@ def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overri
     positions = torch.arange(400, 400 + T).expand(B, T)
     exact = layer._exact()
     for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):  # rows may read fewer buckets than the widest
-        layer.m, layer._m_read = m, int(m.max())  # as ARMLayer._decide_m sets them
+        layer.m, layer._route_k = m, int(m.max())  # as ARMLayer._decide_m sets them
         assert layer._reads_sparse(T, reads_all=False)
         with torch.no_grad():
             ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
@@ -174,7 +174,7 @@ def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch):
     monkeypatch.setattr(arm_method, "sort_by_bucket", lambda st, index: sorts.append(1) or relay(st, index))
     sparse, cache = run()
     assert len(sorts) > 10
-    assert cache.layers[0]._m_read < cache.layers[0].memory.router.num_buckets
+    assert cache.layers[0]._route_k < cache.layers[0].memory.router.num_buckets
     assert calls.count(1) == 2 * 60  # every decode step of both layers gathered
     # the reference: every read masked over the whole pool, the pool re-laid by bucket as the
     # sparse run lays it (where slots lie changes no read, but a write's ties may fall otherwise)

@@ -229,7 +229,7 @@ def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], rep
         H, Hq, d = info.num_kv_heads, info.num_heads, info.head_dim
         g = torch.Generator().manual_seed(budget)
         exact = layer._exact()
-        st, nb, M = layer._readable(), layer.memory.router.num_buckets, layer._m_read
+        st, nb, M = layer._readable(), layer.memory.router.num_buckets, layer._route_k
         t0 = time.perf_counter()
         bucket_index(st.bucket, st.count > 0, nb)
         build = time.perf_counter() - t0

@@ -102,7 +102,6 @@ class ARMLayer(CacheLayer):
         self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.m: torch.Tensor | None = None  # [B] buckets each row reads
         self._reads_all = False  # every row reads every bucket (no routing, no per-query mask)
-        self._m_read = 0  # buckets the sparse read gathers per query: the largest row's M
         self._index_for = None  # (state, its BucketIndex) for the sparse read
         self.mix: torch.Tensor | None = None  # [B] soft-cascade weight of Top(M + 1) (training)
         self.aux: dict[str, torch.Tensor] = {}
@@ -119,7 +118,7 @@ class ARMLayer(CacheLayer):
         # [B, H, sync, d], values, valid [B, sync], positions [B, sync]) and the steps since the write
         self.waiting: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.waiting_steps = 0
-        self._route_k = 0  # buckets routed per query (the largest M, with the training mix's one more)
+        self._route_k = 0  # buckets routed (and gathered by a sparse read) per query: the largest M, +1 for the training mix
 
     def _ladder_rungs(self) -> list[tuple[str, int]]:
         """``slot_ladder``'s formats with the slots each holds in the bytes of the pool as
@@ -631,7 +630,7 @@ class ARMLayer(CacheLayer):
         c = self.config
         return (
             not reads_all and self.mix is None and not self.memory.training and c.position_mode == "stored"
-            and T <= SPARSE_MAX_QUERIES and self._m_read < self.memory.router.num_buckets
+            and T <= SPARSE_MAX_QUERIES and self._route_k < self.memory.router.num_buckets
         )
 
     def _bucket_index(self):
@@ -659,7 +658,7 @@ class ARMLayer(CacheLayer):
         falls with M; it equals the masked read of the whole pool (tests/test_sparse_read.py).
         Returns [B, T, Hq, d]."""
         B, Hq, T, d = query.shape
-        H, M = key.shape[1], self._m_read
+        H, M = key.shape[1], self._route_k
         G = B * H
         q_pre = self.rotary.unrotate(query, positions.unsqueeze(1))
         buckets = self._group_buckets(q_pre, M)  # [B, H, T, M]
@@ -672,7 +671,7 @@ class ARMLayer(CacheLayer):
         ids, used = slots_of_buckets(index, buckets.reshape(G, T, M), None if eager_cpu else index.width(M), take.reshape(G, T, M))
         W = ids.shape[-1]
         st = self._readable()
-        bias = self._decode_bias(query.dtype).reshape(G, st.slots).gather(1, ids.view(G, T * W)).view(B, H, T, W)
+        bias = self._decode_bias().reshape(G, st.slots).gather(1, ids.view(G, T * W)).view(B, H, T, W)
         bias = bias.masked_fill(~used.view(B, H, T, W), -torch.inf)
         return gathered_read(
             query, key, value, valid, scaling, exact_k, exact_v, exact_valid, gather_slots(st, ids, for_reading=True), bias, fused=fused
@@ -689,12 +688,10 @@ class ARMLayer(CacheLayer):
             self.m = torch.full((k_pre.shape[0],), c.fixed_m, dtype=torch.long, device=k_pre.device)
             self._reads_all = c.fixed_m >= num_buckets
             self._route_k = min(c.fixed_m, num_buckets)
-            self._m_read = min(c.fixed_m, num_buckets)
             return
         m, g, expected = self.memory.policy.decide(pooled.flatten(1), self.memory.training, c.epsilon, self.generator)
         self.m = m.clamp_max(num_buckets)
         self._reads_all = bool((self.m >= num_buckets).all())
-        self._m_read = int(self.m.max())
         if self.memory.training:
             self.mix = g
             self.aux["budget"] = expected.mean() / self.memory.router.num_buckets
