@@ -465,7 +465,7 @@ def test_a_larger_sync_or_window_is_paid_for_with_slots():
 
 
 def test_other_methods_take_a_horizon_without_complaint():
-    """make_cache(horizon=N) goes only to a factory that takes it; the built-in ones do not."""
+    """make_cache(horizon=N) goes only to a factory that takes it (sink, swa); arm ignores it."""
     model = tiny_model("llama").eval()
     for method in ("sink", "arm"):
         make_cache(model, method, budget=96, chunk=16, horizon=120)

@@ -8,7 +8,8 @@ from armkv.memory.rope import Rotary
 from armkv.methods.attention import joint_attention, joint_attention_reference, safe_softmax, safe_softmax_reference
 from armkv.methods.base import METHODS, ModelInfo, _load_builtin_methods, get_method
 from armkv.methods.kivi import pack, quantise, unpack
-from conftest import DEVICES, DTYPES, dtype_id
+from armkv.hf.attach import make_cache
+from conftest import DEVICES, DTYPES, dtype_id, tiny_model
 
 _load_builtin_methods()
 BOUNDED = sorted(name for name, m in METHODS.items() if m.bounded)
@@ -355,3 +356,26 @@ def test_kivi_ring_keeps_the_newest_groups():
         feed(t, 1)  # 26, 27, 28 leave the residual: 24..27 becomes a group and overwrites 16..19
     assert stored() == list(range(20, 28))
     assert int(layer.stage_count[0]) == 1
+
+
+@pytest.mark.parametrize("method", ["sink", "swa"])
+def test_a_known_horizon_allocates_only_the_window_it_fills(method):
+    """make_cache(horizon=N) with N below the budget: the window holds N tokens, not budget,
+    and the logits of a chunked prefill and of every decode step up to N tokens are the same
+    as with the whole window; a horizon past the budget changes nothing."""
+    model = tiny_model("llama").eval()
+    ids = torch.randint(0, 100, (2, 37), generator=torch.Generator().manual_seed(5))
+    budget, horizon = 4096, ids.shape[1]
+    whole = make_cache(model, method, budget=budget, chunk=16)
+    held = make_cache(model, method, budget=budget, chunk=16, horizon=horizon)
+    with torch.no_grad():
+        a = model(ids[:, :30], past_key_values=whole, use_cache=True).logits
+        b = model(ids[:, :30], past_key_values=held, use_cache=True).logits
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        for t in range(30, horizon):
+            a = model(ids[:, t : t + 1], past_key_values=whole, use_cache=True).logits
+            b = model(ids[:, t : t + 1], past_key_values=held, use_cache=True).logits
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert held.state_bytes() * 50 < whole.state_bytes()
+    past = make_cache(model, method, budget=16, chunk=16, horizon=horizon)
+    assert past.layers[0].window == make_cache(model, method, budget=16, chunk=16).layers[0].window

@@ -46,17 +46,29 @@ class WindowLayer(CacheLayer):
         return 0 if self.buffer is None else self.buffer.state_bytes()
 
 
+def held_window(window: int, sinks: int, horizon: int | None) -> int:
+    """The window a layer allocates: ``window``, or, where the caller knows the tokens the
+    cache will see (``horizon``: prompt + new tokens) and they are fewer, just what holds all
+    of them past the sinks. A window that never fills keeps the same tokens at any size, so
+    the result is the same and a large budget costs nothing it does not use."""
+    return window if horizon is None else max(1, min(window, horizon - sinks))
+
+
 @register_method("swa", "sliding window of the last `budget` tokens")
-def make_swa(layer_idx: int, info: ModelInfo, rotary: Rotary | None, budget: int | None, chunk: int, **options):
+def make_swa(
+    layer_idx: int, info: ModelInfo, rotary: Rotary | None, budget: int | None, chunk: int,
+    horizon: int | None = None, **options,
+):  # fmt: skip
     reject_options("swa", options)
     window = require_budget("swa", budget, 1, "the window holds budget tokens")
-    return WindowLayer(layer_idx, info, rotary, chunk, sinks=0, window=window)
+    return WindowLayer(layer_idx, info, rotary, chunk, sinks=0, window=held_window(window, 0, horizon))
 
 
 @register_method("sink", "StreamingLLM: 4 attention sinks + a window of budget - 4 tokens")
 def make_sink(
-    layer_idx: int, info: ModelInfo, rotary: Rotary | None, budget: int | None, chunk: int, sinks: int = 4, **options
-):
+    layer_idx: int, info: ModelInfo, rotary: Rotary | None, budget: int | None, chunk: int, sinks: int = 4,
+    horizon: int | None = None, **options,
+):  # fmt: skip
     reject_options("sink", options)
     budget = require_budget("sink", budget, sinks + 1, f"{sinks} sinks + a window of at least 1")
-    return WindowLayer(layer_idx, info, rotary, chunk, sinks=sinks, window=budget - sinks)
+    return WindowLayer(layer_idx, info, rotary, chunk, sinks=sinks, window=held_window(budget - sinks, sinks, horizon))
