@@ -107,8 +107,8 @@ def make_cache(
     budget : token-equivalents of KV bytes per layer and sequence (None: unbounded methods only)
     chunk : P, the prefill chunk (the sync point of the budgeted chunked prefill)
     horizon : the tokens the cache will see (prompt + new tokens), where the caller knows
-        them: passed to a method whose factory takes a ``horizon`` parameter (sink and swa
-        then allocate no more window than it needs), ignored by the others
+        them: passed to a method whose factory takes a ``horizon`` parameter (sink, swa and
+        bounded kivi then allocate no more than it fills), ignored by the others
     compile : run each decode step (one token) of every layer through ``torch.compile``
         (:meth:`~armkv.methods.base.CacheLayer.compile_decode`): True for the default
         settings (``mode="reduce-overhead"`` on CUDA, where the step is replayed as a CUDA

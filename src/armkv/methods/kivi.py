@@ -285,6 +285,7 @@ def make_kivi(
     value_group: int | None = None,
     residual: int | None = None,
     sinks: int = 4,
+    horizon: int | None = None,
     **options,
 ):
     reject_options("kivi", options)
@@ -312,4 +313,9 @@ def make_kivi(
                 f"group of {group} exact tokens + one quantised group): raise --budget to at least "
                 f"{exact_tokens + per_group}, or lower residual"
             )
+    if horizon is not None and capacity is not None:
+        # the tokens the cache will see (make_cache's horizon): a residual and a ring that never
+        # fill keep the same tokens at any size, so allocate only what they fill
+        residual = min(residual, max(0, horizon - sinks))
+        capacity = min(capacity, -(-horizon // group) + 1)
     return KiviLayer(layer_idx, info, rotary, chunk, bits, group, value_group, residual, sinks, capacity)
