@@ -672,7 +672,7 @@ class ARMLayer(CacheLayer):
         ids, used = slots_of_buckets(index, buckets.reshape(G, T, M), None if eager_cpu else index.width(M), take.reshape(G, T, M))
         W = ids.shape[-1]
         st = self._readable()
-        bias = self._decode_bias(query.dtype).reshape(G, st.slots).gather(1, ids.view(G, T * W)).view(B, H, T, W)
+        bias = self._decode_bias().reshape(G, st.slots).gather(1, ids.view(G, T * W)).view(B, H, T, W)
         bias = bias.masked_fill(~used.view(B, H, T, W), -torch.inf)
         return gathered_read(
             query, key, value, valid, scaling, exact_k, exact_v, exact_valid, gather_slots(st, ids, for_reading=True), bias, fused=fused
