@@ -126,7 +126,7 @@ def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overri
     positions = torch.arange(400, 400 + T).expand(B, T)
     exact = layer._exact()
     for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):  # rows may read fewer buckets than the widest
-        layer.m, layer._m_read = m, int(m.max())  # as ARMLayer._decide_m sets them
+        layer.m, layer._m_read, layer._route_k = m, int(m.max()), int(m.max())  # as ARMLayer._decide_m sets them
         assert layer._reads_sparse(T, reads_all=False)
         with torch.no_grad():
             ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
