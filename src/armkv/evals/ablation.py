@@ -76,7 +76,7 @@ def describe(rows: list[common.Row]) -> str:
 
 def num_buckets_of(info, budget: int, adapter) -> int:
     """N_b of the tree the ARM rows will use (the adapter's, or the random tree for this budget)."""
-    from armkv.methods.arm import resolve_arm
+    from armkv.methods.adapters import resolve_arm
 
     arm_model, _ = resolve_arm(info, budget, adapter)
     return arm_model.config.num_buckets

@@ -8,7 +8,7 @@ into the slots (chunked scan; one token at a time while decoding).
 
 Device and dtype. The ARM parameters (router, slot scorer and gate, policy: a few hundred
 KB) live on the model's device, kept in float32 whatever the model's dtype; a cache of a
-model on another device than the adapter gets its own copy there (:func:`arm_on_device`).
+model on another device than the adapter gets its own copy there (``adapters.arm_on_device``).
 The memory computes in float32 (``ARMLayer.work_dtype``): routing, the top-M policy, the
 write plan (cosines, merges), the gates and the blending scan, and the rotations between
 read and write positions, so that a bfloat16 or float16 model routes and merges its
@@ -23,16 +23,11 @@ takes their PyTorch references.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
-import math
-import re
-import weakref
-from pathlib import Path
 
 import torch
 
+from armkv.budget import LAYER_SHARE_RULES, adapter_layer_weights, layer_budget, parse_layer_weights, retrieval_layer_weights
 from armkv.config import ARMConfig, slot_bytes
 from armkv.errors import ArmkvError
 from armkv.memory import kernels
@@ -45,17 +40,9 @@ from armkv.memory.state import MemoryState
 from armkv.memory.write import roomy_groups
 from armkv.memory.quant import mixing_matrix
 from armkv.methods.attention import at_least_float32, decode_scores, decode_values, joint_attention, safe_softmax
+from armkv.methods.adapters import DEFAULT_ADAPTER_ORDER, SHIPPED_ADAPTERS, arm_on_device, resolve_arm, shipped_adapter
 from armkv.methods.base import CacheLayer, ModelInfo, register_method, require_budget
 from armkv.methods.buffers import ExactBuffer
-
-# ARMConfig fields that may differ from the adapter's at run time: none of them changes
-# a parameter's shape (the tree, scorer, gate and policy come with the adapter).
-RUNTIME_FIELDS = {
-    "sinks", "window", "sync", "slots", "pool", "chunk", "position_mode", "write", "empty_slot_rule",
-    "log_count_bias", "demote_scope", "protect_recent", "lazy_merge", "slot_format", "slot_ladder", "slot_mixing", "tau", "top_m", "m_fixed", "epsilon",
-}  # fmt: skip
-
-SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
 
 # Slots a growing pool (ARMLayer._grows) starts with; it doubles (at least) whenever a write
 # would find too few free ones, up to the slots the budget buys.
@@ -732,210 +719,6 @@ class ARMLayer(CacheLayer):
 
 
 # ---------------------------------------------------------------------- registration
-@functools.lru_cache(maxsize=8)
-def _load_adapter(path: str) -> ARMModel:
-    return ARMModel.load(path).eval()
-
-
-def _fits(folder: Path, info: ModelInfo) -> bool:
-    try:
-        _load_adapter(str(folder)).check_fits(info.num_layers, info.num_kv_heads, info.head_dim)
-        return True
-    except ArmkvError:
-        return False
-
-
-# Which shipped adapter ``--method arm`` uses when none is named, best first: the calibrated
-# one (k-means trees and retrieval-head budget shares; docs/design.md). An adapter ships only
-# if it beats this one on held-out text (docs/decisions.md).
-DEFAULT_ADAPTER_ORDER = ("calibrated",)
-
-
-def shipped_adapter(info: ModelInfo) -> Path | None:
-    """The adapter shipped for a model of this shape, in :data:`DEFAULT_ADAPTER_ORDER`."""
-    for kind in DEFAULT_ADAPTER_ORDER:
-        for folder in sorted(SHIPPED_ADAPTERS.glob(f"*-{kind}")):
-            if _fits(folder, info):
-                return folder
-    return None
-
-
-@functools.lru_cache(maxsize=8)
-def _random_arm(num_layers: int, num_kv_heads: int, head_dim: int, config_json: str) -> ARMModel:
-    import json
-
-    torch.manual_seed(0)
-    return ARMModel(ARMConfig.from_dict(json.loads(config_json)), num_layers, num_kv_heads, head_dim).eval()
-
-
-# (ARM parameters, device) -> their copy on that device; the copy lives as long as the original
-_ON_DEVICE: "weakref.WeakKeyDictionary[ARMModel, dict[str, ARMModel]]" = weakref.WeakKeyDictionary()
-
-
-def arm_on_device(arm: ARMModel, device: torch.device | str, given: bool = False) -> ARMModel:
-    """``arm`` where its parameters are on ``device`` already, else a copy there (made once
-    per adapter and device, and shared by every cache made from it). Parameters the caller
-    gave (``given``: ``make_cache(..., arm=)``, e.g. those being trained) are never copied:
-    on another device they are an error, since a copy would not be the parameters trained."""
-    device = torch.device(device)
-    where = next(arm.parameters()).device
-    if where.type == device.type and (device.index is None or where.index == device.index):
-        return arm
-    if given:
-        raise ArmkvError(
-            f"the ARM parameters are on {where} but the model is on {device}: move them with arm.to({str(device)!r})"
-        )
-    copies = _ON_DEVICE.setdefault(arm, {})
-    key = str(device)
-    if key not in copies:
-        copies[key] = copy.deepcopy(arm).to(device)
-    return copies[key]
-
-
-def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None = None, overrides: dict | None = None):
-    """The ARM parameters and the run-time config for this model and budget.
-
-    adapter : None (the shipped adapter for this model if there is one, else "random"),
-        "calibrated" (the shipped adapter of that kind), "random" (a seeded
-        fresh initialisation), or an adapter folder
-    arm : an ARMModel in memory (training passes its own); wins over adapter
-    overrides : run-time ARMConfig fields (ablations), see RUNTIME_FIELDS
-    """
-    overrides = dict(overrides or {})
-    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ARMConfig)})
-    if unknown:
-        raise ArmkvError(f"arm has no option {', '.join(unknown)}; its options: {', '.join(sorted(RUNTIME_FIELDS))}")
-    bad = sorted(set(overrides) - RUNTIME_FIELDS)
-    if bad:
-        raise ArmkvError(
-            f"arm option(s) {bad} change the adapter's parameters; make an adapter with them instead "
-            f"(run-time options: {', '.join(sorted(RUNTIME_FIELDS))})"
-        )
-
-    def fit(slot_format: str) -> ARMConfig:  # sinks, window, sync (as given, or split off) and slots that fit the budget
-        given = {k: int(overrides[k]) for k in ("sinks", "window", "sync") if k in overrides}
-        return ARMConfig.for_budget(budget, info.head_dim, info.dtype_bytes, slot_format=slot_format, **given)
-
-    if arm is None:
-        if adapter is None:
-            found = shipped_adapter(info)
-            adapter = str(found) if found else "random"
-        if adapter in DEFAULT_ADAPTER_ORDER:
-            found = [f for f in sorted(SHIPPED_ADAPTERS.glob(f"*-{adapter}")) if _fits(f, info)]
-            if not found:
-                raise ArmkvError(f"no {adapter} adapter ships for this model; make one with armkv calibrate / armkv train")
-            adapter = str(found[0])
-        if adapter == "random":
-            import json
-
-            tree_for_budget = fit(overrides.get("slot_format", ARMConfig.slot_format))
-            base = dataclasses.replace(tree_for_budget, **{k: v for k, v in overrides.items() if k in {"top_m", "m_fixed"}})
-            arm = _random_arm(info.num_layers, info.num_kv_heads, info.head_dim, json.dumps(base.to_dict()))
-        else:
-            if not Path(adapter).is_dir():
-                raise ArmkvError(f"adapter {adapter!r} is not a folder (use a path, 'random', or omit --adapter)")
-            arm = _load_adapter(str(Path(adapter).resolve()))
-    arm.check_fits(info.num_layers, info.num_kv_heads, info.head_dim)
-    tree = arm.config
-    # the storage format (and its mixing) and lazy merging are run-time choices (they change no parameter): the library's default
-    # unless asked, whatever the adapter was saved with
-    split = fit(overrides.get("slot_format", ARMConfig.slot_format))
-    runtime = dataclasses.replace(tree, sinks=split.sinks, window=split.window, sync=split.sync)
-    # the paper's pool partitions the slots over this adapter's buckets: a multiple of N_b
-    slots = split.slots
-    pool = overrides.get("pool", tree.pool)
-    if pool == "paper":
-        slots = (slots // tree.num_buckets) * tree.num_buckets
-    if slots < 1:
-        raise ArmkvError(
-            f"budget {budget} is too small for arm: raise --budget to at least {split.sinks + split.window + split.sync + 2}"
-        )
-    fields = {
-        "slots": int(slots), "pool": pool, "slot_format": split.slot_format, "slot_mixing": ARMConfig.slot_mixing,
-        "slot_ladder": ARMConfig.slot_ladder, "lazy_merge": ARMConfig.lazy_merge,
-        "demote_scope": ARMConfig.demote_scope, **overrides,
-    }  # fmt: skip
-    fields.setdefault("chunk", min(tree.chunk, int(slots)))
-    runtime = dataclasses.replace(runtime, **fields)
-    return arm, runtime
-
-
-LAYER_SHARE_RULES = ("lift-late",)
-
-
-def retrieval_layer_weights(
-    scores: list[float],
-    rule: str = "lift-late",
-    floor: float = 0.5,
-    spread: float = 2.0,
-    lift: float = 0.25,
-) -> list[float]:
-    """Relative per-layer budgets from :func:`retrieval_scores`, scaled to mean 1.
-
-    rule "lift-late": each layer gets floor + spread * sqrt(score / top score); every layer
-    scoring at least ``lift`` times the top score is raised to the top layer's share (a layer
-    whose heads copy from far back needs its needles held exactly, whatever its rank among
-    such layers), and the layers above the last raised one pay for it in proportion to their
-    shares, at most half of each (anything left is taken from every layer evenly), so that
-    the layers below keep their shares. Every layer keeps some memory. The rules it replaced
-    and what they measured: docs/decisions.md. ``armkv calibrate`` stores the shares and the
-    scores in the adapter.
-    """
-    if rule not in LAYER_SHARE_RULES:
-        raise ArmkvError(f"layer share rule {rule!r} is not one of {', '.join(LAYER_SHARE_RULES)}")
-    top = max(scores)
-    if not top > 0:
-        return [1.0] * len(scores)
-    raw = [floor + spread * (max(s, 0.0) / top) ** 0.5 for s in scores]
-    lifted = [i for i, s in enumerate(scores) if s >= lift * top]
-    extra = sum(floor + spread - raw[i] for i in lifted)
-    raw = [floor + spread if i in lifted else r for i, r in enumerate(raw)]
-    late = range(lifted[-1] + 1, len(raw))
-    paying = sum(raw[i] for i in late)
-    if paying > 0:
-        keep = max(0.5, 1 - extra / paying)
-        raw = [r * keep if i in late else r for i, r in enumerate(raw)]
-    mean = sum(raw) / len(raw)
-    return [round(w / mean, 4) for w in raw]
-
-
-def parse_layer_weights(spec, num_layers: int) -> list[float]:
-    """Relative per-layer budgets: a sequence of ``num_layers`` numbers, or a string of them
-    ("1,1,0.5,...") or of ranges ("0-9:0.5,10-29:1.25"; unlisted layers weigh 1), the items
-    separated by commas, slashes or spaces."""
-    def bad(why: str) -> ArmkvError:
-        return ArmkvError(f"layer_weights={spec!r}: {why} (e.g. '0-9:0.5,10-{num_layers - 1}:1.25' or {num_layers} numbers)")
-
-    ranges, weights = [], None
-    try:
-        if isinstance(spec, str) and ":" in spec:
-            for part in filter(None, re.split(r"[,/\s]+", spec)):
-                span, _, w = part.partition(":")
-                lo, _, hi = span.partition("-")
-                ranges.append((span, int(lo), int(hi or lo), float(w)))
-        else:
-            weights = [float(w) for w in (filter(None, re.split(r"[,/\s]+", spec)) if isinstance(spec, str) else spec)]
-    except ValueError:
-        raise bad("not numbers") from None
-    if weights is None:
-        weights = [1.0] * num_layers
-        for span, lo, hi, w in ranges:
-            if not 0 <= lo <= hi < num_layers:
-                raise bad(f"layers {span} are not within 0-{num_layers - 1}")
-            weights[lo : hi + 1] = [w] * (hi - lo + 1)
-    if len(weights) != num_layers:
-        raise bad(f"{len(weights)} weights for {num_layers} layers")
-    if min(weights) <= 0 or not all(math.isfinite(w) for w in weights):
-        raise bad("every weight must be a positive number")
-    return weights
-
-
-def layer_budget(budget: int, layer_idx: int, weights: list[float]) -> int:
-    """Layer ``layer_idx``'s token-equivalents when ``len(weights) * budget`` is shared in
-    proportion to ``weights`` (rounded down: the layers together never exceed the total)."""
-    return int(budget * len(weights) * weights[layer_idx] / sum(weights))
-
-
 @register_method("arm", "ARM: sinks + window exact, a tree-routed pool of merged slots for the rest")
 def make_arm(
     layer_idx: int,
@@ -957,17 +740,8 @@ def make_arm(
     overrides.setdefault("chunk", chunk)
     weights = overrides.pop("layer_weights", None)
     arm_model, runtime = resolve_arm(info, budget, adapter, arm, overrides)
-    # the adapter's calibrated per-layer shares of the budget, unless asked otherwise ("even": none;
-    # a rule of LAYER_SHARE_RULES: that rule applied to the retrieval scores the adapter was calibrated with)
-    weights = arm_model.config.layer_weights if weights is None else weights
-    if isinstance(weights, str) and weights in LAYER_SHARE_RULES:
-        scores = arm_model.config.meta.get("retrieval_scores")
-        if not scores or len(scores) != info.num_layers:
-            raise ArmkvError(
-                f"layer_weights={weights!r} needs the retrieval scores of an adapter calibrated by this armkv "
-                "(`armkv calibrate --layer-weights-only --out ADAPTER` adds them); give the shares as numbers instead"
-            )
-        weights = retrieval_layer_weights(scores, weights)
+    # the adapter's calibrated per-layer shares of the budget, unless asked otherwise
+    weights = adapter_layer_weights(weights, arm_model.config, info.num_layers)
     if weights is not None and weights != "even":
         share = layer_budget(budget, layer_idx, parse_layer_weights(weights, info.num_layers))
         require_budget("arm", share, 8, f"layer {layer_idx}'s share under layer_weights")
@@ -994,4 +768,9 @@ def make_fifo(layer_idx: int, info: ModelInfo, rotary: Rotary | None, budget: in
     return ARMLayer(layer_idx, info, rotary, arm_model.layers[layer_idx], runtime)
 
 
-__all__ = ["ARMLayer", "resolve_arm", "shipped_adapter"]
+# (the adapter lookup and the budget shares live in methods/adapters.py and budget.py; these
+# names are also importable from here)
+__all__ = [
+    "ARMLayer", "DEFAULT_ADAPTER_ORDER", "LAYER_SHARE_RULES", "SHIPPED_ADAPTERS", "arm_on_device", "resolve_arm",
+    "retrieval_layer_weights", "shipped_adapter",
+]  # fmt: skip

@@ -77,7 +77,7 @@ def option_keys(method: str) -> list[str]:
         if name not in skip and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
     }
     if method == "arm":
-        from armkv.methods.arm import RUNTIME_FIELDS
+        from armkv.methods.adapters import RUNTIME_FIELDS
 
         keys |= set(RUNTIME_FIELDS) | {"layer_weights", "fit_shares_to_length"}
     return sorted(keys)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from armkv.errors import ArmkvError
-from armkv.methods.arm import retrieval_layer_weights
+from armkv.budget import retrieval_layer_weights
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
