@@ -112,3 +112,13 @@ def tiny_model_dir(tmp_path_factory):
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Benchmark tests in one torch thread: on a busy 2-core machine an oversubscribed tiny
+    model runs several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

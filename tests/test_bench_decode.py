@@ -25,13 +25,7 @@ def small_bench(**overrides) -> DecodeBench:
     return DecodeBench(**fields)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # on a busy 2-core machine an oversubscribed tiny model runs several times slower
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,7 @@ SHRINK = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_at
               num_key_value_heads=2, head_dim=16, vocab_size=256, bos_token_id=1, eos_token_id=2)  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_the_shipped_names():
