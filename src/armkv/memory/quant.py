@@ -97,3 +97,9 @@ def _mixing_matrix(d: int) -> torch.Tensor:
         q, r = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
         q = q * torch.sign(torch.diagonal(r))
     return q
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 where its dtype is narrower (bfloat16, float16), else x itself: where a
+    read's logits are softmaxed and its weights summed."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x

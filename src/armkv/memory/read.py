@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from armkv.memory import kernels
-from armkv.memory.quant import mixing_matrix
+from armkv.memory.quant import at_least_float32, mixing_matrix
 from armkv.memory.state import MemoryState
 
 
@@ -215,15 +215,17 @@ def gathered_read(
         return fused_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, slots, slot_bias, mix, scaling)
     q = query.reshape(B, H, R, T, d)
     q_slots = (q if mix is None else q @ mix).transpose(2, 3).reshape(G * T, R, d)
-    slot_scores = slots.key_scores(q_slots, fused=fused).view(B, H, T, R, W).transpose(2, 3) * scaling
+    # logits from products in the model's dtype, biased and softmaxed in float32, as the dense
+    # decode read takes them (no-ops for a float32 model)
+    slot_scores = at_least_float32(slots.key_scores(q_slots, fused=fused).view(B, H, T, R, W).transpose(2, 3)) * scaling
     slot_scores = slot_scores + slot_bias.unsqueeze(2).to(slot_scores.dtype)
     flat = q.reshape(B, H, R * T, d)
-    exact_scores = (torch.matmul(flat, exact_k.transpose(-1, -2)) * scaling).view(B, H, R, T, L)
+    exact_scores = at_least_float32(torch.matmul(flat, exact_k.transpose(-1, -2))).view(B, H, R, T, L) * scaling
     exact_scores = exact_scores.masked_fill(~exact_valid[:, None, None, None, :], float("-inf"))
-    chunk_scores = (torch.matmul(flat, key.transpose(-1, -2)) * scaling).view(B, H, R, T, T)
+    chunk_scores = at_least_float32(torch.matmul(flat, key.transpose(-1, -2))).view(B, H, R, T, T) * scaling
     causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
     chunk_scores = chunk_scores.masked_fill(~(causal & valid[:, None, None, None, :]), float("-inf"))
-    w = torch.softmax(torch.cat([slot_scores, exact_scores, chunk_scores], -1), dim=-1).nan_to_num_(0.0)
+    w = torch.softmax(torch.cat([slot_scores, exact_scores, chunk_scores], -1), dim=-1).nan_to_num_(0.0).to(query.dtype)
     from_slots = slots.weighted_values(w[..., :W].transpose(2, 3).reshape(G * T, R, W), fused=fused)
     from_slots = from_slots.view(B, H, T, R, d).transpose(2, 3)
     if mix is not None:

@@ -38,8 +38,8 @@ from armkv.memory.read import (
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
 from armkv.memory.write import roomy_groups
-from armkv.memory.quant import mixing_matrix
-from armkv.methods.attention import at_least_float32, decode_scores, decode_values, joint_attention, safe_softmax
+from armkv.memory.quant import at_least_float32, mixing_matrix
+from armkv.methods.attention import decode_scores, decode_values, joint_attention, safe_softmax
 from armkv.methods.adapters import DEFAULT_ADAPTER_ORDER, SHIPPED_ADAPTERS, arm_on_device, resolve_arm, shipped_adapter
 from armkv.methods.base import CacheLayer, ModelInfo, register_method, require_budget
 from armkv.methods.buffers import ExactBuffer

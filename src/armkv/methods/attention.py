@@ -15,11 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    """x in float32 where its dtype is narrower (bfloat16, float16), else x itself: where a
-    read's logits are softmaxed and its weights summed."""
-    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+from armkv.memory.quant import at_least_float32
 
 
 def safe_softmax(scores: torch.Tensor) -> torch.Tensor:
