@@ -1,14 +1,26 @@
-"""``armkv eval policy``: the top-M the adapter's policy picks, per layer and input.
+"""``armkv eval policy``: the top-M the adapter's policy picks, and what it buys.
 
-The paper reports the distribution of M its policy learns (the shipped adapter's policy
-picks M = N_b, every bucket, for every input; a trained one may not). Here every input is a window of
-a text file; each window's first chunk goes through an ARM cache (the inference path: the
-policy reads the mean of the first ``policy_tokens`` pre-RoPE keys of each layer) and the M
-each layer picked is recorded. Output: ``policy.json`` (M per layer and input),
-``table.md`` (per layer: mean, min, max, share of inputs reading every bucket) and
-``policy.png`` (the histogram of M over inputs and layers, and M per layer).
+The histogram: the paper reports the distribution of M its policy learns (the shipped
+adapter's policy picks M = N_b, every bucket, for every input; one fitted by ``armkv train
+--method policy`` does not). Every input is a window of a text file; each window's first
+chunk goes through an ARM cache (the inference path: the policy reads the mean of the first
+``policy_tokens`` pre-RoPE keys of each layer) and the M each layer picked is recorded.
+Output: ``policy.json`` (M per layer and input), ``table.md`` (per layer: mean, min, max,
+share of inputs reading every bucket) and ``policy.png`` (the histogram of M over inputs
+and layers, and M per layer).
 
-    armkv eval policy --adapter runs/arm/adapter --input held_out.txt --inputs 64 --output policy
+    armkv eval policy --adapter runs/policy/adapter --input held_out.txt --inputs 64 --output policy
+
+The curve (``--fixed``): quality against read cost. Each adapter given (its policy's M) and
+each fixed M (the shipped adapter with ``top_m=fixed``) scores the same windows of the text
+by perplexity under the budgeted chunked protocol (``armkv eval ppl``); its read cost is the
+mean share of buckets its queries read (M / N_b over layers and windows). Each learned point
+is set beside the fixed curve at the same cost (linear between the two nearest fixed M).
+Output: ``curve.json`` (written after every point; a re-run with the same settings resumes),
+``curve.md`` and ``curve.png``.
+
+    armkv eval policy --fixed 8,16,32,48,64 --adapter runs/p90/adapter --adapter runs/p95/adapter \
+        --input held_out.txt --inputs 3 --tokens 2048 --output curve
 """
 
 from __future__ import annotations
@@ -20,7 +32,12 @@ from armkv.errors import ArmkvError, read_text
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--adapter", default=None, help="adapter folder, 'calibrated' or 'random' (default: the shipped calibrated one)")
+    parser.add_argument("--adapter", action="append", default=None,
+                        help="adapter folder, 'calibrated' or 'random' (default: the shipped calibrated one); "
+                        "with --fixed, repeatable: each is a learned point of the curve")
+    parser.add_argument("--fixed", default=None, metavar="M,M,...",
+                        help="draw the curve of perplexity against read cost: these fixed M beside each --adapter's policy")
+    parser.add_argument("--chunk", type=int, default=256, help="with --fixed: P, the prefill chunk of the perplexity")
     parser.add_argument("--budget", type=int, default=512, help="token-equivalents per layer")
     parser.add_argument("--input", required=True, help="a UTF-8 text file; consecutive windows of it are the inputs")
     parser.add_argument("--inputs", type=int, default=64, help="how many windows")
@@ -95,6 +112,136 @@ def plot(m: torch.Tensor, num_buckets: int, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def parse_fixed(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ArmkvError(f"--fixed {text!r}: give bucket counts of at least 1, comma-separated, e.g. 8,16,32,64")
+    return sorted(set(values))
+
+
+def fixed_at(points: list[dict], share: float) -> float | None:
+    """Perplexity of the fixed-M curve at a read share: linear between the two nearest fixed
+    points around it (None outside their range)."""
+    pts = sorted((p["read_share"], p["ppl"]) for p in points)
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= share <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (share - x0) / (x1 - x0)
+    return None
+
+
+def read_share(cache) -> float:
+    """Mean share of buckets the ARM layers' queries read (M / N_b over layers and batch rows)."""
+    shares = [float(layer.m.float().mean()) / layer.memory.router.num_buckets for layer in cache.layers]
+    return sum(shares) / len(shares)
+
+
+def curve_point(model, windows: list, budget: int, chunk: int, options: dict) -> dict:
+    """Perplexity (geometric mean over windows) and read share of one ARM setting."""
+    import math
+
+    from armkv.evals.ppl import perplexity
+
+    ppls, shares, cache_bytes = [], [], 0
+    for window in windows:
+        result = perplexity(model, window, "arm", budget, chunk, on_cache=lambda c: shares.append(read_share(c)), **options)
+        ppls.append(result["ppl"])
+        cache_bytes = max(cache_bytes, result["cache_bytes"])
+    return {"ppl": math.exp(sum(math.log(p) for p in ppls) / len(ppls)), "ppls": ppls,
+            "read_share": sum(shares) / len(shares), "cache_bytes": cache_bytes}
+
+
+def curve_markdown(rows: list[dict], caption: str) -> str:
+    lines = [caption, "", "| top-M | buckets read | perplexity | fixed M at the same cost | cache bytes |",
+             "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        beside = "" if r.get("fixed_at_same_share") is None else f"{r['fixed_at_same_share']:.3f}"
+        lines.append(f"| {r['label']} | {100 * r['read_share']:.1f}% | {r['ppl']:.3f} | {beside} | {r['cache_bytes']:,} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curve(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fixed = sorted((r for r in rows if r["kind"] == "fixed"), key=lambda r: r["read_share"])
+    ax.plot([100 * r["read_share"] for r in fixed], [r["ppl"] for r in fixed], marker="o", label="fixed M (shipped adapter)")
+    for r in fixed:
+        ax.annotate(r["label"].split("=")[-1], (100 * r["read_share"], r["ppl"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    learned = [r for r in rows if r["kind"] == "learned"]
+    ax.scatter([100 * r["read_share"] for r in learned], [r["ppl"] for r in learned], marker="*", s=140, color="tab:red",
+               label="policy's M", zorder=3)
+    for r in learned:
+        ax.annotate(r["label"], (100 * r["read_share"], r["ppl"]), textcoords="offset points", xytext=(4, -10), fontsize=8)
+    ax.set_xlabel("buckets read (% of N_b, mean over layers and windows)")
+    ax.set_ylabel("perplexity (lower is better)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def curve_done(args, path: Path) -> tuple[dict, dict[str, dict]]:
+    """The curve's settings, and the points an earlier run with the same settings left in
+    ``--output`` (other settings there are a one-line error, before the model loads)."""
+    from armkv.tools.results import compare_settings
+
+    settings = {"budget": args.budget, "chunk": args.chunk, "input": str(path), "inputs": args.inputs, "tokens": args.tokens}
+    out = Path(args.output) if args.output else None
+    if out is None or not (out / "curve.json").is_file():
+        return settings, {}
+    try:
+        old = json.loads((out / "curve.json").read_text())
+    except json.JSONDecodeError:
+        raise ArmkvError(f"{out / 'curve.json'} is not JSON: pass another --output or delete it") from None
+    compare_settings(old.get("settings", {}), settings, str(out / "curve.json"))
+    return settings, {r["label"]: r for r in old.get("rows", [])}
+
+
+def main_curve(args, model, windows: list, path: Path, settings: dict, done: dict[str, dict]) -> int:
+    from tqdm.auto import tqdm
+
+    from armkv.memory.module import _atomic_write
+
+    fixed = parse_fixed(args.fixed)
+    out = Path(args.output) if args.output else None
+    points = [(f"M={m}", "fixed", {"top_m": "fixed", "m_fixed": m}) for m in fixed]
+    points += [(Path(a).parent.name if Path(a).name == "adapter" else Path(a).name, "learned", {"adapter": a})
+               for a in (args.adapter or [])]
+    rows = []
+    for label, kind, options in tqdm(points, desc="curve", unit="point"):
+        row = done.get(label)
+        if row is None or row.get("options") != options:
+            row = {"label": label, "kind": kind, "options": options,
+                   **curve_point(model, windows, args.budget, args.chunk, options)}
+        rows.append(row)
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            _atomic_write(out / "curve.json", lambda tmp: Path(tmp).write_text(json.dumps({"settings": settings, "rows": rows}, indent=1)))
+    fixed_rows = [r for r in rows if r["kind"] == "fixed"]
+    for r in rows:
+        if r["kind"] == "learned":
+            r["fixed_at_same_share"] = fixed_at(fixed_rows, r["read_share"])
+    caption = (f"Perplexity against buckets read, arm at budget {args.budget} ({rows[0]['cache_bytes']:,} cache bytes at most), "
+               f"{len(windows)} windows of {args.tokens} tokens of {path.name}")
+    table = curve_markdown(rows, caption)
+    summary = {"settings": settings, "rows": rows}
+    if out is not None:
+        _atomic_write(out / "curve.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1)))
+        (out / "curve.md").write_text(table)
+        plot_curve(rows, out / "curve.png", f"arm, budget {args.budget}: perplexity against read cost")
+    if not args.json:
+        print(table)
+    print(json.dumps(summary))
+    return 0
+
+
 def main(args) -> int:
     from armkv.hf.model import load_model
 
@@ -102,6 +249,14 @@ def main(args) -> int:
     text = read_text(path, "--input")
     if args.inputs < 1 or args.tokens < 1:
         raise ArmkvError("--inputs and --tokens must be at least 1")
+    if args.fixed is not None:
+        parse_fixed(args.fixed)
+        for a in args.adapter or []:
+            if a not in ("calibrated", "random") and not Path(a).is_dir():
+                raise ArmkvError(f"--adapter {a}: not a folder (an adapter folder, 'calibrated' or 'random')")
+        curve = curve_done(args, path)
+    elif args.adapter and len(args.adapter) > 1:
+        raise ArmkvError("--adapter is given more than once: the histogram is of one adapter (several go with --fixed)")
     model, tokenizer = load_model(args.model)
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
     need = args.inputs * args.tokens
@@ -110,9 +265,12 @@ def main(args) -> int:
             f"--input {path} has {ids.numel()} tokens, fewer than --inputs x --tokens = {need}: lower either"
         )
     windows = ids[:need].view(args.inputs, args.tokens)
-    m, num_buckets = picked_m(model, windows, args.budget, args.adapter)
+    if args.fixed is not None:
+        return main_curve(args, model, [w.view(1, -1) for w in windows], path, *curve)
+    adapter = args.adapter[0] if args.adapter else None
+    m, num_buckets = picked_m(model, windows, args.budget, adapter)
     summary = summarise(m, num_buckets)
-    summary.update(adapter=args.adapter or "default", budget=args.budget, inputs=args.inputs, tokens=args.tokens,
+    summary.update(adapter=adapter or "default", budget=args.budget, inputs=args.inputs, tokens=args.tokens,
                    input=str(path))
     caption = (f"Top-M picked by the policy of adapter {summary['adapter']}, {args.inputs} windows of "
                f"{args.tokens} tokens of {path.name}, {num_buckets} buckets per layer")

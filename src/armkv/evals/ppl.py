@@ -39,8 +39,9 @@ def add_arguments(parser) -> None:
     )
 
 
-def perplexity(model, ids: torch.Tensor, method: str, budget: int | None, chunk: int, **options) -> dict:
-    """Mean next-token NLL of ``ids`` [1, T] fed chunk by chunk through one cache of ``method``."""
+def perplexity(model, ids: torch.Tensor, method: str, budget: int | None, chunk: int, on_cache=None, **options) -> dict:
+    """Mean next-token NLL of ``ids`` [1, T] fed chunk by chunk through one cache of ``method``;
+    ``on_cache(cache)``, if given, sees the cache at the end (e.g. to read what ARM's policy picked)."""
     from armkv.hf.attach import make_cache
 
     # the text's length is known: a method that plans by length (arm's budget shares) sees it
@@ -61,6 +62,8 @@ def perplexity(model, ids: torch.Tensor, method: str, budget: int | None, chunk:
             total += float(torch.nn.functional.cross_entropy(pred.reshape(-1, pred.shape[-1]), targets.reshape(-1), reduction="sum"))
             count += targets.numel()
             previous = logits[:, -1:]
+    if on_cache is not None:
+        on_cache(cache)
     return {"ppl": math.exp(total / max(count, 1)), "nll": total / max(count, 1), "tokens": count + 1, "cache_bytes": cache.peak_bytes()}
 
 

@@ -26,19 +26,22 @@ from armkv.train.data import PackedSequences, add_data_arguments, hf_tokenize, s
 from armkv.train.losses import make_arm_loss
 from armkv.train.trainer import ScalarSchedule, TrainConfig, train
 
-METHODS = ("arm", "lm")
+METHODS = ("arm", "lm", "policy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=METHODS, default="arm",
-                        help="arm: train the ARM parameters (router, writes, policy); lm: train the model itself (needs --unfreeze all or --lora-rank)")
+                        help="arm: train the ARM parameters (router, writes, policy) through the model's loss; policy: fit only "
+                        "the top-M policy of --adapter to the M that holds --coverage of the attention mass; "
+                        "lm: train the model itself (needs --unfreeze all or --lora-rank)")
     parser.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: the default model)")
     parser.add_argument("--gguf-file", help="GGUF file inside --model to load")
     parser.add_argument("--unfreeze", choices=("none", "all"), default="none", help="base model parameters to train beside the method's own")
     parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on the attention projections (peft)")
     parser.add_argument("--budget", type=int, default=512, help="ARM memory budget in token-equivalents (sinks + window + slots)")
     parser.add_argument("--chunk", type=int, default=256, help="P: prefill chunk of the ARM forward")
-    parser.add_argument("--adapter", help="start from this ARM adapter (e.g. a calibrated one) instead of a fresh initialisation")
+    parser.add_argument("--adapter", help="start from this ARM adapter (e.g. a calibrated one) instead of a fresh initialisation "
+                        "(--method policy: the shipped one by default)")
     add_data_arguments(parser)
 
     d = TrainConfig()
@@ -66,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tau-schedule", choices=("linear", "cosine", "constant"), default="linear", help="how --tau goes from START to END")
     g.add_argument("--epsilon", type=float, nargs=2, default=[0.1, 0.0], metavar=("START", "END"), help="policy exploration over the run")
     g.add_argument("--epsilon-schedule", choices=("linear", "cosine", "constant"), default="linear", help="how --epsilon goes from START to END")
+
+    from armkv.train.policy import add_arguments as add_policy_arguments
+
+    add_policy_arguments(parser.add_argument_group("policy targets (--method policy)"))
 
     g = parser.add_argument_group("run")
     g.add_argument("--out", default="runs/train", help="directory for log.jsonl, loss.png and checkpoints/")
@@ -138,7 +145,24 @@ def prepare_arm(model: torch.nn.Module, args: argparse.Namespace):
     return prepare_arm_training(model, args.budget, args.chunk, args.adapter, args.seed)
 
 
+def main_policy(args: argparse.Namespace) -> int:
+    """``--method policy``: no gradient through the model, only the policy's fit (armkv.train.policy)."""
+    from armkv.train import policy
+
+    if not 0.0 < args.coverage <= 1.0:
+        raise ArmkvError(f"--coverage {args.coverage}: give a share in (0, 1], e.g. 0.95")
+    if args.sequences < 1 or args.policy_steps < 0 or args.seq_len < 2:
+        raise ArmkvError("--sequences must be at least 1, --policy-steps at least 0 and --seq-len at least 2")
+    if args.adapter not in (None, "calibrated") and not Path(args.adapter).is_dir():
+        raise ArmkvError(f"--adapter {args.adapter}: not a folder (an adapter folder, or omit it for the shipped one)")
+    source_from_args(args, args.seed)  # bad data flags fail before the model loads
+    model, tokenizer = load_model(args)
+    return policy.main(args, model, tokenizer)
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.method == "policy":
+        return main_policy(args)
     config = config_from_args(args)
     config.accum_steps(int(os.environ.get("WORLD_SIZE", "1")))  # a bad batch size fails before the model loads
     source = source_from_args(args, args.seed)

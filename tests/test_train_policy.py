@@ -1,0 +1,202 @@
+"""The top-M policy's targets and fit (armkv.train.policy), ``armkv train --method policy``
+and the read-cost curve of ``armkv eval policy --fixed``."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from armkv.cli import main
+from armkv.evals.policy import fixed_at
+from armkv.memory.policy import TopMPolicy
+from armkv.train.arm import new_arm
+from armkv.train.policy import cascade_labels, coverage_targets, fit_policy, read_coverage
+from conftest import tiny_model
+
+
+def naive_coverage(model, arm, ids, sinks, window):
+    """read_coverage by loops: the attention recomputed from the projections and RoPE, each
+    query group's bucket ranking from Router.leaf_scores, each key's bucket one by one."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    captured = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        for name in ("q", "k"):
+            proj = getattr(attn, f"{name}_norm", None) or getattr(attn, f"{name}_proj")
+            hooks.append(proj.register_forward_hook(lambda m, a, out, i=i, name=name: captured.__setitem__((i, name), out.detach())))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    B, T = ids.shape
+    d = model.config.hidden_size // model.config.num_attention_heads
+    cos, sin = model.model.rotary_emb(torch.zeros(1, T, d), torch.arange(T)[None])
+    result = []
+    for i, memory in enumerate(arm.layers):
+        q = captured[i, "q"].view(B, T, -1, d).transpose(1, 2)
+        k = captured[i, "k"].view(B, T, -1, d).transpose(1, 2)
+        H, R = k.shape[1], q.shape[1] // k.shape[1]
+        qr, kr = apply_rotary_pos_emb(q, k, cos, sin)
+        router = memory.router
+        N_b = router.num_buckets
+        rows = []
+        for b in range(B):
+            held, total = torch.zeros(N_b, dtype=torch.float64), 0.0
+            buckets = router.route_writes(k[b : b + 1])[0]  # [H, T]
+            for h in range(H):
+                bucket = buckets[h]
+                for t in range(T):
+                    # the leaf scores of query head h * R + r under KV head h's tree
+                    scores = torch.stack([router.leaf_scores(q[b : b + 1, r::R, t : t + 1])[0, h, 0] for r in range(R)])
+                    order = (torch.logsumexp(scores, 0) - math.log(R)).argsort(descending=True)
+                    rank = torch.empty(N_b, dtype=torch.long)
+                    rank[order] = torch.arange(N_b)
+                    for r in range(R):
+                        logits = (kr[b, h, : t + 1] @ qr[b, h * R + r, t]) / math.sqrt(d)
+                        p = torch.softmax(logits.double(), 0)
+                        for s in range(t + 1):
+                            if sinks <= s < t - window:
+                                held[rank[bucket[s]] :] += p[s]
+                                total += float(p[s])
+            rows.append(held / total if total > 0 else torch.zeros(N_b, dtype=torch.float64))
+        result.append(torch.stack(rows))
+    return torch.stack(result)
+
+
+@pytest.mark.parametrize("T, sinks, window", [(23, 2, 5), (17, 0, 3)])
+def test_read_coverage_matches_the_naive_reference(T, sinks, window):
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    arm = new_arm(model, budget=96)
+    ids = torch.randint(3, 120, (2, T))
+    coverage, pooled = read_coverage(model, arm, ids, sinks=sinks, window=window)
+    L, N_b = model.config.num_hidden_layers, arm.config.num_buckets
+    assert coverage.shape == (L, 2, N_b) and pooled.shape == (L, 2, 2 * 16)
+    expect = naive_coverage(model, arm, ids, sinks, window)
+    torch.testing.assert_close(coverage.double(), expect, atol=1e-5, rtol=1e-5)
+    assert bool((coverage.diff(dim=-1) >= -1e-6).all()) and torch.allclose(coverage[..., -1], torch.ones(L, 2))
+
+
+def test_read_coverage_pools_the_first_keys_as_the_inference_policy_does():
+    model = tiny_model("llama")
+    arm = new_arm(model, budget=96)
+    ids = torch.randint(3, 120, (1, 40))
+    _, pooled = read_coverage(model, arm, ids)
+    keys = {}
+    hook = model.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, a, out: keys.__setitem__("k", out.detach()))
+    with torch.no_grad():
+        model(input_ids=ids)
+    hook.remove()
+    first = keys["k"][0, : arm.config.policy_tokens].view(-1, 2, 16).mean(0).flatten()
+    torch.testing.assert_close(pooled[1, 0], first)
+
+
+def test_coverage_targets_and_labels():
+    coverage = torch.tensor([[0.5, 0.8, 0.94, 0.96, 1.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    assert coverage_targets(coverage, 0.95).tolist() == [4, 5]  # nothing in memory: every bucket
+    assert coverage_targets(coverage, 0.5).tolist() == [1, 5]
+    assert coverage_targets(coverage, 1.0).tolist() == [5, 5]
+    assert cascade_labels(torch.tensor([1, 3]), 1, 4).tolist() == [[0, 0, 0, 0], [1, 1, 0, 0]]
+    with pytest.raises(Exception, match="coverage level"):
+        coverage_targets(coverage, 0.0)
+
+
+def test_the_target_gives_the_shipped_start_a_gradient_and_the_fit_learns_m_per_input():
+    torch.manual_seed(0)
+    policy = TopMPolicy(in_dim=6, hidden=16, m_max=16)
+    # two kinds of input: one needs 3 buckets, the other 11
+    x = torch.cat([torch.randn(40, 6) + 4.0, torch.randn(40, 6) - 4.0]) * 7 + 30
+    target = torch.cat([torch.full((40,), 3), torch.full((40,), 11)])
+    labels = cascade_labels(target, policy.m_min, policy.m_max - policy.m_min)
+    g = policy.continue_probs(x)
+    assert bool((policy.decide(x)[0] == 16).all())  # the start reads every bucket
+    torch.nn.functional.binary_cross_entropy(g, labels).backward()
+    assert float(policy.out.bias.grad.abs()) > 0.1  # a signal, where the language-model loss gives none
+    policy.zero_grad()
+    report = fit_policy(policy, x, target, steps=200, lr=1e-2)
+    assert report["loss_last"] < report["loss_first"] / 5
+    m, _, _ = policy.decide(x)
+    assert m[:40].tolist() == [3] * 40 and m[40:].tolist() == [11] * 40
+    assert report["mean_abs_error"] == 0
+
+
+def test_fixed_at_interpolates_between_the_nearest_fixed_points():
+    points = [{"read_share": 0.25, "ppl": 20.0}, {"read_share": 0.5, "ppl": 19.0}, {"read_share": 1.0, "ppl": 18.0}]
+    assert fixed_at(points, 0.375) == pytest.approx(19.5)
+    assert fixed_at(points, 0.75) == pytest.approx(18.5)
+    assert fixed_at(points, 1.0) == pytest.approx(18.0)
+    assert fixed_at(points, 0.1) is None
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "t.txt"
+    g = torch.Generator().manual_seed(0)
+    words = "the grass is green and the sky is blue while magic numbers hide in long text".split()
+    path.write_text(" ".join(words[int(i)] for i in torch.randint(0, len(words), (1200,), generator=g)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def start_adapter(tiny_model_dir, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("start") / "adapter"
+    new_arm(model, budget=96).save(path)
+    return path
+
+
+def test_train_policy_cli_writes_an_adapter_and_reuses_its_targets(tiny_model_dir, text, start_adapter, tmp_path, capsys):
+    from armkv.memory.module import ARMModel
+
+    out = tmp_path / "p"
+    def args(coverage):
+        return ["train", "--method", "policy", "--model", str(tiny_model_dir), "--adapter", str(start_adapter),
+                "--data", str(text), "--seq-len", "96", "--sequences", "3", "--policy-steps", "20", "--coverage", coverage,
+                "--out", str(out), "--no-progress"]
+
+    assert main(args("0.6")) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    fitted = ARMModel.load(out / "adapter")
+    start = ARMModel.load(start_adapter)
+    assert not torch.equal(fitted.layers[0].policy.out.bias, start.layers[0].policy.out.bias)
+    torch.testing.assert_close(fitted.layers[0].router.weight, start.layers[0].router.weight, atol=0, rtol=0)
+    assert len(json.loads((out / "policy_fit.json").read_text())["layers"]) == 2
+    assert summary["coverage"] == 0.6 and 1 <= summary["mean_m"] <= summary["num_buckets"]
+    # the same data and adapter: the targets are read once
+    assert main(args("0.9")) == 0
+    assert "targets: reusing" in capsys.readouterr().out
+
+
+def test_train_policy_bad_coverage_is_one_line_before_the_model(tmp_path, capsys):
+    assert main(["train", "--method", "policy", "--model", str(tmp_path / "none"), "--coverage", "1.5", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--coverage 1.5" in err[0]
+
+
+def test_curve_cli_scores_fixed_and_learned_and_resumes(tiny_model_dir, text, start_adapter, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "curve"
+    args = ["eval", "policy", "--model", str(tiny_model_dir), "--budget", "96", "--chunk", "16", "--input", str(text),
+            "--inputs", "2", "--tokens", "48", "--fixed", "1,4", "--adapter", str(start_adapter), "--output", str(out), "--json"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["label"]: r for r in summary["rows"]}
+    assert set(rows) == {"M=1", "M=4", start_adapter.parent.name}
+    assert rows["M=1"]["read_share"] == pytest.approx(1 / 4 ** 3 * 1) or rows["M=1"]["read_share"] < rows["M=4"]["read_share"]
+    assert all(r["ppl"] > 1 and len(r["ppls"]) == 2 for r in rows.values())
+    assert (out / "curve.png").stat().st_size > 0 and "perplexity" in (out / "curve.md").read_text()
+
+    import armkv.evals.policy as policy
+
+    monkeypatch.setattr(policy, "curve_point", lambda *a, **k: pytest.fail("a finished point was scored again"))
+    assert main(args) == 0
+    capsys.readouterr()
+    # other settings in the same folder: refused before the model loads
+    assert main([a if a != "48" else "40" for a in args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokens=48" in err[0]
