@@ -108,3 +108,25 @@ def test_missing_or_empty_results_fail_with_one_line(tmp_path, capsys):
 def test_geometric_mean():
     assert geometric_mean([2.0, 8.0]) == pytest.approx(4.0)
     assert geometric_mean([3.0]) == pytest.approx(3.0) and math.isfinite(geometric_mean([1e-3, 1e3]))
+
+
+POLICY = {"what": "policy curve", "command": "armkv eval policy --fixed 8,64 --adapter p/adapter", "commit": "0123456",
+          "curve": {"settings": {}, "rows": [
+              {"label": "M=8", "kind": "fixed", "read_share": 0.125, "ppl": 20.0, "cache_bytes": 7},
+              {"label": "M=64", "kind": "fixed", "read_share": 1.0, "ppl": 18.0, "cache_bytes": 7},
+              {"label": "p", "kind": "learned", "read_share": 0.5625, "ppl": 18.5, "cache_bytes": 7, "fixed_at_same_share": 19.0}]},
+          "picked": {"adapter": "p", "inputs": 4, "tokens": 256, "num_buckets": 64,
+                     "per_layer": [{"layer": 0, "mean": 40.0}, {"layer": 1, "mean": 20.0}]}}
+
+
+def test_the_policy_section_sets_the_learned_m_beside_the_fixed_curve(tmp_path):
+    pytest.importorskip("matplotlib")
+    folder = _results(tmp_path, policy=POLICY)
+    out = tmp_path / "results.md"
+    assert main(["report", "--results", str(folder), "--output", str(out), "--readme", str(tmp_path / "none.md")]) == 0
+    page = out.read_text()
+    assert "| p | 56.2% | 18.500 | 19.000 | 7 |" in page and "| M=8 | 12.5% | 20.000 |  | 7 |" in page
+    assert "below the fixed-M curve (lower perplexity at the same read cost) at 1 of 1 points" in page
+    assert "policy `p`: 40, 20." in page
+    assert "](results/policy_curve.png)" in page and (folder / "policy_curve.png").stat().st_size > 0
+    assert "`armkv eval policy --fixed 8,64 --adapter p/adapter` at commit 0123456" in page

@@ -8,7 +8,9 @@ command that produced it and the commit that added it):
 - ``ruler.json``: the RULER needle matrix (``armkv eval matrix``'s cells, their ``sources``),
 - ``ppl.json``: perplexity of the first N held-out tokens, one run per method and N,
 - ``ppl_windows.json``: perplexity over consecutive windows of the held-out text,
-- ``decode.json``: ``armkv bench decode``'s results.
+- ``decode.json``: ``armkv bench decode``'s results,
+- ``policy.json``: the learned top-M against fixed M (``armkv eval policy --fixed``'s curve.json
+  under ``curve``, the fitted policy's M per layer under ``picked``).
 
 Writes ``--output`` (markdown tables, the bar check of the matrix, the provenance of every
 figure), the plots it links beside the JSON (``ruler.png``, ``ppl_windows.png``), and the
@@ -27,7 +29,7 @@ from armkv.errors import ArmkvError
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 SHORT = {"niah_single_1": "single", "niah_multikey_1": "mk1", "niah_multivalue": "mv", "niah_multiquery": "mq"}
-FILES = ("ruler.json", "ppl.json", "ppl_windows.json", "decode.json")
+FILES = ("ruler.json", "ppl.json", "ppl_windows.json", "decode.json", "policy.json")
 ORDER = ["full", "arm", "kivi", "sink", "swa", "offload", "fifo"]
 
 
@@ -204,6 +206,26 @@ def decode_section(decode: dict) -> list[str]:
     return lines
 
 
+def policy_section(policy: dict) -> list[str]:
+    """The learned top-M: the curve of perplexity against buckets read, and M per layer."""
+    from armkv.evals.policy import curve_markdown
+
+    rows = policy["curve"]["rows"]
+    lines = ["## Learned top-M against fixed M", "", policy.get("what", ""), "",
+             curve_markdown(rows, "Perplexity against the share of buckets read (the policies' M is chosen per layer and input).")]
+    learned = [r for r in rows if r["kind"] == "learned" and r.get("fixed_at_same_share") is not None]
+    if learned:
+        better = sum(r["ppl"] < r["fixed_at_same_share"] for r in learned)
+        lines += [f"The learned M is below the fixed-M curve (lower perplexity at the same read cost) at {better} of "
+                  f"{len(learned)} points.", ""]
+    picked = policy.get("picked")
+    if picked:
+        per = ", ".join(f"{row['mean']:.0f}" for row in picked["per_layer"])
+        lines += [f"M picked per layer (mean over {picked['inputs']} windows of {picked['tokens']} tokens, "
+                  f"{picked['num_buckets']} buckets), policy `{picked['adapter']}`: {per}.", ""]
+    return lines
+
+
 def headline(means: dict, ppl_by: dict, gms: dict) -> list[str]:
     """The README's table: per method, mean RULER score per haystack and held-out perplexity."""
     methods = _order(set(means) | {m for m, _ in ppl_by} | {n for n in gms if " " not in n})
@@ -249,6 +271,11 @@ def render(data: dict, plots: list[str]) -> tuple[str, str]:
     if "decode" in data:
         page += decode_section(data["decode"])
         prov.append(("decode latency", data["decode"]["command"], data["decode"].get("commit")))
+    if "policy" in data:
+        page += policy_section(data["policy"])
+        if "policy_curve.png" in plots:
+            page += ["![Perplexity against buckets read](results/policy_curve.png)", ""]
+        prov.append(("learned top-M curve", data["policy"]["command"], data["policy"].get("commit")))
     table = headline(means, ppl_by, gms)
     page += ["## Provenance", ""] + _provenance(prov) + [""]
     return "\n".join(page), "\n".join(table)
@@ -289,6 +316,12 @@ def make_plots(data: dict, folder: Path) -> list[str]:
         ax.set_yscale("log")
         ax.legend(fontsize=7)
         made.append(_save(fig, folder / "ppl_windows.png", plt))
+    if "policy" in data:
+        from armkv.evals.policy import plot_curve
+
+        plot_curve(data["policy"]["curve"]["rows"], folder / "policy_curve.tmp.png", "learned top-M against fixed M")
+        os.replace(folder / "policy_curve.tmp.png", folder / "policy_curve.png")
+        made.append("policy_curve.png")
     return made
 
 

@@ -135,7 +135,7 @@ def cascade_labels(target: torch.Tensor, m_min: int, steps: int) -> torch.Tensor
 
 
 def fit_policy(
-    policy, pooled: torch.Tensor, target: torch.Tensor, steps: int = 300, lr: float = 1e-2, seed: int = 0
+    policy, pooled: torch.Tensor, target: torch.Tensor, steps: int = 100, lr: float = 1e-2, seed: int = 0
 ) -> dict:
     """Fit one layer's :class:`armkv.memory.policy.TopMPolicy` to its targets in place.
 
@@ -219,7 +219,7 @@ def add_arguments(group) -> None:
     group.add_argument("--coverage", type=float, default=0.95,
                        help="policy: an input's target M holds this share of its memory's attention mass (0-1]")
     group.add_argument("--sequences", type=int, default=32, help="policy: training sequences of --seq-len tokens the targets are read from")
-    group.add_argument("--policy-steps", type=int, default=300, help="policy: full-batch optimiser steps of the fit, per layer")
+    group.add_argument("--policy-steps", type=int, default=100, help="policy: full-batch optimiser steps of the fit, per layer")
     group.add_argument("--policy-lr", type=float, default=1e-2, help="policy: learning rate of the fit")
 
 
