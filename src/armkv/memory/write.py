@@ -337,6 +337,7 @@ def plan_writes(
     Returns
     -------
     (plan, state') where state' is ``state`` after the pair merges that made room.
+    ``naive.naive_plan_writes`` decides the same plan one token at a time.
     """
     write, slots_per_bucket, lazy, demote_scope = rule.write, rule.slots_per_bucket, rule.lazy, rule.demote_scope
     protect_recent, tau = rule.protect_recent, rule.tau
@@ -389,15 +390,19 @@ def plan_writes(
             probs = torch.nan_to_num(probs, nan=1.0)  # a token with no option at all: weight 1
             alpha = probs.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
             has_cand = cand_mask.any(-1)
+            # the best-scoring slot, also for a token that chose a new one (the paper pool's
+            # over-capacity rule merges it there)
+            best_slot = torch.where(choice < S, choice, z.argmax(-1))
         else:
             # the argmax over [slots | new (logit 0)] without building it: ties go to the slot
             if module is None:
                 best_z, choice = z.max(-1)
+            best_slot = choice
             if similarity:
                 choice = torch.where(best_z >= 0, choice, S)
             alpha = torch.ones(G, N, dtype=keys.dtype, device=dev)
             has_cand = best_z > -math.inf
-        best_slot = choice.clamp_max(S - 1)
+        best_slot = best_slot.clamp(0, S - 1)  # (arbitrary where no slot is a candidate)
         if similarity:
             novel = valid & ((choice == S) | ~has_cand)
         else:
