@@ -5,7 +5,7 @@ through prefill, decode and a ladder climb; and a large budget costs nothing unt
 import pytest
 import torch
 
-import armkv.methods.arm as arm
+import armkv.memory.pool as pool
 from armkv.hf.attach import make_cache
 from conftest import tiny_model
 
@@ -36,13 +36,13 @@ def run(model, ids, mask, prompt: int, **kw):
 
 
 def whole_at_once(monkeypatch):
-    monkeypatch.setattr(arm.ARMLayer, "_grows", lambda self: False)
+    monkeypatch.setattr(pool.SlotPool, "grows", lambda self: False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("overrides", [{}, {"slot_format": "model", "slot_ladder": ""}, {"slot_ladder": "int8,k8v4"}])
 def test_growing_pool_equals_the_whole_pool(monkeypatch, nan_empty, dtype, overrides):
-    monkeypatch.setattr(arm, "INITIAL_SLOTS", 5)  # odd, and small enough to grow several times
+    monkeypatch.setattr(pool, "INITIAL_SLOTS", 5)  # odd, and small enough to grow several times
     model = tiny_model("llama").eval().to(dtype)
     ids, mask = left_padded(batch=2, length=251, seed=3)
     grown_logits, grown = run(model, ids, mask, prompt=233, budget=96, arm_overrides=overrides)
@@ -53,7 +53,7 @@ def test_growing_pool_equals_the_whole_pool(monkeypatch, nan_empty, dtype, overr
     assert not grown_logits[valid].isnan().any()
     torch.testing.assert_close(grown_logits[valid], whole_logits[valid], rtol=0, atol=0)
     for g, w in zip(grown.layers, whole.layers):
-        assert g.rung == w.rung and g.slots == w.slots and g.reach == w.reach
+        assert g.pool.rung == w.pool.rung and g.slots == w.slots and g.pool.reach == w.pool.reach
         assert g.state.slots <= w.state.slots
         held = w.state.first(g.state.slots)
         for name in ("key", "value", "pos", "count", "bucket", "key_scale", "value_scale"):
@@ -66,21 +66,22 @@ def test_growing_pool_equals_the_whole_pool(monkeypatch, nan_empty, dtype, overr
 
 
 def test_growth_doubles_and_stops_at_the_budget(monkeypatch):
-    monkeypatch.setattr(arm, "INITIAL_SLOTS", 4)
+    monkeypatch.setattr(pool, "INITIAL_SLOTS", 4)
     model = tiny_model("llama").eval()
     ids, mask = left_padded(batch=1, length=400, seed=5)
     sizes = []
-    real = arm.ARMLayer._grow
+    real = pool.SlotPool.grow
 
     def watched(self, packed, valid, dtype):
         out = real(self, packed, valid, dtype)
-        if self.layer_idx == 0 and out.slots != packed.slots:
-            sizes.append((packed.slots, out.slots))
+        if out.slots != packed.slots:
+            sizes.append((self, packed.slots, out.slots))
         return out
 
-    monkeypatch.setattr(arm.ARMLayer, "_grow", watched)
+    monkeypatch.setattr(pool.SlotPool, "grow", watched)
     _, cache = run(model, ids, mask, prompt=400, budget=64, arm_overrides={"slot_ladder": ""})
     layer = cache.layers[0]
+    sizes = [(before, after) for pool_, before, after in sizes if pool_ is layer.pool]
     assert sizes and all(after >= min(2 * before, layer.slots) for before, after in sizes)
     assert sizes[-1][1] == layer.slots == layer.state.slots  # full at last, never past the budget
 

@@ -71,14 +71,14 @@ def test_slot_ladder_keeps_precise_codes_until_a_write_would_merge(monkeypatch):
     have to merge; every climb re-packs every slot (the same tokens, positions and counts,
     the codes of the coarser format) and keeps the state within the bytes of the budget.
     While a context fits the first rung the cache reads exactly as an int8 pool of that size."""
-    from armkv.methods.arm import ARMLayer
+    from armkv.memory.pool import SlotPool
     from armkv.memory.state import MemoryState
 
     model = tiny_model("llama").eval()
     kv, d = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
     bound = 2 * 96 * 2 * kv * d * 4  # two sequences, budget 96
     climbs, writes = [], []
-    make_room = ARMLayer._make_room
+    make_room = SlotPool.climb
 
     def checked_room(self, packed, valid, dtype):
         rung = self.rung
@@ -94,32 +94,32 @@ def test_slot_ladder_keeps_precise_codes_until_a_write_would_merge(monkeypatch):
             assert (new.bucket[:, S:] == -1).all() and (new.key[:, S:] == 0).all()
             want = MemoryState(old.key, old.value, old.pos, old.count, old.bucket).pack(self.slot_format, mix=True)
             torch.testing.assert_close(out.unpack(torch.float32).key[:, :S], want.unpack(torch.float32).key, rtol=0, atol=1e-6)
-            climbs.append((self.layer_idx, self.rung))
+            climbs.append(self.rung)
         writes.append((self.rung, len(self.rungs) - 1, int((out.count == 0).sum(1).min()), int(valid.sum(1).max())))
         return out
 
-    monkeypatch.setattr(ARMLayer, "_make_room", checked_room)
+    monkeypatch.setattr(SlotPool, "climb", checked_room)
     torch.manual_seed(4)
     ids = torch.stack([torch.randperm(100)[:90] for _ in range(2)])  # distinct tokens
     ladder = make_cache(model, "arm", budget=96, chunk=16, arm_overrides={"slot_ladder": "int8,k8v4"})
     layer = ladder.layers[0]
-    assert [f for f, _ in layer.rungs] == ["int8", "k8v4", "k4v4"]
-    assert layer.rungs[0][1] < layer.rungs[1][1] < layer.rungs[2][1]
+    assert [f for f, _ in layer.pool.rungs] == ["int8", "k8v4", "k4v4"]
+    assert layer.pool.rungs[0][1] < layer.pool.rungs[1][1] < layer.pool.rungs[2][1]
     with torch.no_grad():
         short = model(ids[:, :60], past_key_values=ladder, use_cache=True).logits
-    assert not climbs and layer.rung == 0 and layer.state.key.dtype == torch.int8 and layer.state.count.max() == 1
+    assert not climbs and layer.pool.rung == 0 and layer.state.key.dtype == torch.int8 and layer.state.count.max() == 1
     # a part-filled pool holds only what it has grown to, nothing reserved
-    whole = layer.state.groups * max(s * slot_bytes(f, layer.info.head_dim, 4) for f, s in layer.rungs)
-    assert layer.reserve is None and layer.state.nbytes() < whole
+    whole = layer.state.groups * max(s * slot_bytes(f, layer.info.head_dim, 4) for f, s in layer.pool.rungs)
+    assert layer.pool.reserve is None and layer.state.nbytes() < whole
     # the same reads as a plain int8 pool with the first rung's slots
-    plain = make_cache(model, "arm", budget=96, chunk=16, arm_overrides={"slot_format": "int8", "slots": layer.rungs[0][1]})
+    plain = make_cache(model, "arm", budget=96, chunk=16, arm_overrides={"slot_format": "int8", "slots": layer.pool.rungs[0][1]})
     with torch.no_grad():
         torch.testing.assert_close(short, model(ids[:, :60], past_key_values=plain, use_cache=True).logits)
         model(ids[:, 60:], past_key_values=ladder, use_cache=True)
         long = torch.randint(0, 100, (2, 300))
         model(long, past_key_values=ladder, use_cache=True)
-    assert climbs and all(lyr.rung == 2 and lyr.state.key.dtype == torch.uint8 for lyr in ladder.layers)
-    assert layer.state.nbytes() + layer.reserve.nbytes == whole  # the largest rung's footprint once whole
+    assert climbs and all(lyr.pool.rung == 2 and lyr.state.key.dtype == torch.uint8 for lyr in ladder.layers)
+    assert layer.state.nbytes() + layer.pool.reserve.nbytes == whole  # the largest rung's footprint once whole
     # no rung but the last ever wrote with fewer free slots than tokens (which would merge)
     assert all(free >= need for rung, last, free, need in writes if rung < last)
     assert all(lyr.peak_bytes <= bound for lyr in ladder.layers)
@@ -130,7 +130,7 @@ def test_reads_stop_at_the_last_slot_any_row_holds(overrides, monkeypatch):
     """Writes fill the lowest free slots first, so reads (prefill chunks and decode steps)
     take only the first ``reach`` slots; the free ones past it would take no weight. The
     logits equal those of reading every slot, with rows of different lengths (padding)."""
-    from armkv.methods.arm import ARMLayer
+    from armkv.memory.pool import SlotPool
 
     model = tiny_model("llama").eval()
     torch.manual_seed(5)
@@ -151,9 +151,9 @@ def test_reads_stop_at_the_last_slot_any_row_holds(overrides, monkeypatch):
 
     got, cache = run()
     layer = cache.layers[0]
-    assert 0 < layer.reach < layer.slots  # the pool is part-filled: reads skip its tail
-    assert (layer.state.count[:, layer.reach :] == 0).all()
-    monkeypatch.setattr(ARMLayer, "_readable", lambda self: self.state)
+    assert 0 < layer.pool.reach < layer.slots  # the pool is part-filled: reads skip its tail
+    assert (layer.state.count[:, layer.pool.reach :] == 0).all()
+    monkeypatch.setattr(SlotPool, "readable", lambda self, whole=False: self.state)
     want, _ = run()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -176,7 +176,7 @@ def test_adapter_options_are_checked(tmp_path):
     with pytest.raises(ArmkvError, match="slot_ladder.*'int3' is not one of"):
         make_cache(model, "arm", budget=64, arm_overrides={"slot_ladder": "k8v4,int3"})
     paper = make_cache(model, "arm", budget=64, arm_overrides={"slot_ladder": "k8v4", "pool": "paper"})
-    assert [len(layer.rungs) for layer in paper.layers] == [1] * len(paper.layers)  # fixed slots a bucket: no ladder
+    assert [len(layer.pool.rungs) for layer in paper.layers] == [1] * len(paper.layers)  # fixed slots a bucket: no ladder
 
 
 def test_shipped_adapters_load_for_the_default_model_shape():
@@ -255,18 +255,18 @@ def test_decode_read_equals_the_chunk_read(overrides, dtype):
      {"slot_ladder": "int8,k8v4"}],
 )
 def test_incremental_repack_equals_packing_every_slot(overrides, monkeypatch):
-    """A write re-packs only the slots it changed (ARMLayer._restored); at every write of a
+    """A write re-packs only the slots it changed (SlotPool.restored); at every write of a
     prefill and of decoding, with merges and a padded row, the result must equal packing the
-    whole pool again (ARMLayer._stored): the same codes, and scales equal but for the last
+    whole pool again (SlotPool.stored): the same codes, and scales equal but for the last
     bit (an unchanged slot's key, un-rotated and rotated again, may round its absmax
     differently; the incremental write keeps its codes and scale as they were)."""
-    from armkv.methods.arm import ARMLayer
+    from armkv.memory.pool import SlotPool
 
     checked = []
-    restored = ARMLayer._restored
+    restored = SlotPool.restored
 
     def both(self, packed, before, after):
-        want = self._stored(after)
+        want = self.stored(after)
         got = restored(self, packed, before, after)
         for name in ("key", "value", "key_scale", "value_scale", "pos", "count", "bucket"):
             a, b = getattr(got, name), getattr(want, name)
@@ -280,7 +280,7 @@ def test_incremental_repack_equals_packing_every_slot(overrides, monkeypatch):
         checked.append(int((after.count != before.count).sum()))
         return got
 
-    monkeypatch.setattr(ARMLayer, "_restored", both)
+    monkeypatch.setattr(SlotPool, "restored", both)
     model = tiny_model("llama").eval()
     torch.manual_seed(2)
     ids = torch.randint(0, 100, (2, 157))
@@ -299,16 +299,16 @@ def test_incremental_repack_equals_packing_every_slot(overrides, monkeypatch):
 @pytest.mark.parametrize("overrides", [{}, {"position_mode": "fixed"}, {"slot_mixing": False}])
 def test_fused_write_passes_equal_their_pytorch_forms(overrides, monkeypatch):
     """At every write of a prefill and of decoding (k4v4 slots, merges, a padded row), the
-    pool as the write reads it (ARMLayer._write_form) from the fused kernel equals the
+    pool as the write reads it (SlotPool.write_form) from the fused kernel equals the
     PyTorch form (dequantise, unmix, un-rotate), and so do the neighbour searches of the full
     pool (write.banded_neighbours, tested on its own in tests/test_kernels.py)."""
     from armkv.memory import kernels
-    from armkv.methods.arm import ARMLayer
+    from armkv.memory.pool import SlotPool
 
     if kernels.int4_read() is None:
         pytest.skip("the fused kernels could not be built here")
     checked = []
-    write_form = ARMLayer._write_form
+    write_form = SlotPool.write_form
 
     def both(self, packed, dtype, fused=True):
         got, want = write_form(self, packed, dtype), write_form(self, packed, dtype, fused=False)
@@ -318,7 +318,7 @@ def test_fused_write_passes_equal_their_pytorch_forms(overrides, monkeypatch):
         checked.append(int((packed.count > 0).sum()))
         return got
 
-    monkeypatch.setattr(ARMLayer, "_write_form", both)
+    monkeypatch.setattr(SlotPool, "write_form", both)
     model = tiny_model("llama").eval()
     torch.manual_seed(3)
     ids = torch.randint(0, 100, (2, 157))
@@ -338,14 +338,14 @@ def test_fused_write_passes_equal_their_pytorch_forms(overrides, monkeypatch):
 )
 def test_a_roomy_write_skips_the_unpack_and_leaves_the_same_state(overrides, monkeypatch):
     """A write whose tokens all fit in free slots reads no stored slot, so _flush gives it
-    zero keys and values (ARMLayer._roomy_form) in place of un-packing the pool: the states
+    zero keys and values (SlotPool.roomy_form) in place of un-packing the pool: the states
     after a padded prefill (the ladder climbing, then merges) and 12 decode steps, and the
     logits, equal those of the run that un-packs at every write."""
-    from armkv.methods.arm import ARMLayer
+    from armkv.memory.pool import SlotPool
 
     roomy = []
-    form = ARMLayer._roomy_form
-    monkeypatch.setattr(ARMLayer, "_roomy_form", lambda self, *a: roomy.append(1) or form(self, *a))
+    form = SlotPool.roomy_form
+    monkeypatch.setattr(SlotPool, "roomy_form", lambda self, *a: roomy.append(1) or form(self, *a))
     model = tiny_model("llama").eval()
     torch.manual_seed(5)
     ids = torch.randint(0, 100, (2, 181))
@@ -355,7 +355,7 @@ def test_a_roomy_write_skips_the_unpack_and_leaves_the_same_state(overrides, mon
     for skip in (True, False):
         cache = make_cache(model, "arm", budget=48, chunk=16, arm_overrides=overrides)
         for layer in cache.layers:
-            layer.skip_roomy_unpack = skip
+            layer.pool.skip_roomy_unpack = skip
         logits = []
         with torch.no_grad():
             out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)

@@ -158,7 +158,7 @@ def test_fused_band_neighbours_equal_the_pytorch_band(kernel, slots, d, width):
 @pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
 def test_fused_unpack_to_pre_rope_equals_dequantise_then_unrotate(kernel, d, groups, mixed, fmt):
     """int4 values with int4 or int8 keys (k4v4, k8v4: the ladder's rungs) to the floats a
-    write uses (ARMLayer._write_form): dequantised, unmixed and un-rotated in one pass,
+    write uses (SlotPool.write_form): dequantised, unmixed and un-rotated in one pass,
     against the PyTorch dequantise then Rotary.unrotate; free slots (stored zero) stay zero."""
     from armkv.memory.rope import Rotary
 
@@ -236,7 +236,7 @@ def test_fused_write_plan_equals_the_pytorch_plan(kernel, S, occupied, N, d, laz
     (S at most EXACT_NEIGHBOURS and above it). With demote_scope="bucket" the kernel scores
     each token against its own bucket's slots only (``bucket_best_slots``) where the ops
     build every cosine and mask the other buckets."""
-    from armkv.memory.write import WriteParams, plan_writes
+    from armkv.memory.write import WriteParams, WriteRule, plan_writes
 
     g = torch.Generator().manual_seed(S + N + d)
     G = 3
@@ -258,10 +258,9 @@ def test_fused_write_plan_equals_the_pytorch_plan(kernel, S, occupied, N, d, laz
         bucket = torch.where(torch.arange(N) % 3 == 0, st.bucket.gather(1, src), bucket)
     valid = torch.rand(G, N, generator=g) > 0.1
     with torch.no_grad():
-        got, got_state = plan_writes(st, keys, bucket, valid, params, lazy=lazy, demote_scope=demote_scope)
-        want, want_state = plan_writes(
-            st, keys, bucket, valid, params, lazy=lazy, fused=False, demote_scope=demote_scope
-        )
+        rule = WriteRule(lazy=lazy, demote_scope=demote_scope)
+        got, got_state = plan_writes(st, keys, bucket, valid, params, rule)
+        want, want_state = plan_writes(st, keys, bucket, valid, params, rule, fused=False)
     for name in ("target", "alpha", "cand", "count", "bucket"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
     for name in ("key", "value", "pos", "count", "bucket"):

@@ -15,7 +15,7 @@ from armkv.memory.policy import TopMPolicy
 from armkv.memory.read import bucket_slot_mask
 from armkv.memory.route import Router
 from armkv.memory.state import MemoryState
-from armkv.memory.write import WriteParams, gate_weights, plan_writes, scan_writes, segmented_suffix_product
+from armkv.memory.write import WriteParams, WriteRule, gate_weights, plan_writes, scan_writes, segmented_suffix_product
 
 
 def _filled_state(G, S, d, occupied, seed=0, dtype=torch.float64, nb=5):
@@ -60,7 +60,7 @@ def test_scan_equals_naive_loop(gate, write, G, N, S, occupied):
     bucket = torch.randint(0, nb, (G, N), generator=torch.Generator().manual_seed(3))
     keys.requires_grad_(True)
     values.requires_grad_(True)
-    plan, merged = plan_writes(state, keys, bucket, valid, params, write, training=True, generator=torch.Generator().manual_seed(5))
+    plan, merged = plan_writes(state, keys, bucket, valid, params, WriteRule(write=write), training=True, generator=torch.Generator().manual_seed(5))
     fast = scan_writes(merged, plan, gate_weights(plan, keys, params, write), keys, values, positions)
     slow = naive.naive_scan(merged, plan, keys, values, positions, params, write)
     for name in ("key", "value", "pos", "count"):
@@ -159,9 +159,9 @@ def test_demote_scope_bucket_merges_a_token_only_into_its_own_bucket(fused):
     token = (e[1] + 0.01 * e[4]).view(1, 1, d)  # nearly slot 1 (bucket 1), routed to bucket 0
     one = torch.ones(1, 1, dtype=torch.bool)
     with torch.no_grad():
-        wide, _ = plan_writes(state, token, torch.tensor([[0]]), one, params, lazy=True, fused=fused)
+        wide, _ = plan_writes(state, token, torch.tensor([[0]]), one, params, WriteRule(lazy=True), fused=fused)
         own, merged = plan_writes(
-            state, token, torch.tensor([[0]]), one, params, lazy=True, fused=fused, demote_scope="bucket"
+            state, token, torch.tensor([[0]]), one, params, WriteRule(lazy=True, demote_scope="bucket"), fused=fused
         )
     assert int(wide.target[0, 0]) == 1  # merged into slot 1 of bucket 1
     slot = int(own.target[0, 0])
@@ -450,7 +450,7 @@ def test_protect_recent_keeps_the_newest_slots_out_of_the_merges():
         keys, values = torch.randn(1, 1, 3, 16, generator=g), torch.randn(1, 1, 3, 16, generator=g)
         positions = torch.arange(step * 3, step * 3 + 3)[None]
         before = state.clone()
-        state = mem.write(state, keys, values, positions, torch.ones(1, 3, dtype=torch.bool), config=cfg)
+        state = mem.write(state, keys, values, positions, torch.ones(1, 3, dtype=torch.bool), rule=WriteRule.from_config(cfg))
         if before.count.gt(0).all():
             # the newest half of the slots before the write (4 of 8) are untouched by it
             newest = before.pos[0].argsort()[4:]
@@ -612,15 +612,15 @@ def test_lazy_merging_keeps_near_duplicates_apart_while_the_pool_has_room():
     keys = state.key[:, :1].repeat(1, N, 1) * 1.001  # every token nearly repeats slot 0
     bucket = torch.zeros(G, N, dtype=torch.long)
     valid = torch.ones(G, N, dtype=torch.bool)
-    lazy, _ = plan_writes(state, keys, bucket, valid, params, lazy=True)
-    eager, _ = plan_writes(state, keys, bucket, valid, params, lazy=False)
+    lazy, _ = plan_writes(state, keys, bucket, valid, params, WriteRule(lazy=True))
+    eager, _ = plan_writes(state, keys, bucket, valid, params, WriteRule(lazy=False))
     assert (eager.target == 0).all()  # all merged into the slot they repeat
     for g in range(G):  # each in a slot of its own, none of the occupied ones
         assert sorted(lazy.target[g].tolist()) == list(range(4, 4 + N))
     full = _filled_state(G, S, d, S - 2, nb=1)  # room for 2 of the 6: lazy merges like eager
     keys = full.key[:, :1].repeat(1, N, 1) * 1.001
-    lazy, _ = plan_writes(full, keys, bucket, valid, params, lazy=True)
-    eager, _ = plan_writes(full, keys, bucket, valid, params, lazy=False)
+    lazy, _ = plan_writes(full, keys, bucket, valid, params, WriteRule(lazy=True))
+    eager, _ = plan_writes(full, keys, bucket, valid, params, WriteRule(lazy=False))
     assert torch.equal(lazy.target, eager.target)
 
 
@@ -637,11 +637,11 @@ def test_lazy_plan_with_room_everywhere_equals_the_scored_plan():
     bucket = torch.randint(0, 4, (2, N))
     valid = torch.ones(2, N, dtype=torch.bool)
     valid[0, 5] = False
-    fast, state_fast = plan_writes(roomy, keys[:1], bucket[:1], valid[:1], params, lazy=True)
+    fast, state_fast = plan_writes(roomy, keys[:1], bucket[:1], valid[:1], params, WriteRule(lazy=True))
     both = MemoryState(*(torch.cat([a, b]) for a, b in zip(
         (roomy.key, roomy.value, roomy.pos, roomy.count, roomy.bucket),
         (short.key, short.value, short.pos, short.count, short.bucket))))
-    scored, _ = plan_writes(both, keys, bucket, valid, params, lazy=True)
+    scored, _ = plan_writes(both, keys, bucket, valid, params, WriteRule(lazy=True))
     for name in ("target", "alpha", "cand", "count", "bucket"):
         torch.testing.assert_close(getattr(fast, name), getattr(scored, name)[:1], rtol=0, atol=0)
     assert torch.equal(state_fast.count, roomy.count)  # nothing merged
@@ -665,16 +665,16 @@ def test_an_inplace_write_equals_the_copying_one(G, S, occupied, N, protect_rece
     valid = torch.ones(G, N, dtype=torch.bool)
     valid[0, -1] = False
     pos = torch.arange(S, S + N, dtype=torch.float32).expand(G, N)
-    kw = dict(lazy=True, protect_recent=protect_recent, demote_scope="bucket")
+    rule = WriteRule(lazy=True, protect_recent=protect_recent, demote_scope="bucket")
     with torch.no_grad():
-        want = write_chunk(base, keys, values, pos, valid, bucket, params, **kw)
+        want = write_chunk(base, keys, values, pos, valid, bucket, params, rule)
         mine = MemoryState(base.key.clone(), base.value.clone(), base.pos.clone(), base.count.clone(), base.bucket.clone())
-        got = write_chunk(mine, keys, values, pos, valid, bucket, params, inplace=True, **kw)
+        got = write_chunk(mine, keys, values, pos, valid, bucket, params, rule, inplace=True)
     for name in ("key", "value", "pos", "count", "bucket"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
     assert got.key.data_ptr() == mine.key.data_ptr() and got.value.data_ptr() == mine.value.data_ptr()
     with pytest.raises(ValueError, match="inference"):
-        write_chunk(base, keys.requires_grad_(True), values, pos, valid, bucket, params, inplace=True, **kw)
+        write_chunk(base, keys.requires_grad_(True), values, pos, valid, bucket, params, rule, inplace=True)
 
 
 @pytest.mark.parametrize("G,S,pairs", [(3, 37, 5), (1, 9, 0), (2, 64, 30)])

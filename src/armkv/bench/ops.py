@@ -205,8 +205,9 @@ def _full_arm_layer(budget: int, fraction: int, seed: int = 0):
     H, d = info.num_kv_heads, info.head_dim
     with torch.no_grad():
         layer._lazy_init(torch.zeros(1, H, 1, d))
-        layer.rung = len(layer.rungs) - 1
-        S = layer.rungs[-1][1]
+        pool = layer.pool
+        pool.rung = len(pool.rungs) - 1
+        S = pool.rungs[-1][1]
         router = layer.memory.router
         leaves = router.weight[:, router.num_nodes - nb // router.branching :].reshape(H, nb, d)  # the last level's rows
         pick = torch.randint(0, nb, (H, S), generator=g)
@@ -214,8 +215,8 @@ def _full_arm_layer(budget: int, fraction: int, seed: int = 0):
         keys = keys + 0.3 * keys.norm(dim=-1, keepdim=True) / d**0.5 * torch.randn(H, S, d, generator=g)
         state = MemoryState(key=keys, value=torch.randn(H, S, d, generator=g), pos=torch.arange(S).float().expand(H, S).clone(),
                             count=torch.ones(H, S), bucket=router.route_writes(keys.unsqueeze(0))[0])
-        layer.state = layer._stored(state)
-        layer.reach = S
+        pool.state = pool.stored(state)
+        pool.reach = S
         layer._decide_m(torch.zeros(1, H, 1, d), torch.ones(1, 1, dtype=torch.bool))
     return layer, info
 

@@ -17,7 +17,7 @@ about a minute, once per machine and source version, kept in torch's extension c
 Where it cannot be built, a warning says why, once, and the PyTorch path serves.
 ``ARMKV_KERNELS=0`` skips it.
 
-The write (``ARMLayer._flush``, every ``sync`` decoded tokens) un-packs the whole pool to
+The write (``SlotPool.write``, every ``sync`` decoded tokens) un-packs the whole pool to
 pre-RoPE floats and, once the pool is full, finds each slot's nearest neighbour in a band
 of the bucket order (``write.banded_neighbours``): with PyTorch ops about 30 passes over
 the state, 20-50 ms per write in a layer of 3k-7k slots. ``int4_unpack_pre_rope`` and

@@ -17,7 +17,7 @@ from armkv.memory.checks import check_tensor
 from armkv.memory.policy import TopMPolicy
 from armkv.memory.route import Router
 from armkv.memory.state import MemoryState
-from armkv.memory.write import WriteParams, write_chunk
+from armkv.memory.write import WriteParams, WriteRule, write_chunk
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -59,13 +59,13 @@ class ARMMemory(nn.Module):
         positions: torch.Tensor,
         valid: torch.Tensor,
         generator: torch.Generator | None = None,
-        config: ARMConfig | None = None,
+        rule: WriteRule | None = None,
         inplace: bool = False,
     ) -> MemoryState:
         """Write a chunk of tokens into the memory (chunked scan; one token = decode step).
 
         keys : [B, H, N, d] pre-RoPE; values : [B, H, N, d]; positions : [B, N]; valid : [B, N]
-        config : the run-time config (write rule, pool) if not the adapter's
+        rule : the run-time write rule (write kind, pool, merging) if not the adapter config's
         inplace : (inference) write into ``state.key`` and ``state.value`` themselves, a state
             the caller gives up, instead of copying the pool
         """
@@ -78,7 +78,7 @@ class ARMMemory(nn.Module):
             )
         if valid.shape != (B, N) or positions.shape != (B, N):
             raise ArmkvError(f"valid and positions must be [{B}, {N}], got {tuple(valid.shape)}, {tuple(positions.shape)}")
-        c = config or self.config
+        rule = rule or WriteRule.from_config(self.config)
         bucket = self.router.route_writes(keys).reshape(B * H, N)
         flat = lambda x: x.reshape(B * H, N, d)  # noqa: E731
         expand = lambda x: x.unsqueeze(1).expand(B, H, N).reshape(B * H, N)  # noqa: E731
@@ -90,16 +90,10 @@ class ARMMemory(nn.Module):
             expand(valid.bool()),
             bucket,
             self.writes,
-            write=c.write,
-            empty_slot_rule=c.empty_slot_rule,
-            protect_recent=c.protect_recent,
-            lazy=c.lazy_merge,
-            demote_scope=c.demote_scope,
-            inplace=inplace,
-            slots_per_bucket=c.slots_per_bucket,
+            rule,
             training=self.training,
-            tau=c.tau,
             generator=generator,
+            inplace=inplace,
         )
 
     def route_queries(self, queries: torch.Tensor, m: int) -> torch.Tensor:

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from armkv.config import CHOICES, ARMConfig
+from armkv.errors import ArmkvError
 from armkv.memory import kernels
 from armkv.memory.state import MemoryState
 
@@ -145,6 +147,43 @@ class WritePlan:
     cand: torch.Tensor
     count: torch.Tensor
     bucket: torch.Tensor
+
+
+@dataclass(frozen=True)
+class WriteRule:
+    """How a layer decides and blends its writes: the write switches of the run-time
+    ``ARMConfig``, fixed for a cache (``WriteRule.from_config``; docs/design.md, "Writes")."""
+
+    write: str = "gated"  # "gated" (the learned gate), "mean" (beta = 1 / (n + 1)) or "fifo" (overwrite the oldest slot)
+    slots_per_bucket: int = 0  # Y of the paper's fixed partition, 0 for the shared pool
+    # (shared pool, similarity scorer) a group whose free slots can hold all of the chunk's
+    # valid tokens gives each its own slot, however similar; merging starts when the pool runs short
+    lazy: bool = False
+    # where a novel token merges when the pool is short of room and it is among the most
+    # redundant candidates: "bucket", its most similar slot of its own bucket; "any", of any bucket
+    demote_scope: str = "any"
+    protect_recent: float = 0.0  # share of the occupied slots, the most recent, kept out of the pair merges
+    tau: float = 1.0  # Gumbel-Softmax temperature of the choice in training
+    empty_slot_rule: bool = True  # the first write into an empty slot takes beta = 1
+
+    def __post_init__(self) -> None:
+        for name in ("write", "demote_scope"):
+            if getattr(self, name) not in CHOICES[name]:
+                raise ArmkvError(f"WriteRule.{name}={getattr(self, name)!r} is not one of {', '.join(CHOICES[name])}")
+        if self.slots_per_bucket < 0:
+            raise ArmkvError(f"WriteRule.slots_per_bucket={self.slots_per_bucket} must be >= 0 (0: the shared pool)")
+        if not 0.0 <= self.protect_recent < 1.0:
+            raise ArmkvError(f"WriteRule.protect_recent={self.protect_recent} must be in [0, 1)")
+        if self.tau <= 0:
+            raise ArmkvError(f"WriteRule.tau={self.tau} must be > 0")
+
+    @classmethod
+    def from_config(cls, config: ARMConfig) -> WriteRule:
+        return cls(
+            write=config.write, slots_per_bucket=config.slots_per_bucket, lazy=config.lazy_merge,
+            demote_scope=config.demote_scope, protect_recent=config.protect_recent, tau=config.tau,
+            empty_slot_rule=config.empty_slot_rule,
+        )  # fmt: skip
 
 
 def _gumbel_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -270,15 +309,10 @@ def plan_writes(
     bucket: torch.Tensor,
     valid: torch.Tensor,
     params: WriteParams,
-    write: str = "gated",
-    slots_per_bucket: int = 0,
+    rule: WriteRule = WriteRule(),
     training: bool = False,
-    tau: float = 1.0,
     generator: torch.Generator | None = None,
-    protect_recent: float = 0.0,
-    lazy: bool = False,
     fused: bool = True,
-    demote_scope: str = "any",
     inplace: bool = False,
 ) -> tuple[WritePlan, MemoryState]:
     """Decide every write of a chunk against the state at the sync point.
@@ -289,24 +323,24 @@ def plan_writes(
     keys : [G, N, d] pre-RoPE keys of the chunk (what routing and similarity use)
     bucket : [G, N] bucket of each token (``Router.route_writes``)
     valid : [G, N] bool; padding writes nothing
-    slots_per_bucket : Y of the paper's fixed partition, 0 for the shared pool
-    lazy : (shared pool, similarity scorer) a group whose free slots can hold all of the
-        chunk's valid tokens gives each its own slot, however similar; merging starts when
-        the pool runs short
+    params : the layer's slot scorer and gate
+    rule : the write rule (``WriteRule``: write kind, pool, lazy merging, demotion scope, ...);
+        under demote_scope="bucket" the fused path scores each token against its bucket's
+        slots only, not all S
+    training : choose by Gumbel-Softmax (temperature ``rule.tau``, noise from ``generator``)
     fused : at inference on float32 CPU states with a cosine-only scorer, find each token's
         best slots with the fused kernel (``armkv.memory.kernels``); False: the PyTorch ops,
         its reference
-    demote_scope : where a novel token merges when the pool is short of room and it is among
-        the most redundant candidates: "bucket", its most similar slot of its own bucket,
-        where the tree files keys like it (the fused path then scores each token against its
-        bucket's slots only, not all S); "any", its most similar slot of any bucket
     inplace : merges that make room write into ``state.key`` and ``state.value`` rather than
-        copies (inference on a state the caller gives up, as ``ARMLayer._flush``'s un-packed one)
+        copies (inference on a state the caller gives up, as ``SlotPool.write``'s un-packed one)
 
     Returns
     -------
     (plan, state') where state' is ``state`` after the pair merges that made room.
+    ``naive.naive_plan_writes`` decides the same plan one token at a time.
     """
+    write, slots_per_bucket, lazy, demote_scope = rule.write, rule.slots_per_bucket, rule.lazy, rule.demote_scope
+    protect_recent, tau = rule.protect_recent, rule.tau
     G, N, d = keys.shape
     S = state.slots
     dev = keys.device
@@ -356,15 +390,19 @@ def plan_writes(
             probs = torch.nan_to_num(probs, nan=1.0)  # a token with no option at all: weight 1
             alpha = probs.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
             has_cand = cand_mask.any(-1)
+            # the best-scoring slot, also for a token that chose a new one (the paper pool's
+            # over-capacity rule merges it there)
+            best_slot = torch.where(choice < S, choice, z.argmax(-1))
         else:
             # the argmax over [slots | new (logit 0)] without building it: ties go to the slot
             if module is None:
                 best_z, choice = z.max(-1)
+            best_slot = choice
             if similarity:
                 choice = torch.where(best_z >= 0, choice, S)
             alpha = torch.ones(G, N, dtype=keys.dtype, device=dev)
             has_cand = best_z > -math.inf
-        best_slot = choice.clamp_max(S - 1)
+        best_slot = best_slot.clamp(0, S - 1)  # (arbitrary where no slot is a candidate)
         if similarity:
             novel = valid & ((choice == S) | ~has_cand)
         else:
@@ -745,15 +783,9 @@ def write_chunk(
     valid: torch.Tensor,
     bucket: torch.Tensor,
     params: WriteParams,
-    write: str = "gated",
-    empty_slot_rule: bool = True,
-    slots_per_bucket: int = 0,
+    rule: WriteRule = WriteRule(),
     training: bool = False,
-    tau: float = 1.0,
     generator: torch.Generator | None = None,
-    protect_recent: float = 0.0,
-    lazy: bool = False,
-    demote_scope: str = "any",
     inplace: bool = False,
 ) -> MemoryState:
     """Plan, gate and scan one chunk (see the module docstring). Shapes as in plan_writes;
@@ -761,9 +793,6 @@ def write_chunk(
     state the caller gives up: no copy of the pool per write)."""
     if inplace and (training or (torch.is_grad_enabled() and (state.key.requires_grad or keys.requires_grad))):
         raise ValueError("write_chunk(inplace=True) is for inference: gradients need the state before the write")
-    plan, state = plan_writes(
-        state, keys, bucket, valid, params, write, slots_per_bucket, training, tau, generator,
-        protect_recent, lazy, demote_scope=demote_scope, inplace=inplace,
-    )
-    beta = gate_weights(plan, keys, params, write, empty_slot_rule)
+    plan, state = plan_writes(state, keys, bucket, valid, params, rule, training, generator, inplace=inplace)
+    beta = gate_weights(plan, keys, params, rule.write, rule.empty_slot_rule)
     return scan_writes(state, plan, beta, keys, values, positions, inplace)

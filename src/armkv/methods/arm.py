@@ -28,25 +28,23 @@ import dataclasses
 import torch
 
 from armkv.budget import LAYER_SHARE_RULES, adapter_layer_weights, layer_budget, parse_layer_weights, retrieval_layer_weights
-from armkv.config import ARMConfig, slot_bytes
+from armkv.config import ARMConfig
 from armkv.errors import ArmkvError
 from armkv.memory import kernels
 from armkv.memory.module import ARMModel
+from armkv.memory.pool import SlotPool
 from armkv.memory.read import (
     BucketIndex, bucket_index, bucket_slot_mask, fused_decode_read, gather_slots, gathered_read, run_breaks, slots_of_buckets, sort_by_bucket,
 )
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
-from armkv.memory.write import roomy_groups
+from armkv.memory.write import WriteRule
 from armkv.memory.quant import at_least_float32, mixing_matrix
 from armkv.methods.attention import decode_scores, decode_values, joint_attention, safe_softmax
 from armkv.methods.adapters import DEFAULT_ADAPTER_ORDER, SHIPPED_ADAPTERS, arm_on_device, resolve_arm, shipped_adapter
 from armkv.methods.base import CacheLayer, ModelInfo, register_method, require_budget
 from armkv.methods.buffers import ExactBuffer
 
-# Slots a growing pool (ARMLayer._grows) starts with; it doubles (at least) whenever a write
-# would find too few free ones, up to the slots the budget buys.
-INITIAL_SLOTS = 64
 # Reads of at most this many tokens at M < N_b gather their buckets' slots (ARMLayer._sparse_read);
 # longer chunks mask the whole pool (the gathered copies grow with the tokens; at 64 tokens and
 # a full pool of budget 4096 the gathered read measured 2.5-2.9x faster than the masked one,
@@ -81,9 +79,11 @@ class ARMLayer(CacheLayer):
         if rotary is None:
             raise ArmkvError("the arm method needs the model's rotary embedding (a RoPE model)")
         self.memory, self.config = memory, config
+        self.rule = WriteRule.from_config(config)  # how the writes are decided and blended
         self.chunk = config.chunk
         self.buffer: ExactBuffer | None = None
-        self.state: MemoryState | None = None
+        # the slots: their stored form, the ladder of formats, growth and the write cycle
+        self.pool = SlotPool(memory, config, rotary, info.head_dim, info.dtype_bytes)
         # tokens that left the window and wait to be written (decoding writes every `sync`):
         # (keys [B, H, n, d] post-RoPE, values, valid [B, n], positions [B, n])
         self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -94,58 +94,38 @@ class ARMLayer(CacheLayer):
         self.aux: dict[str, torch.Tensor] = {}
         self.generator: torch.Generator | None = None
         self._bias_for: tuple[MemoryState, torch.Tensor] | None = None  # (state, its decode-read bias)
-        self.reach = 0  # slots from index `reach` on are free in every row: reads stop there
-        self._read_view: tuple[MemoryState, MemoryState] | None = None  # (state, its first `reach` slots)
-        self.rungs = self._ladder_rungs()  # (slot format, slots) the pool goes through, the last config's own
-        self.rung = 0
-        self.reserve: torch.Tensor | None = None  # bytes held beside an earlier rung (_reserve_ladder_bytes)
         self.mixing: torch.Tensor | None = None  # [d, d] the slot mixing matrix (quant.mixing_matrix)
-        self.skip_roomy_unpack = True  # False: every write un-packs the pool (_roomy_form's reference)
         # compiled decoding: the tokens waiting for the write in `sync` fixed entries (keys
         # [B, H, sync, d], values, valid [B, sync], positions [B, sync]) and the steps since the write
         self.waiting: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.waiting_steps = 0
         self._route_k = 0  # buckets routed (and gathered by a sparse read) per query: the largest M, +1 for the training mix
 
-    def _ladder_rungs(self) -> list[tuple[str, int]]:
-        """``slot_ladder``'s formats with the slots each holds in the bytes of the pool as
-        configured (``slots`` of ``slot_format``), most precise first; a format that would hold
-        no more slots than the one before it is skipped. The last rung is ``slot_format``."""
-        c, info = self.config, self.info
-        pool_bytes = c.pool_slots * slot_bytes(c.slot_format, info.head_dim, info.dtype_bytes)
-        rungs: list[tuple[str, int]] = []
-        for fmt in c.ladder if c.pool == "shared" else ():  # (the paper's pool: Y slots a bucket throughout)
-            slots = pool_bytes // slot_bytes(fmt, info.head_dim, info.dtype_bytes)
-            if 1 <= slots < c.pool_slots and (not rungs or slots > rungs[-1][1]):
-                rungs.append((fmt, slots))
-        return rungs + [(c.slot_format, c.pool_slots)]
+    @property
+    def state(self) -> MemoryState | None:
+        """The slots as stored (``SlotPool.stored``): [G = B x KV heads, S], None until the first chunk."""
+        return self.pool.state
+
+    @state.setter
+    def state(self, state: MemoryState) -> None:
+        self.pool.state = state
 
     @property
     def slots(self) -> int:
         """The slots the budget buys on the current rung (a growing pool allocates them as it fills)."""
-        return self.rungs[self.rung][1]
+        return self.pool.slots
 
     @property
     def work_dtype(self) -> torch.dtype:
         """The dtype the memory computes in: its parameters' (float32), whatever the model's."""
-        return self.memory.router.weight.dtype
-
-    @property
-    def slot_format(self) -> str:
-        """The format the slots are stored in now (``slot_format`` unless a ladder's earlier rung)."""
-        return self.rungs[self.rung][0]
+        return self.pool.work_dtype
 
     # ------------------------------------------------------------------ state
     def _lazy_init(self, key: torch.Tensor) -> None:
         B, H, _, d = key.shape
         c = self.config
         self.buffer = ExactBuffer(c.sinks, c.window, B, H, d, key.dtype, key.device)
-        self.rung = len(self.rungs) - 1 if self.memory.training else 0  # (training keeps the model's dtype)
-        slots = self.rungs[self.rung][1]
-        if self._grows():
-            slots = min(slots, INITIAL_SLOTS)
-        self.state = self._stored(self.memory.init_state(B, self.work_dtype, key.device, dataclasses.replace(c, slots=slots)))
-        self.reach = 0
+        self.pool.start(B, key.dtype, key.device)
         self.mixing = mixing_matrix(d, key.dtype, key.device)  # (fetched once: a compiled step reads it as a tensor)
         if self._step is not None:
             self.waiting = (
@@ -153,59 +133,6 @@ class ARMLayer(CacheLayer):
                 torch.zeros(B, c.sync, dtype=torch.bool, device=key.device),
                 torch.zeros(B, c.sync, dtype=torch.long, device=key.device),
             )
-        self._reserve_ladder_bytes()
-
-    def _grows(self) -> bool:
-        """Whether the pool is allocated as it fills rather than at once: at inference, in the
-        shared pool under lazy merging with the similarity scorer (not fifo). There a write
-        whose tokens all find free slots puts each in the lowest free one, whatever else the
-        pool holds (``write.roomy_groups``), so free slots past the last one used change
-        nothing, and :meth:`_grow` adds them only before a write that needs them."""
-        c, mem = self.config, self.memory
-        return (
-            not mem.training and c.pool == "shared" and c.lazy_merge and c.write != "fifo"
-            and mem.writes.scorer_kind == "similarity"
-        )  # fmt: skip
-
-    def _grow(self, packed: MemoryState, valid: torch.Tensor, dtype: torch.dtype) -> MemoryState:
-        """The stored state with free slots appended so that every group has room for the
-        most valid tokens a row writes now (as :meth:`_make_room` counts room), at least
-        doubling it, never past the slots of the current rung (the budget's); unchanged where
-        it has that room or is whole already."""
-        G, S = packed.count.shape
-        whole = self.slots
-        if S >= whole:
-            return packed
-        short = int(valid.sum(1).max()) - int((packed.count == 0).sum(1).min())
-        if short <= 0:
-            return packed
-        extra = min(whole, max(2 * S, S + short)) - S
-        free = self._stored(MemoryState.empty(G, extra, self.memory.head_dim, dtype, packed.count.device))
-        along = -1 if packed.key_scale is not None else 1  # quantised keys are channel-major [G, width, S]
-        grown = dataclasses.replace(
-            packed,
-            key=torch.cat([packed.key, free.key], along),
-            **{
-                name: torch.cat([getattr(packed, name), getattr(free, name)], 1)
-                for name in ("value", "pos", "count", "bucket", "key_scale", "value_scale")
-                if getattr(packed, name) is not None
-            },
-        )
-        self.state = grown
-        self._reserve_ladder_bytes()
-        return grown
-
-    def _reserve_ladder_bytes(self) -> None:
-        """Hold, beside a ladder rung's whole state, the bytes that make every rung's footprint
-        the same (the largest rung's: their slot counts round the same pool bytes down to whole
-        slots of different sizes), so that a full pool's size does not depend on the rung it
-        reached. Nothing without a ladder, in training, or while the pool is still growing."""
-        st, info = self.state, self.info
-        if len(self.rungs) == 1 or self.memory.training or st.slots < self.slots:
-            self.reserve = None
-            return
-        target = st.groups * max(slots * slot_bytes(fmt, info.head_dim, info.dtype_bytes) for fmt, slots in self.rungs)
-        self.reserve = torch.empty(max(0, target - st.nbytes()), dtype=torch.uint8, device=st.count.device)
 
     static_decode = True
 
@@ -248,9 +175,8 @@ class ARMLayer(CacheLayer):
         waiting = 0 if self.pending is None else self.pending[0].nbytes + self.pending[1].nbytes
         if self.waiting is not None:  # (compiled decoding: the fixed buffer, at most `sync` tokens)
             waiting = max(waiting, self.waiting[0].nbytes + self.waiting[1].nbytes)
-        reserved = 0 if self.reserve is None else self.reserve.nbytes
         index = self._index_for[1].nbytes() if self._index_for is not None and self._index_for[0] is self.state else 0
-        return self.buffer.state_bytes() + self.state.nbytes() + waiting + reserved + index
+        return self.buffer.state_bytes() + self.pool.nbytes() + waiting + index
 
     # ------------------------------------------------------------------ attention
     def attend_chunk(self, query, key, value, valid, positions, scaling):
@@ -405,7 +331,7 @@ class ARMLayer(CacheLayer):
         values, occupied [B, H, S], logit bias [B, H, S]. ``unmix=False`` leaves mixed slots'
         keys and values as x Q (a reader that mixes its queries and the other entries alike).
 
-        The state is stored in this read form (see :meth:`_stored`), so a read only
+        The state is stored in this read form (see ``SlotPool.stored``), so a read only
         dequantises it: a transient copy for this layer's attention, as KIVI's is, and
         nothing kept beside the budgeted state between steps."""
         c, st = self.config, self._readable()
@@ -420,16 +346,14 @@ class ARMLayer(CacheLayer):
             value = torch.cat([value, torch.zeros_like(value)], -1)
         return key, value, count > 0, self._slot_bias(count)
 
+    def _readable(self) -> MemoryState:
+        """The slots a read covers (``SlotPool.readable``): the first ``reach`` of them, or every
+        slot in a compiled step (a static shape)."""
+        return self.pool.readable(whole=self._step is not None and torch.compiler.is_compiling())
+
     def _slot_bias(self, count: torch.Tensor) -> torch.Tensor:
         """Each slot's logit bias: log n where ``log_count_bias`` (a slot stands for n keys), else 0."""
         return count.clamp_min(1).log() if self.config.log_count_bias else torch.zeros_like(count)
-
-    def _read_positions(self, state: MemoryState) -> torch.Tensor:
-        """Where each slot's key is rotated to for reading: its count-weighted position
-        ("stored"), or just before the window ("fixed": q.R(p - delta)k_pre = q_pre.R(-delta)k_pre)."""
-        if self.config.position_mode == "stored":
-            return state.pos
-        return torch.full((1, 1), -float(self.config.window + 1), device=state.pos.device)
 
     def _flush(self) -> None:
         """Write the waiting tokens into the slots (one chunked scan)."""
@@ -441,153 +365,10 @@ class ARMLayer(CacheLayer):
         k_pre = self.rotary.unrotate(keys, positions.unsqueeze(1))
         if mem.training and c.write != "fifo":
             self.aux["balance"] = self.aux.get("balance", 0) + mem.router.balance_loss(k_pre, valid)
-        packed = self.state
-        if self._grows():
-            packed = self._grow(packed, valid, keys.dtype)
-        if self.rung < len(self.rungs) - 1:
-            packed = self._make_room(packed, valid, keys.dtype)
-        if self.skip_roomy_unpack and self._roomy(packed, keys, valid):
-            state = self._roomy_form(packed, keys.dtype)
-        else:
-            state = self._write_form(packed, keys.dtype)
-        # the un-packed state is this write's own: at inference the write fills it in place
-        written = mem.write(state, k_pre, values, positions, valid, self.generator, c, inplace=not mem.training)
-        self.state = self._stored(written) if mem.training else self._restored(packed, state, written)
-        # writes fill the lowest free slots first, so the occupied slots stay (mostly) a prefix
-        occupied = (written.count > 0).any(0).nonzero()
-        self.reach = int(occupied[-1, 0]) + 1 if occupied.numel() else 0
-
-    def _roomy(self, packed: MemoryState, keys: torch.Tensor, valid: torch.Tensor) -> bool:
-        """True when this write only fills free slots (``write.roomy_groups`` in every group,
-        at inference, lazy merging, not fifo): the write plan then gives each token its own
-        free slot without looking at any stored slot."""
-        c, mem = self.config, self.memory
-        if mem.training or not c.lazy_merge or c.write == "fifo":
-            return False
-        B, H, N = keys.shape[:3]
-        group_valid = valid.unsqueeze(1).expand(B, H, N).reshape(B * H, N)  # as MemoryModule.write groups them
-        roomy = roomy_groups(packed, group_valid, mem.writes, c.slots_per_bucket)
-        return roomy is not None and bool(roomy.all())
-
-    def _roomy_form(self, packed: MemoryState, dtype: torch.dtype) -> MemoryState:
-        """:meth:`_write_form` for a roomy write (:meth:`_roomy`): zero keys and values in
-        place of un-packing the pool. The write reads only the free slots it fills (zero in
-        both forms) and :meth:`_restored` keeps the stored codes of every slot it did not
-        change, so the state after the write is the same (tested against ``_write_form``)."""
-        G, S = packed.count.shape
-        zeros = torch.zeros(G, S, self.memory.head_dim, dtype=dtype, device=packed.count.device)
-        return dataclasses.replace(
-            packed, key=zeros, value=zeros.clone(), bucket=packed.bucket.long(), key_scale=None, value_scale=None, mixed=False
+        # the un-packed pool is this write's own: at inference the write fills it in place
+        self.pool.write(
+            keys, valid, lambda state: mem.write(state, k_pre, values, positions, valid, self.generator, self.rule, inplace=not mem.training)
         )
-
-    def _readable(self) -> MemoryState:
-        """The state's first ``reach`` slots (at least one), the only ones any row may hold
-        (views where they are contiguous): a read over them equals a read over all, the free
-        slots past them taking no weight. Kept until the state is replaced."""
-        st = self.state
-        if self._step is not None and torch.compiler.is_compiling():  # a static shape: every slot
-            return st
-        if self._read_view is not None and self._read_view[0] is st:
-            return self._read_view[1]
-        view = st.first(max(self.reach, 1))
-        self._read_view = (st, view)
-        return view
-
-    def _make_room(self, packed: MemoryState, valid: torch.Tensor, dtype: torch.dtype) -> MemoryState:
-        """Climb ``slot_ladder`` while a write of these tokens would have to merge (some row of
-        the pool has fewer free slots than it has tokens to write): every slot is re-packed in
-        the next rung's format and the pool grows to the slots that format holds in the same
-        bytes, the new ones free. Nothing merges while a cheaper format still has room, so a
-        context that fits keeps the more precise codes throughout."""
-        need = int(valid.sum(1).max())
-        while self.rung < len(self.rungs) - 1 and int((packed.count == 0).sum(1).min()) < need:
-            self.rung += 1
-            fmt, slots = self.rungs[self.rung]
-            floats = packed.unpack(dtype)  # the read form: keys rotated, free slots zero
-            G, S, d = floats.key.shape
-            extra = slots - S
-
-            def grow(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-                return torch.cat([t, t.new_full((G, extra, *t.shape[2:]), fill)], 1)
-
-            packed = MemoryState(
-                key=grow(floats.key), value=grow(floats.value), pos=grow(floats.pos), count=grow(floats.count),
-                bucket=grow(floats.bucket, -1),
-            ).pack(fmt, mix=self.config.slot_mixing)
-            self.state = packed
-            self._reserve_ladder_bytes()
-        return packed
-
-    def _write_form(self, packed: MemoryState, dtype: torch.dtype, fused: bool = True) -> MemoryState:
-        """The stored state as writes use it: float keys un-rotated to pre-RoPE, float values,
-        int64 buckets. Slots with int4 values (k4v4, the default, and k8v4) of float32 on a CPU go through the
-        fused kernel (``armkv.memory.kernels``: one pass for dequantising, unmixing and
-        un-rotating) unless ``fused=False``; the PyTorch ops are its reference."""
-        positions = self._read_positions(packed)
-        d = packed.value.shape[-1] * 2
-        module = None
-        if (
-            fused and packed.key.dtype in (torch.uint8, torch.int8) and packed.value.dtype == torch.uint8 and dtype == torch.float32
-            and packed.key.device.type == "cpu" and (not packed.mixed or d & (d - 1) == 0)  # Hadamard mixing only
-        ):
-            module = kernels.int4_read()  # (codes carry no gradient)
-        if module is None:
-            stored = packed.unpack(dtype)
-            return dataclasses.replace(stored, key=self.rotary.unrotate(stored.key, positions))
-        G, S = packed.count.shape
-        cos, sin = (t.expand(G, S, -1) for t in self.rotary.half_cos_sin(positions, dtype))
-        key, value = module.int4_unpack_pre_rope(
-            packed.key, packed.key_scale, packed.value, packed.value_scale, cos, sin, packed.mixed, self.rotary.scaling
-        )
-        return dataclasses.replace(
-            packed, key=key, value=value, bucket=packed.bucket.long(), key_scale=None, value_scale=None, mixed=False
-        )
-
-    def _restored(self, packed: MemoryState, before: MemoryState, after: MemoryState) -> MemoryState:
-        """:meth:`_stored` of ``after`` that re-rotates and re-packs only the slots the write
-        changed, copying their codes into ``packed`` (the state as stored before the write) in
-        place; every other slot keeps the codes it has. Equal to ``_stored(after)``
-        (tests/test_arm_method.py). A changed slot has a new count or position: a write adds
-        to its count, a merge adds to one count and frees the other (count 0), and a freed
-        slot filled again in the same write holds a later position than anything stored."""
-        G, S, d = after.key.shape
-        changed = (after.count != before.count) | (after.pos != before.pos)
-        rows = changed.view(-1).nonzero().squeeze(1)  # [n] flat indices g * S + s
-        fresh = self._stored(
-            MemoryState(
-                key=after.key.reshape(G * S, d).index_select(0, rows).unsqueeze(0),
-                value=after.value.reshape(G * S, d).index_select(0, rows).unsqueeze(0),
-                pos=after.pos.reshape(-1).index_select(0, rows).unsqueeze(0),
-                count=after.count.reshape(-1).index_select(0, rows).unsqueeze(0),
-                bucket=after.bucket.reshape(-1).index_select(0, rows).unsqueeze(0),
-            )
-        )
-        parts = {}
-        for name in ("key", "value", "key_scale", "value_scale"):
-            old, new = getattr(packed, name), getattr(fresh, name)
-            if old is None:
-                continue
-            if name == "key" and packed.key_scale is not None:  # channel-major codes [G, width, S]
-                old[rows // S, :, rows % S] = new[0].transpose(0, 1)
-                parts[name] = old
-            else:
-                row_shape = old.shape[2:]  # (explicit: a write may change no slot at all, rows empty)
-                parts[name] = old.view(G * S, *row_shape).index_copy_(0, rows, new.view(rows.numel(), *row_shape)).view(old.shape)
-        return dataclasses.replace(
-            packed, pos=after.pos, count=after.count, bucket=after.bucket.to(packed.bucket.dtype), **parts
-        )
-
-    def _stored(self, state: MemoryState) -> MemoryState:
-        """The state as kept between writes, in the form attention reads: slot keys rotated
-        to their read positions, free slots zero, and at inference packed to ``slot_format``
-        (in training kept in the model's dtype, "model": int8 codes would cut the gradient). Writes
-        undo the rotation (:meth:`_flush`); an unchanged slot packs to the same codes again."""
-        occupied = (state.count > 0).unsqueeze(-1)
-        key = self.rotary.rotate(state.key, self._read_positions(state)).masked_fill(~occupied, 0.0)
-        state = dataclasses.replace(state, key=key, value=state.value.masked_fill(~occupied, 0.0))
-        if self.memory.training:
-            return state.pack("model")
-        return state.pack(self.slot_format, mix=self.config.slot_mixing, dtype=self.buffer.k.dtype)
 
     def _masks_for(self, q_pre: torch.Tensor, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
         mem = self.memory
