@@ -11,7 +11,7 @@ from armkv.cli import main
 from armkv.evals.policy import fixed_at
 from armkv.memory.policy import TopMPolicy
 from armkv.train.arm import new_arm
-from armkv.train.policy import cascade_labels, coverage_targets, fit_policy, read_coverage
+from armkv.train.policy import cascade_labels, coverage_targets, error_targets, fit_policy, output_error, read_coverage
 from conftest import tiny_model
 
 
@@ -80,6 +80,48 @@ def test_read_coverage_matches_the_naive_reference(T, sinks, window):
     assert bool((coverage.diff(dim=-1) >= -1e-6).all()) and torch.allclose(coverage[..., -1], torch.ones(L, 2))
 
 
+def naive_output_error(p, in_memory, bucket, ranked, v):
+    """output_error query by query and M by M: the read's keys listed, its softmax renormalised."""
+    B, H, R, T, S = p.shape
+    N_b = ranked.shape[-1]
+    total, count = torch.zeros(B, N_b, dtype=torch.float64), 0
+    for b in range(B):
+        for h in range(H):
+            for r in range(R):
+                for t in range(T):
+                    if not bool(in_memory[t].any()):
+                        continue
+                    if b == 0:
+                        count += 1
+                    w = p[b, h, r, t].double()
+                    outputs = []
+                    for M in range(1, N_b + 1):
+                        read = set(ranked[b, h, t, :M].tolist())
+                        keep = torch.tensor([(not bool(in_memory[t, s])) or int(bucket[b, h, s]) in read for s in range(S)])
+                        ww = w * keep
+                        outputs.append((ww @ v[b, h].double()) / ww.sum())
+                    full = outputs[-1]
+                    for M, o in enumerate(outputs):
+                        total[b, M] += float((o - full).norm() / full.norm().clamp_min(1e-6))
+    return total / count
+
+
+def test_output_error_matches_the_naive_reference():
+    torch.manual_seed(3)
+    B, H, R, T, N_b, d = 2, 2, 2, 11, 8, 5
+    logits = torch.randn(B, H, R, T, T)
+    causal = torch.ones(T, T).tril().bool()
+    p = torch.softmax(logits.masked_fill(~causal, -torch.inf), -1)
+    t = torch.arange(T)
+    in_memory = (t.view(1, T) >= 1) & (t.view(1, T) < t.view(T, 1) - 3)
+    bucket = torch.randint(0, N_b, (B, H, T))
+    ranked = torch.rand(B, H, T, N_b).argsort(-1)
+    v = torch.randn(B, H, T, d)
+    got = output_error(p, in_memory, bucket, ranked, v, block=4)
+    torch.testing.assert_close(got.double(), naive_output_error(p, in_memory, bucket, ranked, v), atol=1e-5, rtol=1e-5)
+    assert bool((got[:, -1] == 0).all()) and bool((got[:, 0] > 0).all())
+
+
 def test_read_coverage_pools_the_first_keys_as_the_inference_policy_does():
     model = tiny_model("llama")
     arm = new_arm(model, budget=96)
@@ -99,6 +141,8 @@ def test_coverage_targets_and_labels():
     assert coverage_targets(coverage, 0.95).tolist() == [4, 5]  # nothing in memory: every bucket
     assert coverage_targets(coverage, 0.5).tolist() == [1, 5]
     assert coverage_targets(coverage, 1.0).tolist() == [5, 5]
+    error = torch.tensor([[0.3, 0.2, 0.04, 0.01, 0.0], [0.5, 0.5, 0.5, 0.5, 0.0]])
+    assert error_targets(error, 0.05).tolist() == [3, 5] and error_targets(error, 0.25).tolist() == [2, 5]
     assert cascade_labels(torch.tensor([1, 3]), 1, 4).tolist() == [[0, 0, 0, 0], [1, 1, 0, 0]]
     with pytest.raises(Exception, match="coverage level"):
         coverage_targets(coverage, 0.0)
@@ -155,28 +199,30 @@ def test_train_policy_cli_writes_an_adapter_and_reuses_its_targets(tiny_model_di
     from armkv.memory.module import ARMModel
 
     out = tmp_path / "p"
-    def args(coverage):
+    def args(*target):
         return ["train", "--method", "policy", "--model", str(tiny_model_dir), "--adapter", str(start_adapter),
-                "--data", str(text), "--seq-len", "96", "--sequences", "3", "--policy-steps", "20", "--coverage", coverage,
+                "--data", str(text), "--seq-len", "96", "--sequences", "3", "--policy-steps", "20", *target,
                 "--out", str(out), "--no-progress"]
 
-    assert main(args("0.6")) == 0
+    assert main(args("--error", "0.2")) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     fitted = ARMModel.load(out / "adapter")
     start = ARMModel.load(start_adapter)
     assert not torch.equal(fitted.layers[0].policy.out.bias, start.layers[0].policy.out.bias)
     torch.testing.assert_close(fitted.layers[0].router.weight, start.layers[0].router.weight, atol=0, rtol=0)
     assert len(json.loads((out / "policy_fit.json").read_text())["layers"]) == 2
-    assert summary["coverage"] == 0.6 and 1 <= summary["mean_m"] <= summary["num_buckets"]
-    # the same data and adapter: the targets are read once
-    assert main(args("0.9")) == 0
+    assert summary["error"] == 0.2 and 1 <= summary["mean_m"] <= summary["num_buckets"]
+    # the same data and adapter: the targets are read once, for either definition
+    assert main(args("--coverage", "0.9")) == 0
     assert "targets: reusing" in capsys.readouterr().out
 
 
-def test_train_policy_bad_coverage_is_one_line_before_the_model(tmp_path, capsys):
-    assert main(["train", "--method", "policy", "--model", str(tmp_path / "none"), "--coverage", "1.5", "--out", str(tmp_path)]) == 2
+@pytest.mark.parametrize("target, message", [(["--coverage", "1.5"], "--coverage 1.5"), (["--error", "0"], "--error 0"),
+                                             (["--error", "0.1", "--coverage", "0.9"], "not both")])
+def test_train_policy_bad_target_is_one_line_before_the_model(tmp_path, capsys, target, message):
+    assert main(["train", "--method", "policy", "--model", str(tmp_path / "none"), *target, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--coverage 1.5" in err[0]
+    assert len(err) == 1 and message in err[0]
 
 
 def test_curve_cli_scores_fixed_and_learned_and_resumes(tiny_model_dir, text, start_adapter, tmp_path, capsys, monkeypatch):

@@ -32,7 +32,7 @@ METHODS = ("arm", "lm", "policy")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=METHODS, default="arm",
                         help="arm: train the ARM parameters (router, writes, policy) through the model's loss; policy: fit only "
-                        "the top-M policy of --adapter to the M that holds --coverage of the attention mass; "
+                        "the top-M policy of --adapter to the M its layer's attention outputs need (--error); "
                         "lm: train the model itself (needs --unfreeze all or --lora-rank)")
     parser.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: the default model)")
     parser.add_argument("--gguf-file", help="GGUF file inside --model to load")
@@ -149,8 +149,7 @@ def main_policy(args: argparse.Namespace) -> int:
     """``--method policy``: no gradient through the model, only the policy's fit (armkv.train.policy)."""
     from armkv.train import policy
 
-    if not 0.0 < args.coverage <= 1.0:
-        raise ArmkvError(f"--coverage {args.coverage}: give a share in (0, 1], e.g. 0.95")
+    policy.target_of(args)  # a bad target is an error before the model loads
     if args.sequences < 1 or args.policy_steps < 0 or args.seq_len < 2:
         raise ArmkvError("--sequences must be at least 1, --policy-steps at least 0 and --seq-len at least 2")
     if args.adapter not in (None, "calibrated") and not Path(args.adapter).is_dir():

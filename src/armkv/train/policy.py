@@ -7,16 +7,17 @@ move M off N_b), so here its target is read off the model itself:
 
 1. :func:`read_coverage` runs training text through the model with the full cache, and for
    every layer and query ranks the buckets as ARM's read does (the query group's router
-   scores, ``Router.group_topm_buckets``) and sums the attention the query pays to the keys
-   each bucket holds. Only the keys ARM keeps in its memory count (not the sinks, not the
-   recent window, which every query reads exactly). ``coverage[M - 1]`` is the share of that
-   attention mass held by each query's top-M buckets, summed over the input's queries.
-2. :func:`coverage_targets`: an input's target M is the smallest M whose buckets hold at
-   least ``level`` (e.g. 0.95) of its memory's attention mass.
+   scores, ``Router.group_topm_buckets``). Only the keys ARM keeps in its memory are
+   filed in buckets (not the sinks, not the recent window, which every query reads exactly).
+   For M = 1 .. N_b it measures two things per input: the relative error of the attention
+   output when each query reads only its top-M buckets (:func:`output_error`), and the share
+   of the memory's attention mass those buckets hold.
+2. An input's target M is the smallest M whose output error is within a tolerance
+   (:func:`error_targets`), or whose buckets hold a given share of the mass
+   (:func:`coverage_targets`).
 3. :func:`fit_policy`: the cascade's decisions are fitted to those targets: at step i
    (from M = m_min + i) "read one more" is right when the target is above m_min + i, a
-   binary cross-entropy on each step's probability, so that g >= 0.5 holds while most
-   inputs like this one need more.
+   binary cross-entropy on each step's probability.
 
 The result is an adapter whose trees, shares and writes are those of ``--adapter`` and
 whose policy picks M per layer and input.
@@ -41,8 +42,9 @@ def _projection(attn: torch.nn.Module, name: str) -> torch.nn.Module:
 
 @torch.no_grad()
 def read_coverage(
-    model: torch.nn.Module, arm, ids: torch.Tensor, sinks: int | None = None, window: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    model: torch.nn.Module, arm, ids: torch.Tensor, sinks: int | None = None, window: int | None = None,
+    with_error: bool = False,
+):
     """How much of each layer's memory attention the top-M buckets hold, for M = 1 .. N_b.
 
     Parameters
@@ -85,6 +87,8 @@ def read_coverage(
         for i, attn in enumerate(layers):
             d = _head_dim(attn, model)
             handles += [_projection(attn, n).register_forward_hook(hook(i, n, d)) for n in ("q", "k")]
+            if with_error:
+                handles.append(attn.v_proj.register_forward_hook(hook(i, "v", d)))
         model.eval()
         model.set_attn_implementation("eager")  # the fused kernels return no attention weights
         out = model(input_ids=ids.to(device), output_attentions=True, use_cache=False, logits_to_keep=1)
@@ -96,7 +100,7 @@ def read_coverage(
 
     t = torch.arange(T, device=device)
     in_memory = (t.view(1, T) >= sinks) & (t.view(1, T) < t.view(T, 1) - window)  # [query, key]
-    coverage, pooled = [], []
+    coverage, pooled, errors = [], [], []
     for i, memory in enumerate(arm.layers):
         router = memory.router.to(device)
         q, k = captured[i, "q"], captured[i, "k"]  # [B, Hq, T, d], [B, H, T, d]
@@ -114,7 +118,42 @@ def read_coverage(
         coverage.append(torch.where(total > 0, held / total.clamp_min(1e-30), torch.zeros_like(held)).cpu())
         first = k[:, :, : config.policy_tokens].mean(2)  # [B, H, d]
         pooled.append(first.flatten(1).cpu())
+        if with_error:
+            p_all = out.attentions[i].float().view(B, H, R, T, T)
+            errors.append(output_error(p_all, in_memory, bucket, ranked, captured[i, "v"]).cpu())
+    if with_error:
+        return torch.stack(coverage), torch.stack(pooled), torch.stack(errors)
     return torch.stack(coverage), torch.stack(pooled)
+
+
+def output_error(p: torch.Tensor, in_memory: torch.Tensor, bucket: torch.Tensor, ranked: torch.Tensor, v: torch.Tensor,
+                 block: int = 64) -> torch.Tensor:
+    """Relative error of each query's attention output when it reads only its top-M buckets
+    of the memory (the exact part always read, the softmax renormalised over what is read),
+    against reading all of them; mean over the queries that have memory, per input.
+
+    p [B, H, R, T, S] attention; in_memory [T, S]; bucket [B, H, S]; ranked [B, H, T, N_b]
+    (best first); v [B, H, S, d] -> [B, N_b]"""
+    B, H, R, T, S = p.shape
+    N_b, d = ranked.shape[-1], v.shape[-1]
+    rank = torch.empty_like(ranked).scatter_(-1, ranked, torch.arange(N_b, device=ranked.device).expand_as(ranked))
+    key_rank = rank.gather(-1, bucket.unsqueeze(2).expand(B, H, T, S))  # [B, H, T, S]: rank of each key's bucket
+    has_memory = in_memory.any(1)
+    total = p.new_zeros(B, N_b)
+    for t0 in range(0, T, block):
+        sl = slice(t0, min(T, t0 + block))
+        pm = p[:, :, :, sl] * in_memory[sl]  # [B, H, R, t, S]
+        pe = p[:, :, :, sl] - pm
+        idx = key_rank[:, :, sl].unsqueeze(2).expand_as(pm)
+        mass = torch.zeros(*pm.shape[:-1], N_b, device=p.device).scatter_add_(-1, idx, pm).cumsum(-1)
+        pv = pm.unsqueeze(-1) * v[:, :, None, None]  # [B, H, R, t, S, d]
+        num = torch.zeros(*pm.shape[:-1], N_b, d, device=p.device).scatter_add_(
+            -2, idx.unsqueeze(-1).expand_as(pv), pv).cumsum(-2)
+        exact_num = torch.einsum("bhrts,bhsd->bhrtd", pe, v).unsqueeze(-2)
+        o = (exact_num + num) / (pe.sum(-1, keepdim=True) + mass).unsqueeze(-1)  # [B, H, R, t, N_b, d]
+        err = (o - o[..., -1:, :]).norm(dim=-1) / o[..., -1:, :].norm(dim=-1).clamp_min(1e-6)
+        total += (err * has_memory[sl].view(1, 1, 1, -1, 1)).sum((1, 2, 3))
+    return total / max(int(has_memory.sum()) * H * R, 1)
 
 
 def coverage_targets(coverage: torch.Tensor, level: float) -> torch.Tensor:
@@ -125,6 +164,17 @@ def coverage_targets(coverage: torch.Tensor, level: float) -> torch.Tensor:
         raise ArmkvError(f"coverage level {level}: give a share in (0, 1], e.g. 0.95")
     reached = coverage >= level - 1e-6
     reached[..., -1] = True  # every bucket holds everything
+    return reached.float().argmax(-1) + 1
+
+
+def error_targets(error: torch.Tensor, tolerance: float) -> torch.Tensor:
+    """The smallest M whose read keeps the mean relative output error within ``tolerance``.
+
+    error [..., N_b] (0 at M = N_b) -> [...] long in [1, N_b]."""
+    if not tolerance > 0.0:
+        raise ArmkvError(f"error tolerance {tolerance}: give a positive relative error, e.g. 0.05")
+    reached = error <= tolerance
+    reached[..., -1] = True
     return reached.float().argmax(-1) + 1
 
 
@@ -174,29 +224,30 @@ def fit_policy(
             "mean_target": float(target.float().mean())}
 
 
-def collect(model, arm, sequences: Iterable[torch.Tensor], progress=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`read_coverage` over sequences, concatenated: ([L, N, N_b], [L, N, H * d])."""
-    coverage, pooled = [], []
+def collect(model, arm, sequences: Iterable[torch.Tensor], progress=None) -> dict[str, torch.Tensor]:
+    """:func:`read_coverage` (with the output error) over sequences, concatenated:
+    {"coverage": [L, N, N_b], "error": [L, N, N_b], "pooled": [L, N, H * d]}."""
+    coverage, pooled, error = [], [], []
     for seq in sequences:
-        c, p = read_coverage(model, arm, seq)
+        c, p, e = read_coverage(model, arm, seq, with_error=True)
         coverage.append(c)
         pooled.append(p)
+        error.append(e)
         if progress is not None:
             progress.update(1)
     if not coverage:
         raise ArmkvError("no sequences to read the policy's targets from: the data was empty")
-    return torch.cat(coverage, 1), torch.cat(pooled, 1)
+    return {"coverage": torch.cat(coverage, 1), "error": torch.cat(error, 1), "pooled": torch.cat(pooled, 1)}
 
 
-def train_policy(arm, coverage: torch.Tensor, pooled: torch.Tensor, level: float, steps: int, lr: float, seed: int) -> list[dict]:
-    """Fit every layer's policy of ``arm`` to the targets at ``level``; returns one report a layer.
+def train_policy(arm, targets: torch.Tensor, pooled: torch.Tensor, steps: int, lr: float, seed: int) -> list[dict]:
+    """Fit every layer's policy of ``arm`` to its targets [L, N]; returns one report a layer.
 
     An adapter whose policy was absent (top_m "fixed") gets one (top_m becomes "adaptive")."""
     import dataclasses
 
     from armkv.memory.policy import TopMPolicy
 
-    targets = coverage_targets(coverage, level)  # [L, N]
     reports = []
     if arm.config.top_m != "adaptive":
         arm.config = dataclasses.replace(arm.config, top_m="adaptive")
@@ -216,11 +267,28 @@ TARGETS_FILE = "targets.safetensors"
 
 def add_arguments(group) -> None:
     """The flags of ``armkv train --method policy`` (an argument group of ``armkv train``)."""
-    group.add_argument("--coverage", type=float, default=0.95,
-                       help="policy: an input's target M holds this share of its memory's attention mass (0-1]")
+    group.add_argument("--error", type=float, default=None,
+                       help="policy: an input's target M keeps its attention outputs within this mean relative error "
+                       "of reading every bucket (default 0.05 when --coverage is not given)")
+    group.add_argument("--coverage", type=float, default=None,
+                       help="policy: instead of --error, an input's target M holds this share (0-1] of its memory's attention mass")
     group.add_argument("--sequences", type=int, default=32, help="policy: training sequences of --seq-len tokens the targets are read from")
     group.add_argument("--policy-steps", type=int, default=100, help="policy: full-batch optimiser steps of the fit, per layer")
     group.add_argument("--policy-lr", type=float, default=1e-2, help="policy: learning rate of the fit")
+
+
+def target_of(args) -> dict:
+    """{"error": tolerance} or {"coverage": level}: what an input's target M is to reach."""
+    if args.coverage is not None and args.error is not None:
+        raise ArmkvError("give --error or --coverage, not both: they are two definitions of the target M")
+    if args.coverage is not None:
+        if not 0.0 < args.coverage <= 1.0:
+            raise ArmkvError(f"--coverage {args.coverage}: give a share in (0, 1], e.g. 0.95")
+        return {"coverage": args.coverage}
+    error = 0.05 if args.error is None else args.error
+    if not error > 0.0:
+        raise ArmkvError(f"--error {error}: give a positive relative error, e.g. 0.05")
+    return {"error": error}
 
 
 def _adapter_folder(model, adapter: str | None):
@@ -262,10 +330,10 @@ def main(args, model, tokenizer) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     source = source_from_args(args, args.seed)
-    settings = {"adapter": str(Path(folder).resolve()), "seq_len": args.seq_len, "sequences": args.sequences,
+    settings = {"targets": 2, "adapter": str(Path(folder).resolve()), "seq_len": args.seq_len, "sequences": args.sequences,
                 "data": source.describe()}
     path = out / TARGETS_FILE
-    coverage = None
+    tensors = None
     if path.is_file():
         from safetensors import safe_open
 
@@ -273,21 +341,24 @@ def main(args, model, tokenizer) -> int:
             stored = json.loads(f.metadata().get("settings", "{}"))
         if stored == json.loads(json.dumps(settings)):
             tensors = load_file(str(path))
-            coverage, pooled = tensors["coverage"], tensors["pooled"]
             print(f"targets: reusing {path}")
-    if coverage is None:
+    if tensors is None:
         data = PackedSequences(source, hf_tokenize(tokenizer), tokenizer.eos_token_id, args.seq_len, max_epochs=1)
         sequences = (s.view(1, -1) for _, s in zip(range(args.sequences), data))
         bar = tqdm(total=args.sequences, desc="policy targets", unit="seq", disable=args.no_progress)
-        coverage, pooled = collect(model, arm, sequences, bar)
+        tensors = {k: v.contiguous() for k, v in collect(model, arm, sequences, bar).items()}
         bar.close()
-        tensors = {"coverage": coverage.contiguous(), "pooled": pooled.contiguous()}
         _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"settings": json.dumps(settings)}))
-    reports = train_policy(arm, coverage, pooled, args.coverage, args.policy_steps, args.policy_lr, args.seed)
-    extra = {"policy": {"coverage": args.coverage, "sequences": coverage.shape[1], "seq_len": args.seq_len,
+    target = target_of(args)
+    if "coverage" in target:
+        targets = coverage_targets(tensors["coverage"], target["coverage"])
+    else:
+        targets = error_targets(tensors["error"], target["error"])
+    reports = train_policy(arm, targets, tensors["pooled"], args.policy_steps, args.policy_lr, args.seed)
+    extra = {"policy": {**target, "sequences": targets.shape[1], "seq_len": args.seq_len,
                         "steps": args.policy_steps, "lr": args.policy_lr, "from": str(folder)}}
     adapter = arm.save(out / "adapter", extra=extra)
-    summary = {"coverage": args.coverage, "num_buckets": arm.config.num_buckets,
+    summary = {**target, "num_buckets": arm.config.num_buckets,
                "mean_target": sum(r["mean_target"] for r in reports) / len(reports),
                "mean_m": sum(r["mean_m"] for r in reports) / len(reports), "layers": reports, "adapter": str(adapter)}
     _atomic_write(out / "policy_fit.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1)))
