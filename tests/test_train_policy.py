@@ -11,21 +11,22 @@ from armkv.cli import main
 from armkv.evals.policy import fixed_at
 from armkv.memory.policy import TopMPolicy
 from armkv.train.arm import new_arm
-from armkv.train.policy import cascade_labels, coverage_targets, error_targets, fit_policy, output_error, read_coverage
+from armkv.train.policy import cascade_labels, error_targets, fit_policy, output_error, read_errors
 from conftest import tiny_model
 
 
-def naive_coverage(model, arm, ids, sinks, window):
-    """read_coverage by loops: the attention recomputed from the projections and RoPE, each
-    query group's bucket ranking from Router.leaf_scores, each key's bucket one by one."""
+def naive_errors(model, arm, ids, sinks, window):
+    """read_errors with every input made independently: the attention recomputed from the
+    projections and RoPE, each query group's bucket ranking from Router.leaf_scores, then the
+    query-by-query error (naive_output_error)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     captured = {}
     hooks = []
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        for name in ("q", "k"):
-            proj = getattr(attn, f"{name}_norm", None) or getattr(attn, f"{name}_proj")
+        for name in ("q", "k", "v"):
+            proj = getattr(attn, f"{name}_proj")
             hooks.append(proj.register_forward_hook(lambda m, a, out, i=i, name=name: captured.__setitem__((i, name), out.detach())))
     with torch.no_grad():
         model(input_ids=ids)
@@ -34,50 +35,41 @@ def naive_coverage(model, arm, ids, sinks, window):
     B, T = ids.shape
     d = model.config.hidden_size // model.config.num_attention_heads
     cos, sin = model.model.rotary_emb(torch.zeros(1, T, d), torch.arange(T)[None])
+    t = torch.arange(T)
+    in_memory = (t.view(1, T) >= sinks) & (t.view(1, T) < t.view(T, 1) - window)
+    causal = t.view(T, 1) >= t.view(1, T)
     result = []
     for i, memory in enumerate(arm.layers):
-        q = captured[i, "q"].view(B, T, -1, d).transpose(1, 2)
-        k = captured[i, "k"].view(B, T, -1, d).transpose(1, 2)
+        q, k, v = (captured[i, n].view(B, T, -1, d).transpose(1, 2) for n in ("q", "k", "v"))
         H, R = k.shape[1], q.shape[1] // k.shape[1]
         qr, kr = apply_rotary_pos_emb(q, k, cos, sin)
+        kr = kr.repeat_interleave(R, 1)
+        p = torch.softmax((qr @ kr.transpose(-1, -2) / math.sqrt(d)).masked_fill(~causal, -torch.inf), -1).view(B, H, R, T, T)
         router = memory.router
-        N_b = router.num_buckets
-        rows = []
+        bucket = router.route_writes(k)
+        ranked = torch.empty(B, H, T, router.num_buckets, dtype=torch.long)
         for b in range(B):
-            held, total = torch.zeros(N_b, dtype=torch.float64), 0.0
-            buckets = router.route_writes(k[b : b + 1])[0]  # [H, T]
             for h in range(H):
-                bucket = buckets[h]
-                for t in range(T):
+                for j in range(T):
                     # the leaf scores of query head h * R + r under KV head h's tree
-                    scores = torch.stack([router.leaf_scores(q[b : b + 1, r::R, t : t + 1])[0, h, 0] for r in range(R)])
-                    order = (torch.logsumexp(scores, 0) - math.log(R)).argsort(descending=True)
-                    rank = torch.empty(N_b, dtype=torch.long)
-                    rank[order] = torch.arange(N_b)
-                    for r in range(R):
-                        logits = (kr[b, h, : t + 1] @ qr[b, h * R + r, t]) / math.sqrt(d)
-                        p = torch.softmax(logits.double(), 0)
-                        for s in range(t + 1):
-                            if sinks <= s < t - window:
-                                held[rank[bucket[s]] :] += p[s]
-                                total += float(p[s])
-            rows.append(held / total if total > 0 else torch.zeros(N_b, dtype=torch.float64))
-        result.append(torch.stack(rows))
+                    scores = torch.stack([router.leaf_scores(q[b : b + 1, r::R, j : j + 1])[0, h, 0] for r in range(R)])
+                    ranked[b, h, j] = (torch.logsumexp(scores, 0) - math.log(R)).argsort(descending=True)
+        result.append(naive_output_error(p, in_memory, bucket, ranked, v))
     return torch.stack(result)
 
 
 @pytest.mark.parametrize("T, sinks, window", [(23, 2, 5), (17, 0, 3)])
-def test_read_coverage_matches_the_naive_reference(T, sinks, window):
+def test_read_errors_match_the_naive_reference(T, sinks, window):
     model = tiny_model("llama")
     torch.manual_seed(1)
     arm = new_arm(model, budget=96)
     ids = torch.randint(3, 120, (2, T))
-    coverage, pooled = read_coverage(model, arm, ids, sinks=sinks, window=window)
+    error, pooled = read_errors(model, arm, ids, sinks=sinks, window=window)
     L, N_b = model.config.num_hidden_layers, arm.config.num_buckets
-    assert coverage.shape == (L, 2, N_b) and pooled.shape == (L, 2, 2 * 16)
-    expect = naive_coverage(model, arm, ids, sinks, window)
-    torch.testing.assert_close(coverage.double(), expect, atol=1e-5, rtol=1e-5)
-    assert bool((coverage.diff(dim=-1) >= -1e-6).all()) and torch.allclose(coverage[..., -1], torch.ones(L, 2))
+    assert error.shape == (L, 2, N_b) and pooled.shape == (L, 2, 2 * 16)
+    expect = naive_errors(model, arm, ids, sinks, window)
+    torch.testing.assert_close(error.double(), expect, atol=1e-4, rtol=1e-4)
+    assert bool((error[..., -1] == 0).all()) and bool((error[..., 0] > 0).all())
 
 
 def naive_output_error(p, in_memory, bucket, ranked, v):
@@ -122,11 +114,11 @@ def test_output_error_matches_the_naive_reference():
     assert bool((got[:, -1] == 0).all()) and bool((got[:, 0] > 0).all())
 
 
-def test_read_coverage_pools_the_first_keys_as_the_inference_policy_does():
+def test_read_errors_pool_the_first_keys_as_the_inference_policy_does():
     model = tiny_model("llama")
     arm = new_arm(model, budget=96)
     ids = torch.randint(3, 120, (1, 40))
-    _, pooled = read_coverage(model, arm, ids)
+    _, pooled = read_errors(model, arm, ids)
     keys = {}
     hook = model.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, a, out: keys.__setitem__("k", out.detach()))
     with torch.no_grad():
@@ -136,16 +128,13 @@ def test_read_coverage_pools_the_first_keys_as_the_inference_policy_does():
     torch.testing.assert_close(pooled[1, 0], first)
 
 
-def test_coverage_targets_and_labels():
-    coverage = torch.tensor([[0.5, 0.8, 0.94, 0.96, 1.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
-    assert coverage_targets(coverage, 0.95).tolist() == [4, 5]  # nothing in memory: every bucket
-    assert coverage_targets(coverage, 0.5).tolist() == [1, 5]
-    assert coverage_targets(coverage, 1.0).tolist() == [5, 5]
-    error = torch.tensor([[0.3, 0.2, 0.04, 0.01, 0.0], [0.5, 0.5, 0.5, 0.5, 0.0]])
-    assert error_targets(error, 0.05).tolist() == [3, 5] and error_targets(error, 0.25).tolist() == [2, 5]
+def test_error_targets_and_labels():
+    error = torch.tensor([[0.3, 0.2, 0.04, 0.01, 0.0], [0.5, 0.5, 0.5, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    assert error_targets(error, 0.05).tolist() == [3, 5, 1]  # nothing in memory: one bucket is enough
+    assert error_targets(error, 0.25).tolist() == [2, 5, 1]
     assert cascade_labels(torch.tensor([1, 3]), 1, 4).tolist() == [[0, 0, 0, 0], [1, 1, 0, 0]]
-    with pytest.raises(Exception, match="coverage level"):
-        coverage_targets(coverage, 0.0)
+    with pytest.raises(Exception, match="error tolerance"):
+        error_targets(error, 0.0)
 
 
 def test_the_target_gives_the_shipped_start_a_gradient_and_the_fit_learns_m_per_input():
@@ -212,13 +201,12 @@ def test_train_policy_cli_writes_an_adapter_and_reuses_its_targets(tiny_model_di
     torch.testing.assert_close(fitted.layers[0].router.weight, start.layers[0].router.weight, atol=0, rtol=0)
     assert len(json.loads((out / "policy_fit.json").read_text())["layers"]) == 2
     assert summary["error"] == 0.2 and 1 <= summary["mean_m"] <= summary["num_buckets"]
-    # the same data and adapter: the targets are read once, for either definition
-    assert main(args("--coverage", "0.9")) == 0
+    # the same data and adapter: the targets are read once, for any tolerance
+    assert main(args("--error", "0.05")) == 0
     assert "targets: reusing" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("target, message", [(["--coverage", "1.5"], "--coverage 1.5"), (["--error", "0"], "--error 0"),
-                                             (["--error", "0.1", "--coverage", "0.9"], "not both")])
+@pytest.mark.parametrize("target, message", [(["--error", "0"], "--error 0"), (["--error", "-1"], "--error -1")])
 def test_train_policy_bad_target_is_one_line_before_the_model(tmp_path, capsys, target, message):
     assert main(["train", "--method", "policy", "--model", str(tmp_path / "none"), *target, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

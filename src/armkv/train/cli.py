@@ -149,7 +149,7 @@ def main_policy(args: argparse.Namespace) -> int:
     """``--method policy``: no gradient through the model, only the policy's fit (armkv.train.policy)."""
     from armkv.train import policy
 
-    policy.target_of(args)  # a bad target is an error before the model loads
+    policy.check_error(args.error)  # a bad target is an error before the model loads
     if args.sequences < 1 or args.policy_steps < 0 or args.seq_len < 2:
         raise ArmkvError("--sequences must be at least 1, --policy-steps at least 0 and --seq-len at least 2")
     if args.adapter not in (None, "calibrated") and not Path(args.adapter).is_dir():

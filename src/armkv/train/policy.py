@@ -5,16 +5,16 @@ buckets each query of that layer reads. Trained through the language-model loss 
 shipped start it gets no signal (the start reads every bucket, and the soft cascade cannot
 move M off N_b), so here its target is read off the model itself:
 
-1. :func:`read_coverage` runs training text through the model with the full cache, and for
+1. :func:`read_errors` runs training text through the model with the full cache, and for
    every layer and query ranks the buckets as ARM's read does (the query group's router
    scores, ``Router.group_topm_buckets``). Only the keys ARM keeps in its memory are
    filed in buckets (not the sinks, not the recent window, which every query reads exactly).
-   For M = 1 .. N_b it measures two things per input: the relative error of the attention
-   output when each query reads only its top-M buckets (:func:`output_error`), and the share
-   of the memory's attention mass those buckets hold.
+   For M = 1 .. N_b it measures, per input, the mean relative error of the attention output
+   when each query reads only its top-M buckets (:func:`output_error`).
 2. An input's target M is the smallest M whose output error is within a tolerance
-   (:func:`error_targets`), or whose buckets hold a given share of the mass
-   (:func:`coverage_targets`).
+   (:func:`error_targets`). (A target from the share of attention mass the buckets hold
+   read many buckets where attention is spread thin and few where it is sharp, and lost to
+   fixed M: docs/decisions.md.)
 3. :func:`fit_policy`: the cascade's decisions are fitted to those targets: at step i
    (from M = m_min + i) "read one more" is right when the target is above m_min + i, a
    binary cross-entropy on each step's probability.
@@ -41,11 +41,11 @@ def _projection(attn: torch.nn.Module, name: str) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def read_coverage(
-    model: torch.nn.Module, arm, ids: torch.Tensor, sinks: int | None = None, window: int | None = None,
-    with_error: bool = False,
-):
-    """How much of each layer's memory attention the top-M buckets hold, for M = 1 .. N_b.
+def read_errors(
+    model: torch.nn.Module, arm, ids: torch.Tensor, sinks: int | None = None, window: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How far each layer's attention outputs move when its queries read only their top-M
+    buckets, for M = 1 .. N_b (:func:`output_error`), with the policy's input.
 
     Parameters
     ----------
@@ -57,8 +57,7 @@ def read_coverage(
 
     Returns
     -------
-    coverage : [L, B, N_b] float32, non-decreasing in M, 1 at M = N_b (0 where an input's
-        queries had nothing in memory)
+    error : [L, B, N_b] float32, 0 at M = N_b (and wherever an input's queries had nothing in memory)
     pooled : [L, B, H * d] the policy's input (mean of the first ``policy_tokens`` pre-RoPE keys)
     """
     from armkv.train.calibrate import _head_dim, attention_modules
@@ -87,8 +86,7 @@ def read_coverage(
         for i, attn in enumerate(layers):
             d = _head_dim(attn, model)
             handles += [_projection(attn, n).register_forward_hook(hook(i, n, d)) for n in ("q", "k")]
-            if with_error:
-                handles.append(attn.v_proj.register_forward_hook(hook(i, "v", d)))
+            handles.append(attn.v_proj.register_forward_hook(hook(i, "v", d)))
         model.eval()
         model.set_attn_implementation("eager")  # the fused kernels return no attention weights
         out = model(input_ids=ids.to(device), output_attentions=True, use_cache=False, logits_to_keep=1)
@@ -100,30 +98,18 @@ def read_coverage(
 
     t = torch.arange(T, device=device)
     in_memory = (t.view(1, T) >= sinks) & (t.view(1, T) < t.view(T, 1) - window)  # [query, key]
-    coverage, pooled, errors = [], [], []
+    errors, pooled = [], []
     for i, memory in enumerate(arm.layers):
         router = memory.router.to(device)
         q, k = captured[i, "q"], captured[i, "k"]  # [B, Hq, T, d], [B, H, T, d]
         H, d = k.shape[1], k.shape[-1]
         R = q.shape[1] // H
-        N_b = router.num_buckets
-        p = out.attentions[i].float().view(B, H, R, T, T) * in_memory  # attention on memory keys
+        p = out.attentions[i].float().view(B, H, R, T, T)
         bucket = router.route_writes(k.to(router.weight.dtype))  # [B, H, T]
-        mass = torch.zeros(B, H, R, T, N_b, device=device).scatter_add_(
-            -1, bucket.view(B, H, 1, 1, T).expand(B, H, R, T, T), p
-        )
-        ranked, _ = router.group_topm_buckets(q.view(B, H, R, T, d).to(router.weight.dtype), N_b)  # [B, H, T, N_b]
-        held = mass.gather(-1, ranked.unsqueeze(2).expand(B, H, R, T, N_b)).cumsum(-1).sum((1, 2, 3))  # [B, N_b]
-        total = held[:, -1:]
-        coverage.append(torch.where(total > 0, held / total.clamp_min(1e-30), torch.zeros_like(held)).cpu())
-        first = k[:, :, : config.policy_tokens].mean(2)  # [B, H, d]
-        pooled.append(first.flatten(1).cpu())
-        if with_error:
-            p_all = out.attentions[i].float().view(B, H, R, T, T)
-            errors.append(output_error(p_all, in_memory, bucket, ranked, captured[i, "v"]).cpu())
-    if with_error:
-        return torch.stack(coverage), torch.stack(pooled), torch.stack(errors)
-    return torch.stack(coverage), torch.stack(pooled)
+        ranked, _ = router.group_topm_buckets(q.view(B, H, R, T, d).to(router.weight.dtype), router.num_buckets)
+        errors.append(output_error(p, in_memory, bucket, ranked, captured[i, "v"]).cpu())
+        pooled.append(k[:, :, : config.policy_tokens].mean(2).flatten(1).cpu())  # [B, H * d]
+    return torch.stack(errors), torch.stack(pooled)
 
 
 def output_error(p: torch.Tensor, in_memory: torch.Tensor, bucket: torch.Tensor, ranked: torch.Tensor, v: torch.Tensor,
@@ -154,17 +140,6 @@ def output_error(p: torch.Tensor, in_memory: torch.Tensor, bucket: torch.Tensor,
         err = (o - o[..., -1:, :]).norm(dim=-1) / o[..., -1:, :].norm(dim=-1).clamp_min(1e-6)
         total += (err * has_memory[sl].view(1, 1, 1, -1, 1)).sum((1, 2, 3))
     return total / max(int(has_memory.sum()) * H * R, 1)
-
-
-def coverage_targets(coverage: torch.Tensor, level: float) -> torch.Tensor:
-    """The smallest M whose buckets hold at least ``level`` of the memory's attention mass.
-
-    coverage [..., N_b] (non-decreasing) -> [...] long in [1, N_b]."""
-    if not 0.0 < level <= 1.0:
-        raise ArmkvError(f"coverage level {level}: give a share in (0, 1], e.g. 0.95")
-    reached = coverage >= level - 1e-6
-    reached[..., -1] = True  # every bucket holds everything
-    return reached.float().argmax(-1) + 1
 
 
 def error_targets(error: torch.Tensor, tolerance: float) -> torch.Tensor:
@@ -225,19 +200,17 @@ def fit_policy(
 
 
 def collect(model, arm, sequences: Iterable[torch.Tensor], progress=None) -> dict[str, torch.Tensor]:
-    """:func:`read_coverage` (with the output error) over sequences, concatenated:
-    {"coverage": [L, N, N_b], "error": [L, N, N_b], "pooled": [L, N, H * d]}."""
-    coverage, pooled, error = [], [], []
+    """:func:`read_errors` over sequences, concatenated: {"error": [L, N, N_b], "pooled": [L, N, H * d]}."""
+    pooled, error = [], []
     for seq in sequences:
-        c, p, e = read_coverage(model, arm, seq, with_error=True)
-        coverage.append(c)
+        e, p = read_errors(model, arm, seq)
         pooled.append(p)
         error.append(e)
         if progress is not None:
             progress.update(1)
-    if not coverage:
+    if not error:
         raise ArmkvError("no sequences to read the policy's targets from: the data was empty")
-    return {"coverage": torch.cat(coverage, 1), "error": torch.cat(error, 1), "pooled": torch.cat(pooled, 1)}
+    return {"error": torch.cat(error, 1), "pooled": torch.cat(pooled, 1)}
 
 
 def train_policy(arm, targets: torch.Tensor, pooled: torch.Tensor, steps: int, lr: float, seed: int) -> list[dict]:
@@ -267,28 +240,17 @@ TARGETS_FILE = "targets.safetensors"
 
 def add_arguments(group) -> None:
     """The flags of ``armkv train --method policy`` (an argument group of ``armkv train``)."""
-    group.add_argument("--error", type=float, default=None,
+    group.add_argument("--error", type=float, default=0.05,
                        help="policy: an input's target M keeps its attention outputs within this mean relative error "
-                       "of reading every bucket (default 0.05 when --coverage is not given)")
-    group.add_argument("--coverage", type=float, default=None,
-                       help="policy: instead of --error, an input's target M holds this share (0-1] of its memory's attention mass")
+                       "of reading every bucket")
     group.add_argument("--sequences", type=int, default=32, help="policy: training sequences of --seq-len tokens the targets are read from")
     group.add_argument("--policy-steps", type=int, default=100, help="policy: full-batch optimiser steps of the fit, per layer")
     group.add_argument("--policy-lr", type=float, default=1e-2, help="policy: learning rate of the fit")
 
 
-def target_of(args) -> dict:
-    """{"error": tolerance} or {"coverage": level}: what an input's target M is to reach."""
-    if args.coverage is not None and args.error is not None:
-        raise ArmkvError("give --error or --coverage, not both: they are two definitions of the target M")
-    if args.coverage is not None:
-        if not 0.0 < args.coverage <= 1.0:
-            raise ArmkvError(f"--coverage {args.coverage}: give a share in (0, 1], e.g. 0.95")
-        return {"coverage": args.coverage}
-    error = 0.05 if args.error is None else args.error
+def check_error(error: float) -> None:
     if not error > 0.0:
         raise ArmkvError(f"--error {error}: give a positive relative error, e.g. 0.05")
-    return {"error": error}
 
 
 def _adapter_folder(model, adapter: str | None):
@@ -330,7 +292,7 @@ def main(args, model, tokenizer) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     source = source_from_args(args, args.seed)
-    settings = {"targets": 2, "adapter": str(Path(folder).resolve()), "seq_len": args.seq_len, "sequences": args.sequences,
+    settings = {"adapter": str(Path(folder).resolve()), "seq_len": args.seq_len, "sequences": args.sequences,
                 "data": source.describe()}
     path = out / TARGETS_FILE
     tensors = None
@@ -341,7 +303,10 @@ def main(args, model, tokenizer) -> int:
             stored = json.loads(f.metadata().get("settings", "{}"))
         if stored == json.loads(json.dumps(settings)):
             tensors = load_file(str(path))
-            print(f"targets: reusing {path}")
+            if "error" in tensors:
+                print(f"targets: reusing {path}")
+            else:
+                tensors = None
     if tensors is None:
         data = PackedSequences(source, hf_tokenize(tokenizer), tokenizer.eos_token_id, args.seq_len, max_epochs=1)
         sequences = (s.view(1, -1) for _, s in zip(range(args.sequences), data))
@@ -349,11 +314,8 @@ def main(args, model, tokenizer) -> int:
         tensors = {k: v.contiguous() for k, v in collect(model, arm, sequences, bar).items()}
         bar.close()
         _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"settings": json.dumps(settings)}))
-    target = target_of(args)
-    if "coverage" in target:
-        targets = coverage_targets(tensors["coverage"], target["coverage"])
-    else:
-        targets = error_targets(tensors["error"], target["error"])
+    target = {"error": args.error}
+    targets = error_targets(tensors["error"], args.error)
     reports = train_policy(arm, targets, tensors["pooled"], args.policy_steps, args.policy_lr, args.seed)
     extra = {"policy": {**target, "sequences": targets.shape[1], "seq_len": args.seq_len,
                         "steps": args.policy_steps, "lr": args.policy_lr, "from": str(folder)}}
