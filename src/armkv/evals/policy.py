@@ -153,40 +153,6 @@ def curve_point(model, windows: list, budget: int, chunk: int, options: dict) ->
             "read_share": sum(shares) / len(shares), "cache_bytes": cache_bytes}
 
 
-def curve_markdown(rows: list[dict], caption: str) -> str:
-    lines = [caption, "", "| top-M | buckets read | perplexity | fixed M at the same cost | cache bytes |",
-             "|---|---:|---:|---:|---:|"]
-    for r in rows:
-        beside = "" if r.get("fixed_at_same_share") is None else f"{r['fixed_at_same_share']:.3f}"
-        lines.append(f"| {r['label']} | {100 * r['read_share']:.1f}% | {r['ppl']:.3f} | {beside} | {r['cache_bytes']:,} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_curve(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    fixed = sorted((r for r in rows if r["kind"] == "fixed"), key=lambda r: r["read_share"])
-    ax.plot([100 * r["read_share"] for r in fixed], [r["ppl"] for r in fixed], marker="o", label="fixed M (shipped adapter)")
-    for r in fixed:
-        ax.annotate(r["label"].split("=")[-1], (100 * r["read_share"], r["ppl"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    learned = [r for r in rows if r["kind"] == "learned"]
-    ax.scatter([100 * r["read_share"] for r in learned], [r["ppl"] for r in learned], marker="*", s=140, color="tab:red",
-               label="policy's M", zorder=3)
-    for r in learned:
-        ax.annotate(r["label"], (100 * r["read_share"], r["ppl"]), textcoords="offset points", xytext=(4, -10), fontsize=8)
-    ax.set_xlabel("buckets read (% of N_b, mean over layers and windows)")
-    ax.set_ylabel("perplexity (lower is better)")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def curve_done(args, path: Path) -> tuple[dict, dict[str, dict]]:
     """The curve's settings, and the points an earlier run with the same settings left in
     ``--output`` (other settings there are a one-line error, before the model loads)."""
@@ -208,6 +174,7 @@ def main_curve(args, model, windows: list, path: Path, settings: dict, done: dic
     from tqdm.auto import tqdm
 
     from armkv.memory.module import _atomic_write
+    from armkv.tools.report import curve_markdown, plot_curve
 
     fixed = parse_fixed(args.fixed)
     out = Path(args.output) if args.output else None

@@ -206,10 +206,42 @@ def decode_section(decode: dict) -> list[str]:
     return lines
 
 
+def curve_markdown(rows: list[dict], caption: str) -> str:
+    lines = [caption, "", "| top-M | buckets read | perplexity | fixed M at the same cost | cache bytes |",
+             "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        beside = "" if r.get("fixed_at_same_share") is None else f"{r['fixed_at_same_share']:.3f}"
+        lines.append(f"| {r['label']} | {100 * r['read_share']:.1f}% | {r['ppl']:.3f} | {beside} | {r['cache_bytes']:,} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curve(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fixed = sorted((r for r in rows if r["kind"] == "fixed"), key=lambda r: r["read_share"])
+    ax.plot([100 * r["read_share"] for r in fixed], [r["ppl"] for r in fixed], marker="o", label="fixed M (shipped adapter)")
+    for r in fixed:
+        ax.annotate(r["label"].split("=")[-1], (100 * r["read_share"], r["ppl"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    learned = [r for r in rows if r["kind"] == "learned"]
+    ax.scatter([100 * r["read_share"] for r in learned], [r["ppl"] for r in learned], marker="*", s=140, color="tab:red",
+               label="policy's M", zorder=3)
+    for r in learned:
+        ax.annotate(r["label"], (100 * r["read_share"], r["ppl"]), textcoords="offset points", xytext=(4, -10), fontsize=8)
+    ax.set_xlabel("buckets read (% of N_b, mean over layers and windows)")
+    ax.set_ylabel("perplexity (lower is better)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def policy_section(policy: dict) -> list[str]:
     """The learned top-M: the curve of perplexity against buckets read, and M per layer."""
-    from armkv.evals.policy import curve_markdown
-
     rows = policy["curve"]["rows"]
     lines = ["## Learned top-M against fixed M", "", policy.get("what", ""), "",
              curve_markdown(rows, "Perplexity against the share of buckets read (the policies' M is chosen per layer and input).")]
@@ -317,8 +349,6 @@ def make_plots(data: dict, folder: Path) -> list[str]:
         ax.legend(fontsize=7)
         made.append(_save(fig, folder / "ppl_windows.png", plt))
     if "policy" in data:
-        from armkv.evals.policy import plot_curve
-
         plot_curve(data["policy"]["curve"]["rows"], folder / "policy_curve.tmp.png", "learned top-M against fixed M")
         os.replace(folder / "policy_curve.tmp.png", folder / "policy_curve.png")
         made.append("policy_curve.png")
