@@ -225,6 +225,115 @@ def test_fused_decode_read_equals_the_pytorch_ops(kernel, fmt, d, slots, rep, ex
     assert (got[3] == 0).all()
 
 
+@pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
+@pytest.mark.parametrize("d,slots,rep,buckets,mixed", [(64, 1, 1, 2, True), (64, 37, 3, 5, True), (40, 301, 5, 16, False),
+                                                        (128, 19, 3, 4, True), (64, 203, 12, 9, False)])
+@pytest.mark.parametrize("laid", [True, False])
+@pytest.mark.parametrize("vectorised", [True, False])
+def test_fused_sparse_decode_read_equals_the_gathered_pytorch_read(kernel, fmt, d, slots, rep, buckets, mixed, laid, vectorised):
+    """The sparse decode read in place (ARMLayer._sparse_read's fused path: the chosen
+    buckets' runs of the pool) against gathering the same slots by index and reading them
+    with PyTorch ops (read.slots_of_buckets, gather_slots, gathered_read with fused=False):
+    free slots, buckets that hold nothing, rows that read fewer buckets than were routed
+    (take), a group that reads none, and pools in any order or laid bucket by bucket."""
+    from armkv.memory.quant import mixing_matrix
+    from armkv.memory.read import BucketIndex, bucket_index, fused_sparse_decode_read, gather_slots, gathered_read, slots_of_buckets
+    from armkv.memory.read import sort_by_bucket
+
+    B, H, T, L = 2, 2, 1, 7
+    G, M = B * H, min(3, buckets)
+    g = torch.Generator().manual_seed(slots * d + rep + buckets)
+    st = MemoryState.empty(G, slots, d)
+    st.key.copy_(torch.randn(G, slots, d, generator=g) * 2)
+    st.value.copy_(torch.randn(G, slots, d, generator=g))
+    st.count.copy_(torch.randint(1, 4, (G, slots), generator=g).float())
+    st.bucket.copy_(torch.randint(0, buckets, (G, slots), generator=g))
+    free = torch.rand(G, slots, generator=g) < 0.25
+    st.key[free], st.value[free], st.count[free], st.bucket[free] = 0, 0, 0, -1
+    st = st.pack(fmt, mix=mixed)
+    index = bucket_index(st.bucket, st.count > 0, buckets)
+    if laid:  # the pool re-laid bucket by bucket, its order the identity (ARMLayer._bucket_index)
+        st = sort_by_bucket(st, index)
+        order = torch.arange(slots, dtype=torch.int32).expand(G, slots)
+        index = BucketIndex(order=order, start=index.start, size=index.size, laid=True)
+    bias = torch.where(st.count > 0, st.count.clamp_min(1).log(), -torch.inf).view(B, H, slots)
+    picked = torch.stack([torch.randperm(buckets, generator=g)[:M] for _ in range(G)])
+    m = torch.tensor([M, max(1, M - 1)])  # the second row reads fewer than were routed
+    take = m.repeat_interleave(H)
+    take[-1] = 0  # (a group that reads nothing but its exact entries)
+    query = torch.randn(B, H * rep, T, d, generator=g)
+    key, value = torch.randn(B, H, T, d, generator=g), torch.randn(B, H, T, d, generator=g)
+    valid = torch.tensor([[True], [False]])  # the second row's token is padding
+    exact_k, exact_v = torch.randn(B, H, L, d, generator=g), torch.randn(B, H, L, d, generator=g)
+    exact_valid = torch.rand(B, L, generator=g) > 0.3
+    exact_k, exact_v = exact_k * exact_valid[:, None, :, None], exact_v * exact_valid[:, None, :, None]
+    mix = mixing_matrix(d) if mixed else None
+    with torch.no_grad():
+        fast = fused_sparse_decode_read(
+            _Vectorised(kernel, vectorised), query, key, value, valid, exact_k, exact_v, exact_valid, st, bias, mix, 0.3, index,
+            picked, take,
+        )
+        used_of = torch.arange(M).view(1, 1, M) < take.view(G, 1, 1)
+        ids, used = slots_of_buckets(index, picked.view(G, 1, M), None, used_of)
+        W = ids.shape[-1]
+        gathered_bias = bias.reshape(G, slots).gather(1, ids.view(G, W)).view(B, H, 1, W).masked_fill(~used.view(B, H, 1, W), -torch.inf)
+        ref = gathered_read(query, key, value, valid, 0.3, exact_k, exact_v, exact_valid,
+                            gather_slots(st, ids, for_reading=True), gathered_bias, fused=False)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+
+
+class _Vectorised:
+    """The kernel module with ``vectorised`` fixed for its sparse read (the portable loops in tests)."""
+
+    def __init__(self, module, vectorised: bool):
+        self.module, self.vectorised = module, vectorised
+
+    def arm_sparse_decode_read(self, *args):
+        return self.module.arm_sparse_decode_read(*args, vectorised=self.vectorised)
+
+
+@pytest.mark.parametrize("depth,branching,rep,m", [(3, 4, 3, 8), (2, 4, 1, 3), (2, 3, 5, 9), (3, 2, 4, 3), (1, 8, 2, 8)])
+@pytest.mark.parametrize("scaling", [1.0, 1.25])
+def test_fused_group_routing_equals_the_router(kernel, depth, branching, rep, m, scaling):
+    """One decoded token's top-m buckets per KV head in one kernel call (Router.fused_group_topm:
+    the query un-rotated inside) against Router.group_topm_buckets of the un-rotated query:
+    the same buckets, best first, and the same group scores."""
+    from armkv.memory.rope import Rotary
+    from armkv.memory.route import Router
+
+    B, H, d = 2, 3, 32
+    torch.manual_seed(depth * 10 + branching + rep)
+    router = Router(H, d, depth, branching)
+    with torch.no_grad():
+        router.read_bias.normal_()
+    assert router.exhaustive(m)
+    rotary = Rotary(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), attention_scaling=scaling)
+    query = torch.randn(B, H * rep, 1, d) * 2
+    positions = torch.tensor([[5], [4093]])
+    with torch.no_grad():
+        got = router.fused_group_topm(kernel, query, positions, rotary, m)
+        q_pre = rotary.unrotate(query, positions.unsqueeze(1))
+        want, want_scores = router.group_topm_buckets(q_pre.reshape(B, H, rep, 1, d), m)
+        _, got_scores = kernel.group_leaf_topm(query.reshape(B * H, rep, d), positions[:, 0], rotary.inv_freq, rotary.scaling,
+                                               router.weight.reshape(H, -1, d), router.read_bias.reshape(H, -1), router.read_scale,
+                                               router._leaf_paths(query.device), branching, min(m, router.num_buckets))
+    assert torch.equal(got, want.reshape(B * H, -1))
+    torch.testing.assert_close(got_scores, want_scores.reshape(B * H, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_group_routing_stands_aside_for_the_beam_and_other_dtypes(kernel):
+    """Large trees take the beam search, bfloat16 routers the PyTorch ops: the kernel returns None."""
+    from armkv.memory.rope import Rotary
+    from armkv.memory.route import Router
+
+    rotary = Rotary(1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)))
+    query, positions = torch.randn(1, 2, 1, 16), torch.tensor([[3]])
+    deep = Router(1, 16, 5, 4)
+    assert not deep.exhaustive(2) and deep.fused_group_topm(kernel, query, positions, rotary, 2) is None
+    half = Router(1, 16, 2, 4).to(torch.bfloat16)
+    assert half.fused_group_topm(kernel, query, positions, rotary, 4) is None
+
+
 @pytest.mark.parametrize("S,occupied,N,d", [(37, 37, 11, 64), (37, 30, 29, 16), (701, 701, 64, 64), (9, 0, 5, 64), (900, 650, 257, 40)])
 @pytest.mark.parametrize("lazy", [True, False])
 @pytest.mark.parametrize("demote_scope", ["any", "bucket"])

@@ -55,11 +55,14 @@ class BucketIndex:
     order : [G, S] slot ids sorted by bucket (stable), free slots last
     start : [G, N_b] where bucket b's slots begin in ``order``; size : [G, N_b] how many
     (all int32: held beside the state between writes, 4 bytes a slot and 8 a bucket)
+    laid : the pool lies bucket by bucket (:func:`sort_by_bucket`): ``order`` is the
+    identity, held as a broadcast view, and each bucket's slots are one run of the pool
     """
 
     order: torch.Tensor
     start: torch.Tensor
     size: torch.Tensor
+    laid: bool = False
     _widths: dict = field(default_factory=dict)
 
     def width(self, m: int) -> int:
@@ -249,5 +252,25 @@ def fused_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_
         exact_k.reshape(G, L, d), exact_v.reshape(G, L, d), exact_valid[:, None, :].expand(B, H, L).reshape(G, L),
         slots.key, slots.key_scale, slots.value, slots.value_scale, slot_bias.reshape(G, -1),
         mix if mix is not None else query.new_empty(0), float(scaling),
+    )
+    return out.reshape(B, Hq, 1, d).transpose(1, 2)
+
+
+def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,
+                             index: BucketIndex, buckets: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
+    """One query's sparse read through the fused CPU kernel: the slots of each group's first
+    ``take`` of ``buckets`` ([G, M], [G]) read where they lie in the quantised ``state``
+    (bucket by bucket as ``index`` lists them), without gathering them first; ``bias``
+    [B, H, S] or [G, S]. The rest as :func:`fused_decode_read`. It equals
+    :func:`gathered_read` of :func:`slots_of_buckets`' slots (tests/test_sparse_read.py)."""
+    B, Hq, _, d = query.shape
+    H, L = key.shape[1], exact_k.shape[2]
+    G, R = B * H, Hq // H
+    order = index.order[:, :0] if index.laid else index.order  # (width 0: the identity)
+    out = kernel.arm_sparse_decode_read(
+        query.reshape(G, R, d), key.reshape(G, d), value.reshape(G, d), valid[:, :1].expand(B, H).reshape(G),
+        exact_k.reshape(G, L, d), exact_v.reshape(G, L, d), exact_valid[:, None, :].expand(B, H, L).reshape(G, L),
+        state.key, state.key_scale, state.value, state.value_scale, bias.reshape(G, -1),
+        mix if mix is not None else query.new_empty(0), float(scaling), order, index.start, index.size, buckets, take,
     )
     return out.reshape(B, Hq, 1, d).transpose(1, 2)

@@ -138,6 +138,28 @@ class Router(nn.Module):
             cached = self._paths = torch.stack(steps[::-1])
         return cached
 
+    def exhaustive(self, m: int) -> bool:
+        """Whether the top-m search scores every leaf (small trees: it costs no more than the
+        beam's D * m * C dot products per query, and is exact) rather than the beam."""
+        return self.num_nodes * self.branching <= self.depth * min(m, self.num_buckets) * self.branching
+
+    def fused_group_topm(self, kernel, query: torch.Tensor, positions: torch.Tensor, rotary, m: int) -> torch.Tensor | None:
+        """:meth:`group_topm_buckets` of one decoded token in one call of the fused CPU kernel
+        (``armkv.memory.kernels``), un-rotating the query inside; None where it does not
+        serve (the beam search, or routers not in float32).
+
+        query : [B, Hq, 1, d] post-RoPE float32; positions : [B, 1] -> buckets [B * H, m']
+        """
+        if not self.exhaustive(m) or self.weight.dtype != torch.float32:
+            return None
+        H, K, C, d = self.weight.shape
+        B, Hq = query.shape[:2]
+        return kernel.group_leaf_topm(
+            query.reshape(B * H, Hq // H, d), positions[:, 0], rotary.inv_freq, rotary.scaling,
+            self.weight.detach().reshape(H, K * C, d), self.read_bias.detach().reshape(H, K * C), self.read_scale,
+            self._leaf_paths(query.device), C, min(m, self.num_buckets),
+        )[0]
+
     def beam_topm(self, x: torch.Tensor, m: int, read: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Beam search of width m down the tree: D * m * C dot products per query, whatever N_b.
 
@@ -164,9 +186,7 @@ class Router(nn.Module):
         """
         check_tensor("x", x, ndim=4, last=self.head_dim)
         m = min(m, self.num_buckets)
-        exhaustive_cost = self.num_nodes * self.branching
-        beam_cost = self.depth * m * self.branching
-        if exhaustive_cost <= beam_cost:
+        if self.exhaustive(m):
             scores, buckets = self.leaf_scores(x, read).topk(m, dim=-1)
             return buckets, scores
         return self.beam_topm(x, m, read)
@@ -189,7 +209,7 @@ class Router(nn.Module):
         m = min(m, self.num_buckets)
         flat = x.reshape(B, H, R * N, d)
         check_tensor("x", flat, ndim=4, last=self.head_dim)
-        if self.num_nodes * self.branching <= self.depth * m * self.branching:
+        if self.exhaustive(m):
             group = torch.logsumexp(self._all_leaf_scores(flat, read).view(B, H, R, N, -1), 2) - math.log(R)
             scores, buckets = group.topk(m, dim=-1)
             return buckets, scores

@@ -34,7 +34,7 @@ from armkv.memory import kernels
 from armkv.memory.module import ARMModel
 from armkv.memory.pool import SlotPool
 from armkv.memory.read import (
-    BucketIndex, bucket_index, bucket_slot_mask, fused_decode_read, gather_slots, gathered_read, run_breaks, slots_of_buckets, sort_by_bucket,
+    BucketIndex, bucket_index, bucket_slot_mask, fused_decode_read, fused_sparse_decode_read, gather_slots, gathered_read, run_breaks, slots_of_buckets, sort_by_bucket,
 )
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
@@ -415,7 +415,7 @@ class ARMLayer(CacheLayer):
         if self.config.pool == "shared" and run_breaks(index) > max(RESORT_PER_BUCKET * num_buckets, st.slots // RESORT_SHARE):
             self.state = sort_by_bucket(self.state, index)  # (the occupied slots stay within `reach`)
             order = torch.arange(st.slots, dtype=torch.int32, device=index.order.device).expand_as(index.order)
-            index = BucketIndex(order=order, start=index.start, size=index.size)
+            index = BucketIndex(order=order, start=index.start, size=index.size, laid=True)
         self._index_for = (self.state, index)
         return index
 
@@ -428,17 +428,27 @@ class ARMLayer(CacheLayer):
         B, Hq, T, d = query.shape
         H, M = key.shape[1], self._route_k
         G = B * H
+        index = self._bucket_index()
+        st = self._readable()
+        kernel = kernels.fused_read(query, st.value) if fused and T == 1 and st.key_scale is not None else None
+        if kernel is not None:  # one query on a CPU: routed, then its buckets' runs read in place, in two calls
+            buckets = self.memory.router.fused_group_topm(kernel, query, positions, self.rotary, M)
+            if buckets is None:
+                buckets = self._group_buckets(self.rotary.unrotate(query, positions.unsqueeze(1)), M).reshape(G, -1)
+            mix = self.mixing.to(query.dtype) if st.mixed else None
+            return fused_sparse_decode_read(
+                kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
+                buckets, self.m.clamp_max(buckets.shape[-1]).repeat_interleave(H),
+            )
         q_pre = self.rotary.unrotate(query, positions.unsqueeze(1))
         buckets = self._group_buckets(q_pre, M)  # [B, H, T, M]
         M = buckets.shape[-1]
         take = (torch.arange(M, device=query.device) < self.m.view(B, 1, 1, 1)).expand(B, H, T, M)
-        index = self._bucket_index()
         # eager on a CPU, the width these queries need (a host sync costs nothing there); compiled
         # or on an accelerator, the width any M buckets need, fixed until the next write
         eager_cpu = query.device.type == "cpu" and not torch.compiler.is_compiling()
         ids, used = slots_of_buckets(index, buckets.reshape(G, T, M), None if eager_cpu else index.width(M), take.reshape(G, T, M))
         W = ids.shape[-1]
-        st = self._readable()
         bias = self._decode_bias().reshape(G, st.slots).gather(1, ids.view(G, T * W)).view(B, H, T, W)
         bias = bias.masked_fill(~used.view(B, H, T, W), -torch.inf)
         return gathered_read(

@@ -1006,6 +1006,64 @@ std::vector<torch::Tensor> int4_dequantise(torch::Tensor key_codes, torch::Tenso
   return unpack_codes(key_codes, key_scale, value_codes, value_scale, torch::Tensor(), torch::Tensor(), unmix, 1.0);
 }
 
+// The inputs of a layer's decode read, made contiguous and checked once (arm_decode_read and
+// arm_sparse_decode_read take the same ones).
+struct DecodeInputs {
+  torch::Tensor q, own_ok, kk, vv, ek, ev, eok, kc, ks, vc, vs, b, mx, mxt;
+  bool int8_keys;
+  int64_t G, R, d, L, S, ngk, ngv;
+  const float* MX;
+  const float* MXT;
+
+  DecodeInputs(torch::Tensor query, torch::Tensor own_k, torch::Tensor own_v, torch::Tensor own_ok_, torch::Tensor exact_k,
+               torch::Tensor exact_v, torch::Tensor exact_ok, torch::Tensor key_codes, torch::Tensor key_scale,
+               torch::Tensor value_codes, torch::Tensor value_scale, torch::Tensor bias, torch::Tensor mix, const char* name) {
+    q = query.contiguous();
+    own_ok = own_ok_.to(torch::kBool).contiguous();
+    kk = own_k.contiguous(), vv = own_v.contiguous(), ek = exact_k.contiguous(), ev = exact_v.contiguous();
+    eok = exact_ok.to(torch::kBool).contiguous();
+    kc = key_codes.contiguous(), vc = value_codes.contiguous();
+    ks = key_scale.to(torch::kFloat32).contiguous(), vs = value_scale.to(torch::kFloat32).contiguous();
+    b = bias.to(torch::kFloat32).contiguous();
+    mx = mix.numel() ? mix.to(torch::kFloat32).contiguous() : mix;
+    TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kk.scalar_type() == torch::kFloat32 && ek.scalar_type() == torch::kFloat32,
+                name, ": float32 queries, keys and values only");
+    TORCH_CHECK(vc.scalar_type() == torch::kUInt8, name, ": int4 value codes only");
+    int8_keys = kc.scalar_type() == torch::kInt8;
+    TORCH_CHECK(int8_keys || kc.scalar_type() == torch::kUInt8, name, ": int4 (uint8) or int8 key codes only");
+    G = q.size(0), R = q.size(1), d = q.size(2), L = ek.size(1), S = b.size(1);
+    ngk = ks.size(2), ngv = vs.size(2);
+    TORCH_CHECK(R <= armkv::kMaxRep, name, ": at most 16 query heads a KV head");
+    TORCH_CHECK(kk.size(0) == G && kk.size(1) == d && vv.sizes() == kk.sizes() && own_ok.size(0) == G && ek.size(0) == G &&
+                    ek.size(2) == d && ev.sizes() == ek.sizes() && eok.size(0) == G && eok.size(1) == L &&
+                    kc.size(0) == G && kc.size(1) == (int8_keys ? d : d / 2) && kc.size(2) == S && ks.size(1) == S &&
+                    vc.size(0) == G && vc.size(1) == S && vc.size(2) == d / 2 && vs.size(1) == S && b.size(0) == G &&
+                    d % ngk == 0 && d % ngv == 0 && (!int8_keys || ngk == 1) &&
+                    (!mx.numel() || (mx.size(0) == d && mx.size(1) == d)),
+                name, ": shapes do not match (see the comment above arm_decode_read)");
+    mxt = mx.numel() ? mx.t().contiguous() : mx;
+    MX = mx.numel() ? mx.data_ptr<float>() : nullptr;
+    MXT = mx.numel() ? mxt.data_ptr<float>() : nullptr;
+  }
+
+  // group g's inputs; its slots' codes, scales and bias where given (gathered), else the pool's
+  armkv::DecodeGroup group(int64_t g, float* out, const void* key_codes = nullptr, const float* key_scale = nullptr,
+                           const uint8_t* value_codes = nullptr, const float* value_scale = nullptr,
+                           const float* bias = nullptr) {
+    const void* pool_keys = int8_keys ? static_cast<const void*>(kc.data_ptr<int8_t>() + g * d * S)
+                                      : static_cast<const void*>(kc.data_ptr<uint8_t>() + g * (d / 2) * S);
+    return armkv::DecodeGroup{
+        q.data_ptr<float>() + g * R * d, kk.data_ptr<float>() + g * d, vv.data_ptr<float>() + g * d,
+        own_ok.data_ptr<bool>()[g], ek.data_ptr<float>() + g * L * d, ev.data_ptr<float>() + g * L * d,
+        eok.data_ptr<bool>() + g * L,
+        key_codes ? key_codes : pool_keys,
+        key_scale ? key_scale : ks.data_ptr<float>() + g * S * ngk,
+        value_codes ? value_codes : vc.data_ptr<uint8_t>() + g * S * (d / 2),
+        value_scale ? value_scale : vs.data_ptr<float>() + g * S * ngv,
+        bias ? bias : b.data_ptr<float>() + g * S, out};
+  }
+};
+
 // The decode step's read of one layer (ARMLayer._decode_read): query [G, R, d] float32;
 // own_k, own_v [G, d] and own_ok [G] (the new token); exact_k, exact_v [G, L, d] and
 // exact_ok [G, L]; the slots' key codes (uint8 [G, d/2, S] int4 or int8 [G, d, S]) and
@@ -1016,49 +1074,194 @@ torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::T
                               torch::Tensor exact_k, torch::Tensor exact_v, torch::Tensor exact_ok, torch::Tensor key_codes,
                               torch::Tensor key_scale, torch::Tensor value_codes, torch::Tensor value_scale,
                               torch::Tensor bias, torch::Tensor mix, double scaling, bool vectorised) {
-  auto q = query.contiguous();
-  auto ok_own = own_ok.to(torch::kBool).contiguous();
-  auto kk = own_k.contiguous(), vv = own_v.contiguous(), ek = exact_k.contiguous(), ev = exact_v.contiguous();
-  auto eok = exact_ok.to(torch::kBool).contiguous();
-  auto kc = key_codes.contiguous(), vc = value_codes.contiguous();
-  auto ks = key_scale.to(torch::kFloat32).contiguous(), vs = value_scale.to(torch::kFloat32).contiguous();
-  auto b = bias.to(torch::kFloat32).contiguous();
-  auto mx = mix.numel() ? mix.to(torch::kFloat32).contiguous() : mix;
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kk.scalar_type() == torch::kFloat32 && ek.scalar_type() == torch::kFloat32,
-              "float32 queries, keys and values only");
-  TORCH_CHECK(vc.scalar_type() == torch::kUInt8, "int4 value codes only");
-  const bool int8_keys = kc.scalar_type() == torch::kInt8;
-  TORCH_CHECK(int8_keys || kc.scalar_type() == torch::kUInt8, "int4 (uint8) or int8 key codes only");
-  const int64_t G = q.size(0), R = q.size(1), d = q.size(2), L = ek.size(1), S = b.size(1);
-  const int64_t ngk = ks.size(2), ngv = vs.size(2);
-  TORCH_CHECK(R <= armkv::kMaxRep, "at most 16 query heads a KV head");
-  TORCH_CHECK(kk.size(0) == G && kk.size(1) == d && vv.sizes() == kk.sizes() && ok_own.size(0) == G && ek.size(0) == G &&
-                  ek.size(2) == d && ev.sizes() == ek.sizes() && eok.size(0) == G && eok.size(1) == L &&
-                  kc.size(0) == G && kc.size(1) == (int8_keys ? d : d / 2) && kc.size(2) == S && ks.size(1) == S &&
-                  vc.size(0) == G && vc.size(1) == S && vc.size(2) == d / 2 && vs.size(1) == S && b.size(0) == G &&
-                  d % ngk == 0 && d % ngv == 0 && (!int8_keys || ngk == 1) &&
-                  (!mx.numel() || (mx.size(0) == d && mx.size(1) == d)),
-              "arm_decode_read: shapes do not match (see the comment above the function)");
-  auto out = torch::empty({G, R, d}, q.options());
-  auto mxt = mx.numel() ? mx.t().contiguous() : mx;
-  const float* MX = mx.numel() ? mx.data_ptr<float>() : nullptr;
-  const float* MXT = mx.numel() ? mxt.data_ptr<float>() : nullptr;
+  DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
+                  mix, "arm_decode_read");
+  const int64_t G = in.G, R = in.R, d = in.d, L = in.L, S = in.S;
+  auto out = torch::empty({G, R, d}, in.q.options());
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     std::vector<float> qm(R * d), slot_w(R * std::max<int64_t>(S, 1)), exact_w(R * (L + 1)), tmp(R * d);
     for (int64_t g = g0; g < g1; ++g) {
-      armkv::DecodeGroup a{
-          q.data_ptr<float>() + g * R * d, kk.data_ptr<float>() + g * d, vv.data_ptr<float>() + g * d,
-          ok_own.data_ptr<bool>()[g], ek.data_ptr<float>() + g * L * d, ev.data_ptr<float>() + g * L * d,
-          eok.data_ptr<bool>() + g * L,
-          int8_keys ? static_cast<const void*>(kc.data_ptr<int8_t>() + g * d * S)
-                    : static_cast<const void*>(kc.data_ptr<uint8_t>() + g * (d / 2) * S),
-          ks.data_ptr<float>() + g * S * ngk, vc.data_ptr<uint8_t>() + g * S * (d / 2), vs.data_ptr<float>() + g * S * ngv,
-          b.data_ptr<float>() + g * S, out.data_ptr<float>() + g * R * d};
-      armkv::decode_group(a, MX, MXT, int8_keys, R, d, L, S, ngk, ngv, static_cast<float>(scaling), qm.data(), slot_w.data(),
-                          exact_w.data(), tmp.data(), vectorised);
+      armkv::decode_group(in.group(g, out.data_ptr<float>() + g * R * d), in.MX, in.MXT, in.int8_keys, R, d, L, S, in.ngk,
+                          in.ngv, static_cast<float>(scaling), qm.data(), slot_w.data(), exact_w.data(), tmp.data(), vectorised);
     }
   });
   return out;
+}
+
+// The sparse decode read (ARMLayer._sparse_read, one query): arm_decode_read over only the
+// slots filed under each group's chosen buckets, copied out of the pool where they lie
+// instead of gathered slot by slot by index. order [G, S] int32 lists the occupied slots
+// bucket by bucket; bucket b's are order[start[b] : start[b] + size[b]] (start, size
+// [G, N_b] int32: read.BucketIndex; an order of width 0 lists slot p at p, a pool laid
+// bucket by bucket); buckets [G, M] the group's buckets, best first, and take [G] how many
+// of them it reads. A pool laid bucket by bucket (read.sort_by_bucket)
+// makes each bucket one run of consecutive slots: the copy is then a memcpy per run and
+// channel row, and costs a fraction of reading those bytes. The other inputs and the
+// result as arm_decode_read's.
+torch::Tensor arm_sparse_decode_read(torch::Tensor query, torch::Tensor own_k, torch::Tensor own_v, torch::Tensor own_ok,
+                                     torch::Tensor exact_k, torch::Tensor exact_v, torch::Tensor exact_ok,
+                                     torch::Tensor key_codes, torch::Tensor key_scale, torch::Tensor value_codes,
+                                     torch::Tensor value_scale, torch::Tensor bias, torch::Tensor mix, double scaling,
+                                     torch::Tensor order, torch::Tensor start, torch::Tensor size, torch::Tensor buckets,
+                                     torch::Tensor take, bool vectorised) {
+  DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
+                  mix, "arm_sparse_decode_read");
+  const int64_t G = in.G, R = in.R, d = in.d, L = in.L, S = in.S, ngk = in.ngk, ngv = in.ngv;
+  auto ord = order.to(torch::kInt32).contiguous(), st = start.to(torch::kInt32).contiguous();
+  auto sz = size.to(torch::kInt32).contiguous(), bk = buckets.to(torch::kInt64).contiguous();
+  auto tk = take.to(torch::kInt64).contiguous();
+  TORCH_CHECK(ord.dim() == 2 && ord.size(0) == G && ord.size(1) <= S && st.dim() == 2 && st.size(0) == G &&
+                  sz.sizes() == st.sizes() && bk.dim() == 2 && bk.size(0) == G && tk.dim() == 1 && tk.size(0) == G,
+              "arm_sparse_decode_read: order [G, <= S], start and size [G, N_b], buckets [G, M], take [G]");
+  const int64_t nb = st.size(1), M = bk.size(1), listed = ord.size(1);
+  const int64_t rows = in.int8_keys ? d : d / 2, half = d / 2;  // key code rows: a byte a slot each
+  const auto* ORD = ord.data_ptr<int32_t>();
+  const auto *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
+  const int64_t* BK = bk.data_ptr<int64_t>();
+  const int64_t* TK = tk.data_ptr<int64_t>();
+  const auto* KC = static_cast<const uint8_t*>(in.kc.data_ptr());  // int8 or uint8 codes: bytes alike
+  const uint8_t* VC = in.vc.data_ptr<uint8_t>();
+  const float *KS = in.ks.data_ptr<float>(), *VS = in.vs.data_ptr<float>(), *B = in.b.data_ptr<float>();
+  auto out = torch::empty({G, R, d}, in.q.options());
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> qm(R * d), exact_w(R * (L + 1)), tmp(R * d), slot_w, ks, vs, bias;
+    std::vector<uint8_t> kc, vc;
+    std::vector<int64_t> run_start, run_len;
+    for (int64_t g = g0; g < g1; ++g) {
+      // the runs of consecutive slots that the chosen buckets' lists make
+      run_start.clear();
+      run_len.clear();
+      int64_t W = 0;
+      for (int64_t j = 0; j < std::min(TK[g], M); ++j) {
+        const int64_t bucket = BK[g * M + j];
+        if (bucket < 0 || bucket >= nb) continue;
+        const int64_t p0 = ST[g * nb + bucket], n = SZ[g * nb + bucket];
+        TORCH_CHECK(p0 >= 0 && n >= 0 && p0 + n <= (listed ? listed : S), "arm_sparse_decode_read: a bucket's list runs past order");
+        if (!listed) {  // the pool lies bucket by bucket: the bucket is one run
+          if (n) run_start.push_back(p0), run_len.push_back(n);
+          W += n;
+          continue;
+        }
+        for (int64_t p = p0; p < p0 + n; ++p) {
+          const int64_t s = ORD[g * listed + p];
+          TORCH_CHECK(s >= 0 && s < S, "arm_sparse_decode_read: a slot id outside the pool");
+          if (!run_start.empty() && run_start.back() + run_len.back() == s)
+            ++run_len.back();
+          else
+            run_start.push_back(s), run_len.push_back(1);
+        }
+        W += n;
+      }
+      // their codes, scales and biases copied out run by run: key codes are channel-major
+      // (a row of S bytes a channel), everything else slot-major
+      kc.resize(std::max<int64_t>(rows * W, 1));
+      vc.resize(std::max<int64_t>(W * half, 1));
+      ks.resize(std::max<int64_t>(W * ngk, 1));
+      vs.resize(std::max<int64_t>(W * ngv, 1));
+      bias.resize(std::max<int64_t>(W, 1));
+      slot_w.resize(R * std::max<int64_t>(W, 1));
+      const uint8_t* kc_g = KC + g * rows * S;
+      for (size_t r = 0, at = 0; r < run_start.size(); at += run_len[r], ++r) {
+        const int64_t s0 = run_start[r], n = run_len[r];
+        for (int64_t c = 0; c < rows; ++c) std::memcpy(kc.data() + c * W + at, kc_g + c * S + s0, n);
+        std::memcpy(vc.data() + at * half, VC + (g * S + s0) * half, n * half);
+        std::memcpy(ks.data() + at * ngk, KS + (g * S + s0) * ngk, n * ngk * sizeof(float));
+        std::memcpy(vs.data() + at * ngv, VS + (g * S + s0) * ngv, n * ngv * sizeof(float));
+        std::memcpy(bias.data() + at, B + g * S + s0, n * sizeof(float));
+      }
+      armkv::decode_group(in.group(g, out.data_ptr<float>() + g * R * d, kc.data(), ks.data(), vc.data(), vs.data(), bias.data()),
+                          in.MX, in.MXT, in.int8_keys, R, d, L, W, ngk, ngv, static_cast<float>(scaling), qm.data(),
+                          slot_w.data(), exact_w.data(), tmp.data(), vectorised);
+    }
+  });
+  return out;
+}
+
+// The m best buckets of each group of R query heads that share a KV head, for one decoded
+// token (Router.group_topm_buckets, its exhaustive search over a small tree): the queries
+// post-RoPE [G, R, d] float32, G = B * H row-major, are un-rotated at their row's position
+// pos [B] (Rotary.unrotate: inv_freq [d/2], attention scaling rope_scaling); each KV head's
+// routers weight [H, K * C, d] and read_bias [H, K * C] give logits x . w * read_scale + bias,
+// a log-softmax over each node's C children, a leaf the sum of its path's D entries (paths
+// [D, N_b] flat indices: Router._leaf_paths), and a bucket the log of the mean over the R
+// heads of their path probabilities -> (buckets [G, m] int64, scores [G, m] float32), best first
+std::vector<torch::Tensor> group_leaf_topm(torch::Tensor query, torch::Tensor pos, torch::Tensor inv_freq, double rope_scaling,
+                                           torch::Tensor weight, torch::Tensor read_bias, double read_scale, torch::Tensor paths,
+                                           int64_t C, int64_t m) {
+  auto q = query.contiguous(), p = pos.to(torch::kFloat32).contiguous(), f = inv_freq.to(torch::kFloat32).contiguous();
+  auto w = weight.contiguous(), rb = read_bias.contiguous(), path = paths.to(torch::kInt64).contiguous();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32 && rb.scalar_type() == torch::kFloat32,
+              "group_leaf_topm: float32 queries and routers only");
+  const int64_t G = q.size(0), R = q.size(1), d = q.size(2), H = w.size(0), KC = w.size(1), D = path.size(0), nb = path.size(1);
+  TORCH_CHECK(q.dim() == 3 && d % 2 == 0 && w.dim() == 3 && w.size(2) == d && rb.dim() == 2 && rb.size(0) == H &&
+                  rb.size(1) == KC && KC % C == 0 && G % H == 0 && p.dim() == 1 && p.size(0) == G / H && f.size(0) == d / 2 &&
+                  m >= 1 && m <= nb && path.dim() == 2,
+              "group_leaf_topm: query [G, R, d], pos [G / H], inv_freq [d / 2], weight [H, K * C, d], read_bias [H, K * C]");
+  const int64_t half = d / 2;
+  const float inv_scale = static_cast<float>(1.0 / rope_scaling), rs = static_cast<float>(read_scale);
+  const float log_r = std::log(static_cast<float>(R));
+#ifdef ARMKV_AVX2
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  auto buckets = torch::empty({G, m}, q.options().dtype(torch::kInt64));
+  auto scores = torch::empty({G, m}, q.options());
+  const float *Q = q.data_ptr<float>(), *P = p.data_ptr<float>(), *F = f.data_ptr<float>();
+  const float *W = w.data_ptr<float>(), *RB = rb.data_ptr<float>();
+  const int64_t* PATH = path.data_ptr<int64_t>();
+  int64_t* BO = buckets.data_ptr<int64_t>();
+  float* SO = scores.data_ptr<float>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> x(d), cs(half), sn(half), logp(KC), leaf(R * nb), group(nb);
+    std::vector<int64_t> idx(nb);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t h = g % H;
+      for (int64_t c = 0; c < half; ++c) {
+        const float t = P[g / H] * F[c];
+        cs[c] = std::cos(t), sn[c] = std::sin(t);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const float* qr = Q + (g * R + r) * d;
+        for (int64_t c = 0; c < half; ++c) {  // R(-theta) / s: x cos - rotate_half(x) sin
+          x[c] = (qr[c] * cs[c] + qr[c + half] * sn[c]) * inv_scale;
+          x[c + half] = (qr[c + half] * cs[c] - qr[c] * sn[c]) * inv_scale;
+        }
+        for (int64_t j = 0; j < KC; ++j) {
+          const float* wj = W + (h * KC + j) * d;
+          float acc = 0.0f;
+#ifdef ARMKV_AVX2
+          if (avx2)
+            acc = armkv::dot_avx2(x.data(), wj, d);
+          else
+#endif
+            for (int64_t c = 0; c < d; ++c) acc += x[c] * wj[c];
+          logp[j] = acc * rs + RB[h * KC + j];
+        }
+        for (int64_t k0 = 0; k0 < KC; k0 += C) {  // log-softmax over each node's children
+          float peak = logp[k0], total = 0.0f;
+          for (int64_t c = 1; c < C; ++c) peak = std::max(peak, logp[k0 + c]);
+          for (int64_t c = 0; c < C; ++c) total += std::exp(logp[k0 + c] - peak);
+          const float lse = peak + std::log(total);
+          for (int64_t c = 0; c < C; ++c) logp[k0 + c] -= lse;
+        }
+        for (int64_t b = 0; b < nb; ++b) {
+          float total = 0.0f;
+          for (int64_t l = 0; l < D; ++l) total += logp[PATH[l * nb + b]];
+          leaf[r * nb + b] = total;
+        }
+      }
+      for (int64_t b = 0; b < nb; ++b) {  // log of the mean path probability over the R heads
+        float peak = leaf[b], total = 0.0f;
+        for (int64_t r = 1; r < R; ++r) peak = std::max(peak, leaf[r * nb + b]);
+        for (int64_t r = 0; r < R; ++r) total += std::exp(leaf[r * nb + b] - peak);
+        group[b] = peak + std::log(total) - log_r;
+      }
+      for (int64_t b = 0; b < nb; ++b) idx[b] = b;
+      std::partial_sort(idx.begin(), idx.begin() + m, idx.end(),
+                        [&](int64_t a, int64_t b) { return group[a] > group[b] || (group[a] == group[b] && a < b); });
+      for (int64_t j = 0; j < m; ++j) BO[g * m + j] = idx[j], SO[g * m + j] = group[idx[j]];
+    }
+  });
+  return {buckets, scores};
 }
 
 // cos [G, N, S] float32 (token-slot cosines), slot_bucket [G, S] (-1 or any negative: free),
@@ -1200,6 +1403,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("own_k"), py::arg("own_v"), py::arg("own_ok"), py::arg("exact_k"), py::arg("exact_v"),
         py::arg("exact_ok"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
         py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("vectorised") = true);
+  m.def("arm_sparse_decode_read", &arm_sparse_decode_read,
+        "the decode read of the slots of each group's chosen buckets, copied out of the pool run by run",
+        py::arg("query"), py::arg("own_k"), py::arg("own_v"), py::arg("own_ok"), py::arg("exact_k"), py::arg("exact_v"),
+        py::arg("exact_ok"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
+        py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("order"), py::arg("start"), py::arg("size"),
+        py::arg("buckets"), py::arg("take"), py::arg("vectorised") = true);
+  m.def("group_leaf_topm", &group_leaf_topm, "the top-m buckets of each KV head's query group for one decoded token",
+        py::arg("query"), py::arg("pos"), py::arg("inv_freq"), py::arg("rope_scaling"), py::arg("weight"), py::arg("read_bias"),
+        py::arg("read_scale"), py::arg("paths"), py::arg("branching"), py::arg("m"));
   m.def("int4_unpack_pre_rope", &int4_unpack_pre_rope, "int4 slots to pre-RoPE float keys and float values");
   m.def("ring_push", &ring_push, "the decode step's push of one token a row into the ring window");
 }
