@@ -57,6 +57,17 @@ def test_arm_option_typo_is_named_as_a_typo():
         resolve_arm(info, 256, "random", overrides={"depth": 2})
 
 
+def test_fixed_m_may_be_a_share_of_the_buckets():
+    from armkv.methods.arm import resolve_arm
+    from armkv.methods.base import ModelInfo
+
+    info = ModelInfo(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_positions=1024)
+    num_buckets = resolve_arm(info, 256, "random")[1].num_buckets
+    for given, want in (("1/8", max(1, num_buckets // 8)), ("1/2", num_buckets // 2), ("3", 3), (2, 2), ("1", 1)):
+        runtime = resolve_arm(info, 256, "random", overrides={"top_m": "fixed", "m_fixed": given})[1]
+        assert runtime.m_fixed == want, given
+
+
 @pytest.fixture
 def no_model(monkeypatch):
     def refuse(*a, **k):
@@ -72,6 +83,8 @@ def no_model(monkeypatch):
         (["eval", "ppl", "--method", "sink", "--budget", "1000000000"], "is more than the model's 1024 positions"),
         (["eval", "ppl", "--method", "sink", "--adapter", "random"], "--adapter applies to the arm and fifo methods"),
         (["eval", "ruler", "--output", "OUT", "--budget", "1000000000"], "is more than the model's 1024 positions"),
+        (["eval", "ruler", "--output", "OUT", "--methods", "arm", "--option", "arm.m_fixed=1/x"], "or a share of them (1/8)"),
+        (["eval", "ruler", "--output", "OUT", "--methods", "arm", "--option", "arm.m_fixed=3/2"], "must be in (0, 1]"),
     ],
 )
 def test_eval_checks_before_the_model_loads(tmp_path, tiny_model_dir, capsys, no_model, argv, message):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from armkv.errors import ArmkvError
 
@@ -69,6 +70,19 @@ def slot_bytes(slot_format: str, head_dim: int, dtype_bytes: int) -> int:
     return kv + SLOT_META_BYTES
 
 
+def buckets_of(value: str, num_buckets: int, name: str) -> int:
+    """A number of buckets given as a share of them ("1/8", "0.25") or a count ("8"): at least 1."""
+    try:
+        share = Fraction(value.strip())
+    except (ValueError, ZeroDivisionError):
+        raise ArmkvError(f"ARMConfig.{name}={value!r}: give a number of buckets (8) or a share of them (1/8)") from None
+    if share.denominator == 1:
+        return int(share)
+    if not 0 < share <= 1:
+        raise ArmkvError(f"ARMConfig.{name}={value!r}: a share of the buckets must be in (0, 1]")
+    return max(1, int(share * num_buckets))
+
+
 @dataclass
 class ARMConfig:
     """The routed memory of one attention layer (same for every layer and KV head).
@@ -119,7 +133,7 @@ class ARMConfig:
     tau: float = 1.0  # Gumbel-Softmax temperature (training only)
     top_m: str = "adaptive"  # "adaptive": the policy picks M per input (the shipped adapter's policy
     # picks M = N_b, every bucket); "fixed": M = m_fixed
-    m_fixed: int | None = None  # fixed M (default: N_b // 2)
+    m_fixed: int | None = None  # fixed M (default: N_b // 2); a share such as "1/8" is resolved against N_b
     m_max: int | None = None  # largest M the policy may pick (default: N_b)
     policy_hidden: int = 64  # LSTM width of the top-M policy
     policy_tokens: int = 64  # l: tokens pooled into the policy's starting state
@@ -163,6 +177,8 @@ class ARMConfig:
             raise ArmkvError(
                 f"ARMConfig.m_max={self.m_max} must be between 1 and the number of buckets ({self.num_buckets})"
             )
+        if isinstance(self.m_fixed, str):  # a share of the buckets: "1/8" -> N_b / 8
+            self.m_fixed = buckets_of(self.m_fixed, self.num_buckets, "m_fixed")
         if self.m_fixed is not None and not 1 <= self.m_fixed <= self.num_buckets:
             raise ArmkvError(
                 f"ARMConfig.m_fixed={self.m_fixed} must be between 1 and the number of buckets ({self.num_buckets})"

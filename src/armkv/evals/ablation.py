@@ -11,8 +11,8 @@ ladders, eager merging, demotion to any bucket and even budget shares. Each row 
 
 from __future__ import annotations
 
-from fractions import Fraction
 
+from armkv.config import buckets_of
 from armkv.errors import ArmkvError
 from armkv.evals import common, ruler
 
@@ -58,7 +58,7 @@ def resolve_rows(rows: list[tuple[str, str, dict]], num_buckets: int, options: d
     for name, method, overrides in rows:
         overrides = dict(overrides)
         if isinstance(overrides.get("m_fixed"), str):
-            overrides["m_fixed"] = max(1, int(Fraction(overrides["m_fixed"]) * num_buckets))
+            overrides["m_fixed"] = buckets_of(overrides["m_fixed"], num_buckets, "m_fixed")
         # every row is an ARM variant: the arm options (its adapter) apply to fifo too
         row_options = {**options.get("arm", {}), **options.get(method, {}), "arm_overrides": overrides}
         out.append(common.Row(name, method, row_options))

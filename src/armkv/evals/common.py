@@ -124,9 +124,13 @@ def load(args):
     """``(model, tokenizer, info)`` for ``--model`` (default: the packaged model)."""
     from armkv.hf.attach import model_info
     from armkv.hf.model import load_model
-    from armkv.tools.preflight import check_budget
+    from armkv.tools.preflight import check_budget, check_method, resolve_budget
 
     check_budget(args.budget, args.model)
+    if getattr(args, "methods", None):  # each method's options, values included, before the model loads
+        options = method_options(args)
+        for method in parse_list(args.methods, "methods"):
+            check_method(method, resolve_budget(method, args.budget), args.chunk, options.get(method, {}), args.model)
     model, tokenizer = load_model(args.model)
     return model, tokenizer, model_info(model)
 
