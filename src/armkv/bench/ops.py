@@ -11,8 +11,9 @@
   ops it replaces, at each ``--int4-slots`` pool size, with the largest difference.
 - sparse read: one layer's read at M = N_b / ``--sparse-fraction`` on the default model's shape
   (3 KV heads of 3 query heads, d = 64, the shipped adapter's 64-bucket tree, k4v4 slots, a
-  full pool of each ``--sparse-budgets`` budget): the gathered read of the top-M buckets'
-  slots (``ARMLayer._sparse_read``) against the dense read of every slot (the decode step's
+  full pool of each ``--sparse-budgets`` budget): the read of the top-M buckets' slots
+  (``ARMLayer._sparse_read``: routing included; for one query on a CPU the two fused calls
+  of ``armkv.memory.kernels``, for a chunk the gathered PyTorch read) against the dense read of every slot (the decode step's
   ``ARMLayer._decode_read``) and the masked read of the whole pool at the same M
   (``ARMLayer._chunk_read``, the sparse read's reference), for one query and for chunks of
   ``--sparse-queries``; with the largest difference from the masked read.
