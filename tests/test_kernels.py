@@ -282,6 +282,46 @@ def test_fused_sparse_decode_read_equals_the_gathered_pytorch_read(kernel, fmt, 
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
+@pytest.mark.parametrize("d,slots,rep,buckets,m,mixed", [(64, 1, 1, 2, 1, True), (64, 37, 3, 5, 3, True), (40, 301, 5, 16, 2, False),
+                                                          (128, 19, 3, 4, 4, True), (64, 203, 12, 64, 8, False)])
+@pytest.mark.parametrize("laid", [True, False])
+def test_best_bucket_topm_equals_bucket_best_of_the_pytorch_scores(kernel, fmt, d, slots, rep, buckets, m, mixed, laid):
+    """read_rank="best" for one decoded token in one kernel call against its PyTorch form:
+    every slot's logit from the stored codes (MemoryState.key_scores, fused=False) times the
+    scaling plus the bias, the largest over the R heads, read.bucket_best, a stable sort (ties
+    to the lower id): the same buckets, best first, and their scores; free slots, buckets
+    that hold nothing (-inf, after every other), pools in any order or laid bucket by bucket."""
+    from armkv.memory.quant import mixing_matrix
+    from armkv.memory.read import BucketIndex, bucket_best, bucket_index, sort_by_bucket
+
+    G = 4
+    g = torch.Generator().manual_seed(slots * d + rep + buckets)
+    st = MemoryState.empty(G, slots, d)
+    st.key.copy_(torch.randn(G, slots, d, generator=g) * 2)
+    st.value.copy_(torch.randn(G, slots, d, generator=g))
+    st.count.copy_(torch.randint(1, 4, (G, slots), generator=g).float())
+    st.bucket.copy_(torch.randint(0, buckets, (G, slots), generator=g))
+    free = torch.rand(G, slots, generator=g) < 0.25
+    st.key[free], st.value[free], st.count[free], st.bucket[free] = 0, 0, 0, -1
+    st = st.pack(fmt, mix=mixed)
+    index = bucket_index(st.bucket, st.count > 0, buckets)
+    if laid:
+        st = sort_by_bucket(st, index)
+        index = BucketIndex(order=torch.arange(slots, dtype=torch.int32).expand(G, slots), start=index.start, size=index.size, laid=True)
+    bias = torch.where(st.count > 0, st.count.clamp_min(1).log(), -torch.inf)
+    query = torch.randn(G, rep, d, generator=g)
+    mix = mixing_matrix(d) if mixed else torch.empty(0)
+    order = index.order[:, :0] if laid else index.order
+    got, got_scores = kernel.best_bucket_topm(query, st.key, st.key_scale, bias, mix, 0.3, order, index.start, index.size, m)
+    q = query @ mix if mixed else query
+    logits = (st.key_scores(q, fused=False) * 0.3 + bias.unsqueeze(1)).amax(1, keepdim=True)  # [G, 1, S]
+    best = bucket_best(logits, st.bucket, buckets)[:, 0]
+    want_scores, want = best.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(got, want[:, :m])
+    torch.testing.assert_close(got_scores, want_scores[:, :m], rtol=1e-5, atol=1e-5)
+
+
 class _Vectorised:
     """The kernel module with ``vectorised`` fixed for its sparse read (the portable loops in tests)."""
 

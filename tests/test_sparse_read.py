@@ -1,6 +1,7 @@
 """The sparse read (each query gathers the slots of its top-M buckets) against the masked
-read of the whole pool, its reference: bucket lists, routing per KV head, and the layer's
-outputs at decode (T = 1) and in short chunks, fp32 and bf16, every slot format."""
+read of the whole pool, its reference: bucket lists, the two bucket rankings (each bucket's
+best logit, the tree's routing per KV head), and the layer's outputs at decode (T = 1) and
+in short chunks, fp32 and bf16, every slot format."""
 
 import copy
 
@@ -10,7 +11,7 @@ import torch
 import armkv.methods.arm as arm_method
 from armkv.config import ARMConfig
 from armkv.hf.attach import make_cache
-from armkv.memory.read import bucket_index, gather_slots, run_breaks, slots_of_buckets, sort_by_bucket
+from armkv.memory.read import bucket_best, bucket_index, gather_slots, run_breaks, slots_of_buckets, sort_by_bucket
 from armkv.memory.route import Router
 from armkv.memory.state import MemoryState
 from armkv.methods.arm import resolve_arm
@@ -39,6 +40,49 @@ def test_slots_of_buckets_lists_exactly_the_occupied_slots_of_the_picked_buckets
     # the width holds any M buckets of any group
     sizes = torch.stack([torch.bincount(slot_bucket[gi][occupied[gi]], minlength=nb) for gi in range(G)])
     assert width >= int(sizes.sort(1, descending=True).values[:, :M].sum(1).max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("G,T,S,nb", [(3, 5, 37, 7), (1, 1, 1, 4), (2, 3, 64, 64)])
+def test_bucket_best_is_each_buckets_largest_score(G, T, S, nb, dtype):
+    g = torch.Generator().manual_seed(S)
+    scores = torch.randn(G, T, S, generator=g).to(dtype)
+    slot_bucket = torch.randint(-1, nb, (G, S), generator=g)  # -1: free
+    scores = scores.masked_fill((slot_bucket < 0).unsqueeze(1) | (torch.rand(G, T, S, generator=g) < 0.2), -torch.inf)
+    got = bucket_best(scores, slot_bucket, nb)
+    assert got.shape == (G, T, nb) and got.dtype == dtype
+    for gi in range(G):
+        for t in range(T):
+            for b in range(nb):
+                mine = [float(scores[gi, t, s]) for s in range(S) if int(slot_bucket[gi, s]) == b]
+                assert float(got[gi, t, b]) == max(mine, default=-float("inf"))
+
+
+@pytest.mark.parametrize("read_rank,finds", [("best", True), ("tree", False)])
+def test_a_needle_is_read_from_one_bucket_when_the_ranking_is_the_best_logit(read_rank, finds):
+    """A slot's key direction as the query of its KV head (a needle the query retrieves): at
+    M = 1, the "best" ranking reads the bucket of the slot with the largest logit (computed
+    here from the dequantised keys, + log n); the tree's routing of a random tree, which never
+    sees the slots, misses some."""
+    _, layer = _layer_with_memory(torch.float32, {"slot_format": "k4v4", "read_rank": read_rank})
+    st = layer._readable()
+    B, H = layer.buffer.sink_k.shape[:2]
+    Hq, d = layer.info.num_heads, layer.info.head_dim
+    keys, _ = st.kv(torch.float32, unmix=True)
+    bias = torch.where(st.count > 0, st.count.clamp_min(1).log(), -torch.inf)
+    layer.m, layer._route_k = torch.tensor([1, 1]), 1
+    needles = misses = 0
+    for needle in range(st.slots):
+        if not st.count[0, needle] > 0:
+            continue
+        query = torch.zeros(B, Hq, 1, d)
+        query[0, : Hq // H] = 40 * keys[0, needle] / keys[0, needle].norm()  # KV head 0 of row 0
+        logits = keys[0] @ query[0, 0, 0] * d**-0.5 + bias[0]
+        best = int(logits.argmax())
+        picked = layer._group_buckets(1, query, layer._bucket_scores(query, d**-0.5))[0, 0, 0, 0]
+        needles += 1
+        misses += int(picked != st.bucket[0, best])
+    assert needles > 20 and (misses == 0) == finds
 
 
 def test_gather_slots_takes_every_field_of_the_listed_slots():
@@ -93,7 +137,9 @@ def _layer_with_memory(dtype, overrides, seed=1):
     overrides = {"sync": 5, "lazy_merge": False, "top_m": "fixed", "m_fixed": 3, **overrides}
     info = ModelInfo(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_positions=512)
     arm, _ = resolve_arm(info, 96, "random", overrides=overrides)
-    arm = copy.deepcopy(arm).to(dtype)  # the ARM parameters in the model's dtype
+    # the ARM parameters in the model's dtype for bf16 (a memory computing in bf16); fp16 keeps
+    # them in float32, as the library does (computing in fp16, the merges overflow to NaN)
+    arm = copy.deepcopy(arm).to(dtype if dtype != torch.float16 else torch.float32)
     cache = make_cache(model, "arm", budget=96, chunk=32, arm=arm, arm_overrides=overrides)
     with torch.no_grad():
         out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
@@ -109,13 +155,15 @@ FORMATS = [{"slot_format": "k4v4"}, {"slot_format": "k8v4", "slot_mixing": False
            {"slot_format": "bfloat16"}, {"slot_format": "model"}, {"slot_ladder": "int8,k8v4"}]
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("overrides", FORMATS)
 @pytest.mark.parametrize("T", [1, 5])
-def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overrides, T, monkeypatch):
+@pytest.mark.parametrize("read_rank", ["best", "tree"])
+def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overrides, T, read_rank, monkeypatch):
     """Tolerances: fp32 2e-5 (the two reads sum the same terms in another order, slots
-    dequantised alike); bf16 2e-2 (bf16 products and softmax, rounded at other points)."""
-    model, layer = _layer_with_memory(dtype, overrides)
+    dequantised alike); bf16 2e-2 and fp16 2e-3 (products and softmax in the model's dtype,
+    rounded at other points). Both rankings pick the same buckets in both reads."""
+    model, layer = _layer_with_memory(dtype, {**overrides, "read_rank": read_rank})
     B, H = layer.buffer.sink_k.shape[:2]
     Hq, d = model.config.num_attention_heads, layer.buffer.sink_k.shape[-1]
     g = torch.Generator().manual_seed(T)

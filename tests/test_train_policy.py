@@ -17,8 +17,9 @@ from conftest import tiny_model
 
 def naive_errors(model, arm, ids, sinks, window):
     """read_errors with every input made independently: the attention recomputed from the
-    projections and RoPE, each query group's bucket ranking from Router.leaf_scores, then the
-    query-by-query error (naive_output_error)."""
+    projections and RoPE, each query group's bucket ranking (read_rank "tree": from
+    Router.leaf_scores; "best": each bucket's largest logit over the group's heads and the
+    bucket's keys in memory, bucket by bucket), then the query-by-query error (naive_output_error)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     captured = {}
@@ -51,18 +52,28 @@ def naive_errors(model, arm, ids, sinks, window):
         for b in range(B):
             for h in range(H):
                 for j in range(T):
-                    # the leaf scores of query head h * R + r under KV head h's tree
-                    scores = torch.stack([router.leaf_scores(q[b : b + 1, r::R, j : j + 1])[0, h, 0] for r in range(R)])
-                    ranked[b, h, j] = (torch.logsumexp(scores, 0) - math.log(R)).argsort(descending=True)
+                    if arm.config.read_rank == "tree":
+                        # the leaf scores of query head h * R + r under KV head h's tree
+                        scores = torch.stack([router.leaf_scores(q[b : b + 1, r::R, j : j + 1])[0, h, 0] for r in range(R)])
+                        ranked[b, h, j] = (torch.logsumexp(scores, 0) - math.log(R)).argsort(descending=True)
+                        continue
+                    best = torch.full((router.num_buckets,), -torch.inf)
+                    for s in range(T):
+                        if in_memory[j, s]:
+                            logit = max(float(qr[b, h * R + r, j] @ kr[b, h * R, s]) for r in range(R))
+                            best[bucket[b, h, s]] = max(best[bucket[b, h, s]], logit)
+                    ranked[b, h, j] = best.argsort(descending=True)
         result.append(naive_output_error(p, in_memory, bucket, ranked, v))
     return torch.stack(result)
 
 
+@pytest.mark.parametrize("read_rank", ["best", "tree"])
 @pytest.mark.parametrize("T, sinks, window", [(23, 2, 5), (17, 0, 3)])
-def test_read_errors_match_the_naive_reference(T, sinks, window):
+def test_read_errors_match_the_naive_reference(T, sinks, window, read_rank):
     model = tiny_model("llama")
     torch.manual_seed(1)
     arm = new_arm(model, budget=96)
+    arm.config.read_rank = read_rank
     ids = torch.randint(3, 120, (2, T))
     error, pooled = read_errors(model, arm, ids, sinks=sinks, window=window)
     L, N_b = model.config.num_hidden_layers, arm.config.num_buckets

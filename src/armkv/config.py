@@ -25,6 +25,7 @@ CHOICES = {
     "gate": ("scalar", "channel"),
     "write": ("gated", "mean", "fifo"),
     "top_m": ("adaptive", "fixed"),
+    "read_rank": ("best", "tree"),
     "demote_scope": ("bucket", "any"),
     "slot_format": ("model", "bfloat16", "int8", "k8v4", "k4v4"),
 }
@@ -135,6 +136,10 @@ class ARMConfig:
     # picks M = N_b, every bucket); "fixed": M = m_fixed
     m_fixed: int | None = None  # fixed M (default: N_b // 2); a share such as "1/8" is resolved against N_b
     m_max: int | None = None  # largest M the policy may pick (default: N_b)
+    read_rank: str = "best"  # which M buckets a query reads when M < N_b: "best", those holding its
+    # highest-scoring slots (each bucket ranked by its best logit, max over the slots and the KV
+    # head's query heads: a rule, exact, every key scored); "tree", the tree's read routing
+    # (learned routers, scores N_b paths instead of every key, loses needles: docs/decisions.md)
     policy_hidden: int = 64  # LSTM width of the top-M policy
     policy_tokens: int = 64  # l: tokens pooled into the policy's starting state
     epsilon: float = 0.1  # epsilon-greedy exploration of the policy in training

@@ -11,9 +11,10 @@
   ops it replaces, at each ``--int4-slots`` pool size, with the largest difference.
 - sparse read: one layer's read at M = N_b / ``--sparse-fraction`` on the default model's shape
   (3 KV heads of 3 query heads, d = 64, the shipped adapter's 64-bucket tree, k4v4 slots, a
-  full pool of each ``--sparse-budgets`` budget): the read of the top-M buckets' slots
-  (``ARMLayer._sparse_read``: routing included; for one query on a CPU the two fused calls
-  of ``armkv.memory.kernels``, for a chunk the gathered PyTorch read) against the dense read of every slot (the decode step's
+  full pool of each ``--sparse-budgets`` budget), for each bucket ranking of ``--sparse-ranks``
+  (``read_rank``): the read of the top-M buckets' slots (``ARMLayer._sparse_read``: ranking
+  included; for one query on a CPU two fused calls of ``armkv.memory.kernels``, for a chunk
+  the gathered PyTorch read) against the dense read of every slot (the decode step's
   ``ARMLayer._decode_read``) and the masked read of the whole pool at the same M
   (``ARMLayer._chunk_read``, the sparse read's reference), for one query and for chunks of
   ``--sparse-queries``; with the largest difference from the masked read.
@@ -52,6 +53,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--int4-slots", default="2706,8295",
                         help="pool sizes for the int4 read timing (2706: budget 512, d = 64; 8295: the largest calibrated share)")
     parser.add_argument("--sparse-budgets", default="2048,4096,8192", help="budgets for the sparse read timing (full pools)")
+    parser.add_argument("--sparse-ranks", default="best,tree", help="bucket rankings (read_rank) for the sparse read timing")
     parser.add_argument("--sparse-fraction", type=int, default=8, help="the sparse read's M = N_b / this")
     parser.add_argument("--sparse-queries", default="1,16,64", help="tokens per read for the sparse read timing")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point")
@@ -188,7 +190,7 @@ def bench_int4_read(slots: list[int], kv_heads: int, head_dim: int, repeats: int
     return out
 
 
-def _full_arm_layer(budget: int, fraction: int, seed: int = 0):
+def _full_arm_layer(budget: int, fraction: int, seed: int = 0, read_rank: str = "best"):
     """Layer 0 of the arm cache on the default model's shape at ``budget`` (even shares),
     its pool full of slots: keys drawn near the tree's leaf centroids (every bucket used, as
     calibrated routing of text spreads them) plus noise, each filed where the tree routes it."""
@@ -201,7 +203,8 @@ def _full_arm_layer(budget: int, fraction: int, seed: int = 0):
     rotary = Rotary(1.0 / 100000 ** (torch.arange(0, 64, 2).float() / 64))
     probe = make_arm(0, info, rotary, budget, 256, layer_weights="even")
     nb = probe.memory.router.num_buckets
-    layer = make_arm(0, info, rotary, budget, 256, layer_weights="even", top_m="fixed", m_fixed=max(1, nb // fraction))
+    layer = make_arm(0, info, rotary, budget, 256, layer_weights="even", top_m="fixed", m_fixed=max(1, nb // fraction),
+                     read_rank=read_rank)
     g = torch.Generator().manual_seed(seed)
     H, d = info.num_kv_heads, info.head_dim
     with torch.no_grad():
@@ -222,12 +225,14 @@ def _full_arm_layer(budget: int, fraction: int, seed: int = 0):
     return layer, info
 
 
-def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], repeats: int) -> dict:
-    """Per budget: microseconds per layer of the gathered read at M = N_b / fraction, the dense
-    read of every slot (one query) and the masked read at M, and the share of the pool gathered."""
+def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], repeats: int,
+                      ranks: tuple[str, ...] = ("best", "tree")) -> dict:
+    """Per budget and bucket ranking (``read_rank``): microseconds per layer of the gathered read
+    at M = N_b / fraction, the dense read of every slot (one query) and the masked read at M,
+    and the share of the pool gathered."""
     out = {}
-    for budget in budgets:
-        layer, info = _full_arm_layer(budget, fraction)
+    for budget, rank in [(b, r) for b in budgets for r in ranks]:
+        layer, info = _full_arm_layer(budget, fraction, read_rank=rank)
         H, Hq, d = info.num_kv_heads, info.num_heads, info.head_dim
         g = torch.Generator().manual_seed(budget)
         exact = layer._exact()
@@ -249,7 +254,7 @@ def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], rep
             with torch.no_grad():
                 if T == 1:  # the width an eager CPU read gathers for this query (the fixed one serves compiled reads)
                     q_pre = layer.rotary.unrotate(q, pos.unsqueeze(1))
-                    picked = layer._group_buckets(q_pre, M).reshape(H, 1, -1)
+                    picked = layer._group_buckets(M, q_pre, layer._bucket_scores(q, d**-0.5)).reshape(H, 1, -1)
                     row["eager_width_share"] = slots_of_buckets(index, picked)[0].shape[-1] / layer.state.slots
                 sparse = lambda: layer._sparse_read(q, k, v, valid, pos, d**-0.5, *exact)  # noqa: E731
                 masked = lambda: layer._chunk_read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=False)  # noqa: E731
@@ -264,7 +269,7 @@ def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], rep
                     cell["speedup_vs_dense"] = cell["dense_us"] / cell["sparse_us"]
                 cell["speedup_vs_masked"] = cell["masked_us"] / cell["sparse_us"]
             row[f"T{T}"] = cell
-        out[str(budget)] = row
+        out.setdefault(str(budget), {})[rank] = row
     return out
 
 
@@ -328,15 +333,18 @@ def main(args) -> int:
             log(f"| {n} | {r['fused_us']:.0f} | {r['pytorch_us']:.0f} | {r['speedup']:.1f}x |")
     else:
         log("int4 read: the fused kernel is not available here (see the warning); not timed")
+    ranks = tuple(r for r in args.sparse_ranks.split(",") if r)
     sparse = bench_sparse_read([int(b) for b in args.sparse_budgets.split(",") if b], args.sparse_fraction,
-                               [int(t) for t in args.sparse_queries.split(",") if t], max(args.repeats, 10))
-    log(f"| budget | slots | M / N_b | gathered share | T | sparse us | dense us (every slot) | masked us | vs dense | vs masked | max diff |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for b, r in sparse.items():
-        for key, cell in r.items():
-            if key.startswith("T"):
-                log(f"| {b} | {r['slots']} | {r['m']}/{r['buckets']} | {r.get('eager_width_share', float('nan')):.3f} | {key[1:]} | {cell['sparse_us']:.0f} | "
-                    f"{cell['dense_us']:.0f} | {cell['masked_us']:.0f} | {cell['speedup_vs_dense']:.1f}x | {cell['speedup_vs_masked']:.1f}x | {cell['max_abs_diff']:.1e} |")
+                               [int(t) for t in args.sparse_queries.split(",") if t], max(args.repeats, 10), ranks)
+    log(f"| budget | ranking | slots | M / N_b | gathered share | T | sparse us | dense us (every slot) | masked us | vs dense | vs masked | max diff |\n"
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for b, by_rank in sparse.items():
+        for rank, r in by_rank.items():
+            for key, cell in r.items():
+                if key.startswith("T"):
+                    log(f"| {b} | {rank} | {r['slots']} | {r['m']}/{r['buckets']} | {r.get('eager_width_share', float('nan')):.3f} | {key[1:]} | "
+                        f"{cell['sparse_us']:.0f} | {cell['dense_us']:.0f} | {cell['masked_us']:.0f} | {cell['speedup_vs_dense']:.1f}x | "
+                        f"{cell['speedup_vs_masked']:.1f}x | {cell['max_abs_diff']:.1e} |")
     chunk_read = bench_chunk_read([int(n) for n in args.int4_slots.split(",") if n], args.chunk, args.kv_heads, args.head_dim, args.repeats)
     if chunk_read:
         log(f"| state keys | chunk read ms/layer, split | one SDPA call | speedup |  (chunk of {args.chunk})\n|---:|---:|---:|---:|")

@@ -41,6 +41,40 @@ def bucket_slot_mask(
     return chosen.gather(-1, idx)
 
 
+def bucket_best(scores: torch.Tensor, slot_bucket: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """The best score each bucket holds: the ranking of ``read_rank="best"``.
+
+    scores : [G, T, S] each query's logit of each slot (-inf where a slot is free or not
+    readable); slot_bucket : [G, S] (-1 = free) -> [G, T, N_b], -inf for a bucket with no slot.
+
+    Why the best and not a summary: a needle is one key among the few dozen a bucket holds,
+    and the query that retrieves it scores that key far above the rest. A bucket's centroid
+    (or a box, or the tree's path score) averages it away; its best logit does not.
+    """
+    G, T, S = scores.shape
+    idx = torch.where(slot_bucket < 0, num_buckets, slot_bucket.long()).unsqueeze(1).expand(G, T, S)
+    best = torch.full((G, T, num_buckets + 1), -torch.inf, dtype=scores.dtype, device=scores.device)
+    return best.scatter_reduce_(-1, idx, scores, "amax")[..., :num_buckets]
+
+
+def bucket_best_of_keys(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, slot_bucket: torch.Tensor,
+                        num_buckets: int, block: int = 32) -> torch.Tensor:
+    """:func:`bucket_best` of the largest logit over a group's R query heads, from float keys,
+    a block of queries at a time (the R x T x S logits of a prefill chunk are never held at once).
+
+    query : [G, R, T, d] scaled (and mixed, for a mixed state); keys : [G, S, d]; bias : [G, S]
+    (-inf where free) -> [G, T, N_b]"""
+    G, R, T, d = query.shape
+    S = keys.shape[1]
+    keys_t = keys.transpose(1, 2)
+    out = []
+    for t0 in range(0, T, block):
+        q = query[:, :, t0 : t0 + block]
+        logits = torch.baddbmm(bias.unsqueeze(1), q.reshape(G, -1, d), keys_t).view(G, R, -1, S).amax(1)
+        out.append(bucket_best(logits, slot_bucket, num_buckets))
+    return torch.cat(out, 1)
+
+
 # ---------------------------------------------------------------------- sparse reads
 # The gather width (slots gathered per query) is rounded up to a multiple of this, so that it
 # takes few distinct values over a generation (a compiled decode step sees few shapes)

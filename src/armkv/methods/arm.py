@@ -34,7 +34,7 @@ from armkv.memory import kernels
 from armkv.memory.module import ARMModel
 from armkv.memory.pool import SlotPool
 from armkv.memory.read import (
-    BucketIndex, bucket_index, bucket_slot_mask, fused_decode_read, fused_sparse_decode_read, gather_slots, gathered_read, run_breaks, slots_of_buckets, sort_by_bucket,
+    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, fused_decode_read, fused_sparse_decode_read, gather_slots, gathered_read, run_breaks, slots_of_buckets, sort_by_bucket,
 )
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
@@ -289,6 +289,8 @@ class ARMLayer(CacheLayer):
         rep = Hq // H
         pos = positions.unsqueeze(1)
         q_pre = None if reads_all and c.position_mode == "stored" else self.rotary.unrotate(query, pos)
+        # each bucket's rank, as the sparse read ranks it (the same buckets, ties included)
+        best = self._bucket_scores(query, scaling) if not reads_all and c.position_mode == "stored" else None
         # mixed slots (``slot_mixing``) are read in their mixed basis: (q Q).(k Q) = q.k for
         # every key, and the output unmixed once, (w V Q) Q^T = w V. Mixing the chunk's
         # queries and the exact entries costs a few hundred rows; unmixing the slots, thousands
@@ -297,7 +299,6 @@ class ARMLayer(CacheLayer):
             mix = self.mixing.to(query.dtype)
             query, key, value, exact_k, exact_v = (t @ mix for t in (query, key, value, exact_k, exact_v))
         slot_k, slot_v, occupied, bias = self._slots(unmix=mix is None)
-        slot_masks = [None] if reads_all else self._masks_for(q_pre, occupied, rep)
 
         exact_valid_h = exact_valid.unsqueeze(1).expand(B, H, -1)
         state_valid = torch.cat([exact_valid_h, occupied], -1)
@@ -312,6 +313,9 @@ class ARMLayer(CacheLayer):
             q_in = torch.cat([query, q_pre], -1)
             exact_k, exact_v = torch.cat([exact_k, z(exact_k)], -1), torch.cat([exact_v, z(exact_v)], -1)
             chunk_k, chunk_v = torch.cat([key, z(key)], -1), torch.cat([value, z(value)], -1)
+        if not reads_all and c.position_mode != "stored":
+            best = self._bucket_scores(q_in, scaling, slot_k)
+        slot_masks = [None] if reads_all else self._masks_for(q_pre, best, occupied, rep)
         state_k = torch.cat([exact_k, slot_k], 2)
         state_v = torch.cat([exact_v, slot_v], 2)
         outs = []
@@ -370,10 +374,10 @@ class ARMLayer(CacheLayer):
             keys, valid, lambda state: mem.write(state, k_pre, values, positions, valid, self.generator, self.rule, inplace=not mem.training)
         )
 
-    def _masks_for(self, q_pre: torch.Tensor, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
+    def _masks_for(self, q_pre: torch.Tensor, best: torch.Tensor | None, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
         mem = self.memory
         B, Hq = q_pre.shape[:2]
-        buckets = self._group_buckets(q_pre, self._route_k).repeat_interleave(rep, 1)
+        buckets = self._group_buckets(self._route_k, q_pre, best).repeat_interleave(rep, 1)
         readable = self._readable()
         slot_bucket = readable.bucket.long().reshape(B, -1, readable.slots).repeat_interleave(rep, 1)
         occ = occupied.repeat_interleave(rep, 1).unsqueeze(2)
@@ -381,15 +385,45 @@ class ARMLayer(CacheLayer):
         return [bucket_slot_mask(buckets, m, slot_bucket, mem.router.num_buckets) & occ for m in ms]
 
     # ------------------------------------------------------------------ sparse read
-    def _group_buckets(self, q_pre: torch.Tensor, m: int) -> torch.Tensor:
-        """Each query's m buckets, one choice per KV head for its R query heads
-        (``Router.group_topm_buckets``), scored in the routers' dtype.
-        q_pre [B, Hq, T, d] pre-RoPE -> [B, H, T, m']."""
+    def _group_buckets(self, m: int, q_pre: torch.Tensor, best: torch.Tensor | None = None) -> torch.Tensor:
+        """Each query's m buckets, one choice per KV head for its R query heads.
+
+        ``read_rank="best"``: the m buckets with the largest ``best`` [B, H, T, N_b], each
+        bucket's best logit (:meth:`_bucket_scores`). ``"tree"``: the tree's read routing of
+        the pre-RoPE queries (``Router.group_topm_buckets``), scored in the routers' dtype.
+        q_pre [B, Hq, T, d] -> [B, H, T, m']."""
         router = self.memory.router
+        if self.config.read_rank == "best":  # (ties to the lower bucket id, as the fused kernel breaks them)
+            return best.sort(dim=-1, descending=True, stable=True).indices[..., : min(m, router.num_buckets)]
         B, Hq, T, d = q_pre.shape
-        H = self.info.num_kv_heads
-        x = q_pre.reshape(B, H, Hq // H, T, d).to(router.weight.dtype)
+        x = q_pre.reshape(B, self.info.num_kv_heads, -1, T, d).to(router.weight.dtype)
         return router.group_topm_buckets(x, m)[0]
+
+    def _bucket_scores(self, query: torch.Tensor, scaling: float, keys: torch.Tensor | None = None) -> torch.Tensor | None:
+        """For ``read_rank="best"`` (None for the tree): each bucket's best logit, the largest
+        over its readable slots and the KV head's R query heads of q.k * scaling + log n
+        (``read.bucket_best``), in float32 from the stored codes, so that every read path picks
+        the same buckets. query [B, Hq, T, d] post-RoPE (or, with ``keys`` [B, H, S, d] given,
+        whatever the read scores those keys with) -> [B, H, T, N_b], -inf for an empty bucket."""
+        if self.config.read_rank != "best":
+            return None
+        st = self._readable()
+        B, Hq, T, d = query.shape
+        H = self.info.num_kv_heads
+        G, R, S = B * H, Hq // H, st.slots
+        q = query.reshape(G, R, T, d).float()
+        if keys is None and st.mixed:
+            q = q @ self.mixing.float()
+        bias = self._decode_bias().reshape(G, S)
+        slot_bucket = st.bucket.reshape(G, S)
+        num_buckets = self.memory.router.num_buckets
+        if keys is None and T == 1:  # a decoded token: the products from the codes (the fused kernel on a CPU)
+            logits = (st.key_scores(q.view(G, R, d)) * scaling + bias.unsqueeze(1)).amax(1)
+            return bucket_best(logits.unsqueeze(1), slot_bucket, num_buckets).view(B, H, 1, -1)
+        if keys is None:  # a chunk: the keys dequantised once
+            keys = st.kv(torch.float32, unmix=False)[0]
+        best = bucket_best_of_keys(q * scaling, keys.reshape(G, S, -1).float(), bias, slot_bucket, num_buckets)
+        return best.view(B, H, T, -1)
 
     def _reads_sparse(self, T: int, reads_all: bool) -> bool:
         """Whether this read gathers its buckets' slots (:meth:`_sparse_read`) instead of masking
@@ -432,16 +466,24 @@ class ARMLayer(CacheLayer):
         st = self._readable()
         kernel = kernels.fused_read(query, st.value) if fused and T == 1 and st.key_scale is not None else None
         if kernel is not None:  # one query on a CPU: routed, then its buckets' runs read in place, in two calls
-            buckets = self.memory.router.fused_group_topm(kernel, query, positions, self.rotary, M)
-            if buckets is None:
-                buckets = self._group_buckets(self.rotary.unrotate(query, positions.unsqueeze(1)), M).reshape(G, -1)
             mix = self.mixing.to(query.dtype) if st.mixed else None
+            if self.config.read_rank == "best":  # every slot scored once, each bucket ranked by its best
+                order = index.order[:, :0] if index.laid else index.order
+                buckets = kernel.best_bucket_topm(
+                    query.reshape(G, -1, query.shape[-1]), st.key, st.key_scale, self._decode_bias().reshape(G, -1),
+                    mix if mix is not None else query.new_empty(0), float(scaling), order, index.start, index.size,
+                    min(M, self.memory.router.num_buckets),
+                )[0]
+            else:
+                buckets = self.memory.router.fused_group_topm(kernel, query, positions, self.rotary, M)
+                if buckets is None:
+                    buckets = self._group_buckets(M, self.rotary.unrotate(query, positions.unsqueeze(1))).reshape(G, -1)
             return fused_sparse_decode_read(
                 kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
                 buckets, self.m.clamp_max(buckets.shape[-1]).repeat_interleave(H),
             )
         q_pre = self.rotary.unrotate(query, positions.unsqueeze(1))
-        buckets = self._group_buckets(q_pre, M)  # [B, H, T, M]
+        buckets = self._group_buckets(M, q_pre, self._bucket_scores(query, scaling))  # [B, H, T, M]
         M = buckets.shape[-1]
         take = (torch.arange(M, device=query.device) < self.m.view(B, 1, 1, 1)).expand(B, H, T, M)
         # eager on a CPU, the width these queries need (a host sync costs nothing there); compiled

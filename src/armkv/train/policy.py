@@ -6,8 +6,9 @@ shipped start it gets no signal (the start reads every bucket, and the soft casc
 move M off N_b), so here its target is read off the model itself:
 
 1. :func:`read_errors` runs training text through the model with the full cache, and for
-   every layer and query ranks the buckets as ARM's read does (the query group's router
-   scores, ``Router.group_topm_buckets``). Only the keys ARM keeps in its memory are
+   every layer and query ranks the buckets as ARM's read does (``read_rank``: by each
+   bucket's best logit over the query group, ``read.bucket_best``, or by the tree's read
+   routing, ``Router.group_topm_buckets``). Only the keys ARM keeps in its memory are
    filed in buckets (not the sinks, not the recent window, which every query reads exactly).
    For M = 1 .. N_b it measures, per input, the mean relative error of the attention output
    when each query reads only its top-M buckets (:func:`output_error`).
@@ -31,6 +32,8 @@ from collections.abc import Iterable
 import torch
 
 from armkv.errors import ArmkvError
+from armkv.hf.attach import model_rotary
+from armkv.memory.read import bucket_best
 
 
 def _projection(attn: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -98,6 +101,7 @@ def read_errors(
 
     t = torch.arange(T, device=device)
     in_memory = (t.view(1, T) >= sinks) & (t.view(1, T) < t.view(T, 1) - window)  # [query, key]
+    rotary = model_rotary(model) if config.read_rank == "best" else None
     errors, pooled = [], []
     for i, memory in enumerate(arm.layers):
         router = memory.router.to(device)
@@ -106,10 +110,32 @@ def read_errors(
         R = q.shape[1] // H
         p = out.attentions[i].float().view(B, H, R, T, T)
         bucket = router.route_writes(k.to(router.weight.dtype))  # [B, H, T]
-        ranked, _ = router.group_topm_buckets(q.view(B, H, R, T, d).to(router.weight.dtype), router.num_buckets)
+        if rotary is None:
+            ranked, _ = router.group_topm_buckets(q.view(B, H, R, T, d).to(router.weight.dtype), router.num_buckets)
+        else:
+            ranked = best_ranking(rotary.rotate(q, t), rotary.rotate(k, t), in_memory, bucket, router.num_buckets)
         errors.append(output_error(p, in_memory, bucket, ranked, captured[i, "v"]).cpu())
         pooled.append(k[:, :, : config.policy_tokens].mean(2).flatten(1).cpu())  # [B, H * d]
     return torch.stack(errors), torch.stack(pooled)
+
+
+def best_ranking(q: torch.Tensor, k: torch.Tensor, in_memory: torch.Tensor, bucket: torch.Tensor, num_buckets: int,
+                 block: int = 64) -> torch.Tensor:
+    """The buckets of each query ranked as ``read_rank="best"`` reads them: by the best logit
+    a bucket's keys give the query's group (``read.bucket_best``; every key stands for one
+    token here). q [B, Hq, T, d], k [B, H, S, d] post-RoPE; in_memory [T, S]; bucket [B, H, S]
+    -> [B, H, T, N_b], best first."""
+    B, Hq, T, d = q.shape
+    H, S = k.shape[1], k.shape[2]
+    R = Hq // H
+    out = []
+    for t0 in range(0, T, block):
+        qb = q[:, :, t0 : t0 + block].reshape(B, H, R, -1, d)
+        logits = torch.matmul(qb, k.unsqueeze(2).transpose(-1, -2)).amax(2)  # [B, H, t, S]
+        logits = logits.masked_fill(~in_memory[t0 : t0 + block], -torch.inf)
+        best = bucket_best(logits.reshape(B * H, -1, S), bucket.reshape(B * H, S), num_buckets)
+        out.append(best.argsort(-1, descending=True).view(B, H, -1, num_buckets))
+    return torch.cat(out, 2)
 
 
 def output_error(p: torch.Tensor, in_memory: torch.Tensor, bucket: torch.Tensor, ranked: torch.Tensor, v: torch.Tensor,

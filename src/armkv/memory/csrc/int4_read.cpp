@@ -1264,6 +1264,88 @@ std::vector<torch::Tensor> group_leaf_topm(torch::Tensor query, torch::Tensor po
   return {buckets, scores};
 }
 
+// The m buckets of each group whose best slot logit is the largest (read_rank="best", one
+// decoded token; read.bucket_best): every slot's logit q.k * scaling + bias, the largest over
+// the group's R query heads, then each bucket's largest over its slots (order, start, size as
+// arm_sparse_decode_read lists them) -> (buckets [G, m] int64, their scores [G, m] float32),
+// best first, ties to the lower id; a bucket with no slot scores -inf. query [G, R, d]
+// float32 post-RoPE, the slots and mix as arm_decode_read takes them. One pass over the key
+// codes, a float a slot kept: the read itself is arm_sparse_decode_read's
+std::vector<torch::Tensor> best_bucket_topm(torch::Tensor query, torch::Tensor key_codes, torch::Tensor key_scale,
+                                            torch::Tensor bias, torch::Tensor mix, double scaling, torch::Tensor order,
+                                            torch::Tensor start, torch::Tensor size, int64_t m) {
+  auto q = query.contiguous(), kc = key_codes.contiguous(), ks = key_scale.to(torch::kFloat32).contiguous();
+  auto b = bias.to(torch::kFloat32).contiguous();
+  auto mx = mix.numel() ? mix.to(torch::kFloat32).contiguous() : mix;
+  auto ord = order.to(torch::kInt32).contiguous(), st = start.to(torch::kInt32).contiguous();
+  auto sz = size.to(torch::kInt32).contiguous();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.dim() == 3, "best_bucket_topm: float32 queries [G, R, d]");
+  const bool int8_keys = kc.scalar_type() == torch::kInt8;
+  TORCH_CHECK(int8_keys || kc.scalar_type() == torch::kUInt8, "best_bucket_topm: int4 (uint8) or int8 key codes only");
+  const int64_t G = q.size(0), R = q.size(1), d = q.size(2), S = b.size(1), ngk = ks.size(2);
+  const int64_t nb = st.size(1), listed = ord.size(1);
+  TORCH_CHECK(kc.size(0) == G && kc.size(1) == (int8_keys ? d : d / 2) && kc.size(2) == S && ks.size(0) == G &&
+                  ks.size(1) == S && b.size(0) == G && d % ngk == 0 && (!int8_keys || ngk == 1) &&
+                  (!mx.numel() || (mx.size(0) == d && mx.size(1) == d)) && ord.dim() == 2 && ord.size(0) == G &&
+                  listed <= S && st.dim() == 2 && st.size(0) == G && sz.sizes() == st.sizes() && m >= 1 && m <= nb,
+              "best_bucket_topm: query [G, R, d], key codes [G, d/2 or d, S], scales [G, S, ngk], bias [G, S], "
+              "order [G, <= S], start and size [G, N_b], 1 <= m <= N_b");
+  auto buckets = torch::empty({G, m}, q.options().dtype(torch::kInt64));
+  auto scores = torch::empty({G, m}, q.options());
+  const float *Q = q.data_ptr<float>(), *KS = ks.data_ptr<float>(), *B = b.data_ptr<float>();
+  const float* MX = mx.numel() ? mx.data_ptr<float>() : nullptr;
+  const auto* KC = static_cast<const uint8_t*>(kc.data_ptr());
+  const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
+  int64_t* BO = buckets.data_ptr<int64_t>();
+  float* SO = scores.data_ptr<float>();
+  const int64_t rows = int8_keys ? d : d / 2;
+  const float f = static_cast<float>(scaling), ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> qm(R * d), sw(R * std::max<int64_t>(S, 1)), best(nb);
+    std::vector<int64_t> idx(nb);
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t r = 0; r < R; ++r) {  // the query in the slots' basis: q Q where they are mixed
+        const float* x = Q + (g * R + r) * d;
+        float* row = qm.data() + r * d;
+        if (!MX) {
+          std::copy(x, x + d, row);
+          continue;
+        }
+        std::fill(row, row + d, 0.0f);
+        for (int64_t c = 0; c < d; ++c)
+          for (int64_t j = 0; j < d; ++j) row[j] += x[c] * MX[c * d + j];
+      }
+      const uint8_t* codes = KC + g * rows * S;
+      if (int8_keys)
+        armkv::int8_key_scores(qm.data(), reinterpret_cast<const int8_t*>(codes), KS + g * S, sw.data(), R, d, S);
+      else
+        armkv::key_scores(qm.data(), codes, KS + g * S * ngk, sw.data(), R, d, S, ngk);
+      const float* bias_g = B + g * S;
+      for (int64_t s = 0; s < S; ++s) {  // the largest over the R heads, kept in row 0
+        float v = sw[s];
+        for (int64_t r = 1; r < R; ++r) v = std::max(v, sw[r * S + s]);
+        sw[s] = v * f + bias_g[s];
+      }
+      for (int64_t k = 0; k < nb; ++k) {
+        const int64_t p0 = ST[g * nb + k], n = SZ[g * nb + k];
+        TORCH_CHECK(p0 >= 0 && n >= 0 && p0 + n <= (listed ? listed : S), "best_bucket_topm: a bucket's list runs past order");
+        float top = ninf;
+        for (int64_t p = p0; p < p0 + n; ++p) {
+          const int64_t slot = listed ? ORD[g * listed + p] : p;
+          TORCH_CHECK(slot >= 0 && slot < S, "best_bucket_topm: a slot id outside the pool");
+          top = std::max(top, sw[slot]);
+        }
+        best[k] = top;
+        idx[k] = k;
+      }
+      std::partial_sort(idx.begin(), idx.begin() + m, idx.end(),
+                        [&](int64_t a, int64_t c) { return best[a] > best[c] || (best[a] == best[c] && a < c); });
+      for (int64_t j = 0; j < m; ++j) BO[g * m + j] = idx[j], SO[g * m + j] = best[idx[j]];
+    }
+  });
+  return {buckets, scores};
+}
+
 // cos [G, N, S] float32 (token-slot cosines), slot_bucket [G, S] (-1 or any negative: free),
 // token_bucket [G, N] -> (same [G, N], same_idx [G, N], any [G, N], any_idx [G, N]): each token's
 // best occupied slot of its own bucket and of any bucket (-inf, index 0 where none);
@@ -1412,6 +1494,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("group_leaf_topm", &group_leaf_topm, "the top-m buckets of each KV head's query group for one decoded token",
         py::arg("query"), py::arg("pos"), py::arg("inv_freq"), py::arg("rope_scaling"), py::arg("weight"), py::arg("read_bias"),
         py::arg("read_scale"), py::arg("paths"), py::arg("branching"), py::arg("m"));
+  m.def("best_bucket_topm", &best_bucket_topm, "the top-m buckets of each KV head's query group by their best slot logit",
+        py::arg("query"), py::arg("key_codes"), py::arg("key_scale"), py::arg("bias"), py::arg("mix"), py::arg("scaling"),
+        py::arg("order"), py::arg("start"), py::arg("size"), py::arg("m"));
   m.def("int4_unpack_pre_rope", &int4_unpack_pre_rope, "int4 slots to pre-RoPE float keys and float values");
   m.def("ring_push", &ring_push, "the decode step's push of one token a row into the ring window");
 }
