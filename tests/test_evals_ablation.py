@@ -14,7 +14,7 @@ from armkv.evals.cli import add_arguments, main
 
 def test_rows_resolve_fractions_of_the_buckets_and_share_the_arm_options():
     rows = {r.label: r for r in ablation.resolve_rows(ablation.ROWS, 64, {"arm": {"adapter": "a"}, "fifo": {"x": 1}})}
-    assert rows["fixed-M-1/2"].options == {"adapter": "a", "arm_overrides": {"top_m": "fixed", "m_fixed": 32}}
+    assert rows["fixed-M-1/2"].options == {"adapter": "a", "arm_overrides": {"top_m": "fixed", "m_fixed": 32, "read_rank": "tree"}}
     assert rows["fixed-M-1/4"].options["arm_overrides"]["m_fixed"] == 16
     assert rows["fifo"].method == "fifo" and rows["fifo"].options == {"adapter": "a", "x": 1, "arm_overrides": {}}
     assert rows["mean-writes"].options["arm_overrides"] == {"write": "mean"}
@@ -22,7 +22,8 @@ def test_rows_resolve_fractions_of_the_buckets_and_share_the_arm_options():
     assert rows["no-log-count-bias"].options["arm_overrides"] == {"log_count_bias": False}
     assert {rows["positions-fixed"].options["arm_overrides"]["position_mode"], rows["positions-stored"].options["arm_overrides"]["position_mode"]} == {"fixed", "stored"}
     table = ablation.describe(list(rows.values()))
-    assert "| fixed-M-1/4 | arm | top_m=fixed, m_fixed=16 |" in table and "| fifo | fifo | - |" in table
+    assert rows["fixed-M-1/8"].options["arm_overrides"] == {"top_m": "fixed", "m_fixed": 8}
+    assert "| fixed-M-1/4 | arm | top_m=fixed, m_fixed=16, read_rank=tree |" in table and "| fifo | fifo | - |" in table
 
 
 def test_overrides_are_armconfig_fields():
@@ -47,7 +48,7 @@ def test_each_row_reaches_the_runner_with_its_overrides(tmp_path):
         settings={"eval": "ablation"}, title="Ablation", notes=ablation.describe(rows), plot=False,
     )
     assert set(summary) == {"fifo", "fixed-M-1/4", "mean-writes"}
-    assert seen == {"fifo": [{}], "arm": [{"top_m": "fixed", "m_fixed": 4}, {"write": "mean"}]}
+    assert seen == {"fifo": [{}], "arm": [{"top_m": "fixed", "m_fixed": 4, "read_rank": "tree"}, {"write": "mean"}]}
     assert "| mean-writes | arm | write=mean |" in (tmp_path / "table.md").read_text()
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 

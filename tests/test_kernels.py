@@ -225,6 +225,26 @@ def test_fused_decode_read_equals_the_pytorch_ops(kernel, fmt, d, slots, rep, ex
     assert (got[3] == 0).all()
 
 
+def _random_pool(G, slots, d, buckets, fmt, mixed, laid, g):
+    """A packed pool of random slots (a quarter free) filed under random buckets, and its
+    bucket index; ``laid``: re-laid bucket by bucket, the index's order the identity."""
+    from armkv.memory.read import BucketIndex, bucket_index, sort_by_bucket
+
+    st = MemoryState.empty(G, slots, d)
+    st.key.copy_(torch.randn(G, slots, d, generator=g) * 2)
+    st.value.copy_(torch.randn(G, slots, d, generator=g))
+    st.count.copy_(torch.randint(1, 4, (G, slots), generator=g).float())
+    st.bucket.copy_(torch.randint(0, buckets, (G, slots), generator=g))
+    free = torch.rand(G, slots, generator=g) < 0.25
+    st.key[free], st.value[free], st.count[free], st.bucket[free] = 0, 0, 0, -1
+    st = st.pack(fmt, mix=mixed)
+    index = bucket_index(st.bucket, st.count > 0, buckets)
+    if laid:  # (ARMLayer._bucket_index)
+        st = sort_by_bucket(st, index)
+        index = BucketIndex(order=torch.arange(slots, dtype=torch.int32).expand(G, slots), start=index.start, size=index.size, laid=True)
+    return st, index
+
+
 @pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
 @pytest.mark.parametrize("d,slots,rep,buckets,mixed", [(64, 1, 1, 2, True), (64, 37, 3, 5, True), (40, 301, 5, 16, False),
                                                         (128, 19, 3, 4, True), (64, 203, 12, 9, False)])
@@ -237,25 +257,12 @@ def test_fused_sparse_decode_read_equals_the_gathered_pytorch_read(kernel, fmt, 
     free slots, buckets that hold nothing, rows that read fewer buckets than were routed
     (take), a group that reads none, and pools in any order or laid bucket by bucket."""
     from armkv.memory.quant import mixing_matrix
-    from armkv.memory.read import BucketIndex, bucket_index, fused_sparse_decode_read, gather_slots, gathered_read, slots_of_buckets
-    from armkv.memory.read import sort_by_bucket
+    from armkv.memory.read import fused_sparse_decode_read, gather_slots, gathered_read, slots_of_buckets
 
     B, H, T, L = 2, 2, 1, 7
     G, M = B * H, min(3, buckets)
     g = torch.Generator().manual_seed(slots * d + rep + buckets)
-    st = MemoryState.empty(G, slots, d)
-    st.key.copy_(torch.randn(G, slots, d, generator=g) * 2)
-    st.value.copy_(torch.randn(G, slots, d, generator=g))
-    st.count.copy_(torch.randint(1, 4, (G, slots), generator=g).float())
-    st.bucket.copy_(torch.randint(0, buckets, (G, slots), generator=g))
-    free = torch.rand(G, slots, generator=g) < 0.25
-    st.key[free], st.value[free], st.count[free], st.bucket[free] = 0, 0, 0, -1
-    st = st.pack(fmt, mix=mixed)
-    index = bucket_index(st.bucket, st.count > 0, buckets)
-    if laid:  # the pool re-laid bucket by bucket, its order the identity (ARMLayer._bucket_index)
-        st = sort_by_bucket(st, index)
-        order = torch.arange(slots, dtype=torch.int32).expand(G, slots)
-        index = BucketIndex(order=order, start=index.start, size=index.size, laid=True)
+    st, index = _random_pool(G, slots, d, buckets, fmt, mixed, laid, g)
     bias = torch.where(st.count > 0, st.count.clamp_min(1).log(), -torch.inf).view(B, H, slots)
     picked = torch.stack([torch.randperm(buckets, generator=g)[:M] for _ in range(G)])
     m = torch.tensor([M, max(1, M - 1)])  # the second row reads fewer than were routed
@@ -293,22 +300,11 @@ def test_best_bucket_topm_equals_bucket_best_of_the_pytorch_scores(kernel, fmt, 
     to the lower id): the same buckets, best first, and their scores; free slots, buckets
     that hold nothing (-inf, after every other), pools in any order or laid bucket by bucket."""
     from armkv.memory.quant import mixing_matrix
-    from armkv.memory.read import BucketIndex, bucket_best, bucket_index, sort_by_bucket
+    from armkv.memory.read import bucket_best
 
     G = 4
     g = torch.Generator().manual_seed(slots * d + rep + buckets)
-    st = MemoryState.empty(G, slots, d)
-    st.key.copy_(torch.randn(G, slots, d, generator=g) * 2)
-    st.value.copy_(torch.randn(G, slots, d, generator=g))
-    st.count.copy_(torch.randint(1, 4, (G, slots), generator=g).float())
-    st.bucket.copy_(torch.randint(0, buckets, (G, slots), generator=g))
-    free = torch.rand(G, slots, generator=g) < 0.25
-    st.key[free], st.value[free], st.count[free], st.bucket[free] = 0, 0, 0, -1
-    st = st.pack(fmt, mix=mixed)
-    index = bucket_index(st.bucket, st.count > 0, buckets)
-    if laid:
-        st = sort_by_bucket(st, index)
-        index = BucketIndex(order=torch.arange(slots, dtype=torch.int32).expand(G, slots), start=index.start, size=index.size, laid=True)
+    st, index = _random_pool(G, slots, d, buckets, fmt, mixed, laid, g)
     bias = torch.where(st.count > 0, st.count.clamp_min(1).log(), -torch.inf)
     query = torch.randn(G, rep, d, generator=g)
     mix = mixing_matrix(d) if mixed else torch.empty(0)

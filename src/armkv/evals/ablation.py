@@ -2,9 +2,10 @@
 
 Rows are ARM variants at the same budget, run through RULER's needle tasks with the same
 protocol as ``armkv eval ruler``. The paper's rows are FIFO (slots overwritten oldest
-first, every slot read), ARM with fixed sparsity M = N_b/2 and N_b/4, and ARM with the
-policy's M (the shipped policy reads every bucket); ours add mean writes, no empty-slot
-rule, no log-count bias, positions ``fixed`` instead of ``stored``, other slot formats and
+first, every slot read), ARM with fixed sparsity M = N_b/2 and N_b/4 (the buckets ranked by
+the tree's read routing, as the paper ranks them), and ARM with the policy's M (the shipped
+policy reads every bucket); ours add M = N_b/8 with either ranking (``read_rank``), mean
+writes, no empty-slot rule, no log-count bias, positions ``fixed`` instead of ``stored``, other slot formats and
 ladders, eager merging, demotion to any bucket and even budget shares. Each row is ``(name, method, ARMConfig overrides)``: edit
 :data:`ROWS` to change the table.
 """
@@ -20,8 +21,10 @@ from armkv.evals import common, ruler
 # is a share of the adapter's N_b buckets, resolved once the adapter is known.
 ROWS = [
     ("fifo", "fifo", {}),
-    ("fixed-M-1/2", "arm", {"top_m": "fixed", "m_fixed": "1/2"}),
-    ("fixed-M-1/4", "arm", {"top_m": "fixed", "m_fixed": "1/4"}),
+    ("fixed-M-1/2", "arm", {"top_m": "fixed", "m_fixed": "1/2", "read_rank": "tree"}),
+    ("fixed-M-1/4", "arm", {"top_m": "fixed", "m_fixed": "1/4", "read_rank": "tree"}),
+    ("fixed-M-1/8", "arm", {"top_m": "fixed", "m_fixed": "1/8"}),
+    ("tree-M-1/8", "arm", {"top_m": "fixed", "m_fixed": "1/8", "read_rank": "tree"}),
     ("policy-M", "arm", {"top_m": "adaptive"}),
     ("mean-writes", "arm", {"write": "mean"}),
     ("no-empty-slot-rule", "arm", {"empty_slot_rule": False}),

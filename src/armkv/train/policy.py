@@ -32,7 +32,6 @@ from collections.abc import Iterable
 import torch
 
 from armkv.errors import ArmkvError
-from armkv.hf.attach import model_rotary
 from armkv.memory.read import bucket_best
 
 
@@ -63,6 +62,7 @@ def read_errors(
     error : [L, B, N_b] float32, 0 at M = N_b (and wherever an input's queries had nothing in memory)
     pooled : [L, B, H * d] the policy's input (mean of the first ``policy_tokens`` pre-RoPE keys)
     """
+    from armkv.hf.attach import model_rotary
     from armkv.train.calibrate import _head_dim, attention_modules
 
     config = arm.config
