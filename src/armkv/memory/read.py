@@ -237,8 +237,8 @@ def gathered_read(
     slot_bias : [B, H, T, W] each gathered slot's logit bias, -inf where it is not read
     -> [B, T, Hq, d]
 
-    The R = Hq / H query heads of a KV head read the same gathered slots (see
-    ``Router.group_topm_buckets``). One query (T = 1) with int4 values on a CPU in float32
+    The R = Hq / H query heads of a KV head read the same gathered slots (one choice of
+    buckets per KV head, ``ARMLayer._group_buckets``). One query (T = 1) with int4 values on a CPU in float32
     goes through the decode step's fused kernel (``armkv.memory.kernels``) unless
     ``fused=False``; the PyTorch ops below are its reference.
     """
