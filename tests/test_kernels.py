@@ -308,8 +308,7 @@ def test_best_bucket_topm_equals_bucket_best_of_the_pytorch_scores(kernel, fmt, 
     bias = torch.where(st.count > 0, st.count.clamp_min(1).log(), -torch.inf)
     query = torch.randn(G, rep, d, generator=g)
     mix = mixing_matrix(d) if mixed else torch.empty(0)
-    order = index.order[:, :0] if laid else index.order
-    got, got_scores = kernel.best_bucket_topm(query, st.key, st.key_scale, bias, mix, 0.3, order, index.start, index.size, m)
+    got, got_scores = kernel.best_bucket_topm(query, st.key, st.key_scale, bias, mix, 0.3, index.kernel_order(), index.start, index.size, m)
     q = query @ mix if mixed else query
     logits = (st.key_scores(q, fused=False) * 0.3 + bias.unsqueeze(1)).amax(1, keepdim=True)  # [G, 1, S]
     best = bucket_best(logits, st.bucket, buckets)[:, 0]

@@ -62,15 +62,17 @@ def bucket_best_of_keys(query: torch.Tensor, keys: torch.Tensor, bias: torch.Ten
     """:func:`bucket_best` of the largest logit over a group's R query heads, from float keys,
     a block of queries at a time (the R x T x S logits of a prefill chunk are never held at once).
 
-    query : [G, R, T, d] scaled (and mixed, for a mixed state); keys : [G, S, d]; bias : [G, S]
-    (-inf where free) -> [G, T, N_b]"""
+    query : [G, R, T, d] scaled (and mixed, for a mixed state); keys : [G, S, d]; bias : [G, S],
+    or [G, T, S] per query (-inf where a slot is free or not read) -> [G, T, N_b]"""
     G, R, T, d = query.shape
     S = keys.shape[1]
     keys_t = keys.transpose(1, 2)
     out = []
     for t0 in range(0, T, block):
         q = query[:, :, t0 : t0 + block]
-        logits = torch.baddbmm(bias.unsqueeze(1), q.reshape(G, -1, d), keys_t).view(G, R, -1, S).amax(1)
+        # (the bias is the same for the R heads, so it is added after their maximum)
+        logits = torch.bmm(q.reshape(G, -1, d), keys_t).view(G, R, -1, S).amax(1)
+        logits = logits + (bias.unsqueeze(1) if bias.dim() == 2 else bias[:, t0 : t0 + block])
         out.append(bucket_best(logits, slot_bucket, num_buckets))
     return torch.cat(out, 1)
 
@@ -109,6 +111,10 @@ class BucketIndex:
             most = int(self.size.topk(min(m, self.size.shape[1]), dim=1).values.sum(1).max()) if S else 0
             self._widths[m] = max(1, min(S, -(-most // WIDTH_STEP) * WIDTH_STEP))
         return self._widths[m]
+
+    def kernel_order(self) -> torch.Tensor:
+        """``order`` as the fused kernels take it: of width 0 for a laid pool (the identity)."""
+        return self.order[:, :0] if self.laid else self.order
 
     def nbytes(self) -> int:
         """Bytes held (an ``order`` that is a broadcast view holds none)."""
@@ -300,11 +306,10 @@ def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v,
     B, Hq, _, d = query.shape
     H, L = key.shape[1], exact_k.shape[2]
     G, R = B * H, Hq // H
-    order = index.order[:, :0] if index.laid else index.order  # (width 0: the identity)
     out = kernel.arm_sparse_decode_read(
         query.reshape(G, R, d), key.reshape(G, d), value.reshape(G, d), valid[:, :1].expand(B, H).reshape(G),
         exact_k.reshape(G, L, d), exact_v.reshape(G, L, d), exact_valid[:, None, :].expand(B, H, L).reshape(G, L),
         state.key, state.key_scale, state.value, state.value_scale, bias.reshape(G, -1),
-        mix if mix is not None else query.new_empty(0), float(scaling), order, index.start, index.size, buckets, take,
+        mix if mix is not None else query.new_empty(0), float(scaling), index.kernel_order(), index.start, index.size, buckets, take,
     )
     return out.reshape(B, Hq, 1, d).transpose(1, 2)

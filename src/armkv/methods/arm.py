@@ -468,10 +468,9 @@ class ARMLayer(CacheLayer):
         if kernel is not None:  # one query on a CPU: routed, then its buckets' runs read in place, in two calls
             mix = self.mixing.to(query.dtype) if st.mixed else None
             if self.config.read_rank == "best":  # every slot scored once, each bucket ranked by its best
-                order = index.order[:, :0] if index.laid else index.order
                 buckets = kernel.best_bucket_topm(
                     query.reshape(G, -1, query.shape[-1]), st.key, st.key_scale, self._decode_bias().reshape(G, -1),
-                    mix if mix is not None else query.new_empty(0), float(scaling), order, index.start, index.size,
+                    mix if mix is not None else query.new_empty(0), float(scaling), index.kernel_order(), index.start, index.size,
                     min(M, self.memory.router.num_buckets),
                 )[0]
             else:

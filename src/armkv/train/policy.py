@@ -7,7 +7,7 @@ move M off N_b), so here its target is read off the model itself:
 
 1. :func:`read_errors` runs training text through the model with the full cache, and for
    every layer and query ranks the buckets as ARM's read does (``read_rank``: by each
-   bucket's best logit over the query group, ``read.bucket_best``, or by the tree's read
+   bucket's best logit over the query group, ``read.bucket_best_of_keys``, or by the tree's read
    routing, ``Router.group_topm_buckets``). Only the keys ARM keeps in its memory are
    filed in buckets (not the sinks, not the recent window, which every query reads exactly).
    For M = 1 .. N_b it measures, per input, the mean relative error of the attention output
@@ -32,7 +32,7 @@ from collections.abc import Iterable
 import torch
 
 from armkv.errors import ArmkvError
-from armkv.memory.read import bucket_best
+from armkv.memory.read import bucket_best_of_keys
 
 
 def _projection(attn: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -122,20 +122,15 @@ def read_errors(
 def best_ranking(q: torch.Tensor, k: torch.Tensor, in_memory: torch.Tensor, bucket: torch.Tensor, num_buckets: int,
                  block: int = 64) -> torch.Tensor:
     """The buckets of each query ranked as ``read_rank="best"`` reads them: by the best logit
-    a bucket's keys give the query's group (``read.bucket_best``; every key stands for one
-    token here). q [B, Hq, T, d], k [B, H, S, d] post-RoPE; in_memory [T, S]; bucket [B, H, S]
-    -> [B, H, T, N_b], best first."""
+    a bucket's keys in the query's memory give the query's group (``read.bucket_best_of_keys``;
+    every key stands for one token here). q [B, Hq, T, d], k [B, H, S, d] post-RoPE;
+    in_memory [T, S]; bucket [B, H, S] -> [B, H, T, N_b], best first."""
     B, Hq, T, d = q.shape
     H, S = k.shape[1], k.shape[2]
-    R = Hq // H
-    out = []
-    for t0 in range(0, T, block):
-        qb = q[:, :, t0 : t0 + block].reshape(B, H, R, -1, d)
-        logits = torch.matmul(qb, k.unsqueeze(2).transpose(-1, -2)).amax(2)  # [B, H, t, S]
-        logits = logits.masked_fill(~in_memory[t0 : t0 + block], -torch.inf)
-        best = bucket_best(logits.reshape(B * H, -1, S), bucket.reshape(B * H, S), num_buckets)
-        out.append(best.argsort(-1, descending=True).view(B, H, -1, num_buckets))
-    return torch.cat(out, 2)
+    G = B * H
+    bias = torch.zeros(T, S, device=q.device).masked_fill(~in_memory, -torch.inf).expand(G, T, S)
+    best = bucket_best_of_keys(q.reshape(G, Hq // H, T, d), k.reshape(G, S, d), bias, bucket.reshape(G, S), num_buckets, block)
+    return best.argsort(-1, descending=True).view(B, H, T, num_buckets)
 
 
 def output_error(p: torch.Tensor, in_memory: torch.Tensor, bucket: torch.Tensor, ranked: torch.Tensor, v: torch.Tensor,
