@@ -256,3 +256,61 @@ def test_sort_by_bucket_lays_the_same_slots_bucket_by_bucket():
     for gi in range(G):  # the same slots: every row of (key, value, pos, count, bucket) once
         rows = lambda s: sorted(map(tuple, torch.cat([s.key[gi], s.value[gi], s.pos[gi, :, None], s.count[gi, :, None], s.bucket[gi, :, None].float()], 1).tolist()))  # noqa: E731
         assert rows(a) == rows(b)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("overrides", FORMATS)
+@pytest.mark.parametrize("T", [1, 37, 70])
+def test_ranked_chunk_read_equals_the_masked_read(dtype, tol, overrides, T):
+    """A chunk's read with each logit computed once (ranking and softmax) reads the same
+    slots as the masked read of the whole pool, in blocks of queries that do not divide T.
+    Tolerances as for the gathered read: the ranked read works in float32, the masked one's
+    products and softmax in the model's dtype."""
+    model, layer = _layer_with_memory(dtype, {**overrides, "read_rank": "best"})
+    B, H = layer.buffer.sink_k.shape[:2]
+    Hq, d = model.config.num_attention_heads, layer.buffer.sink_k.shape[-1]
+    g = torch.Generator().manual_seed(T)
+    query = torch.randn(B, Hq, T, d, generator=g).to(dtype)
+    key, value = (torch.randn(B, H, T, d, generator=g).to(dtype) for _ in range(2))
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, : max(1, T // 3)] = False  # a left-padded row
+    positions = torch.arange(400, 400 + T).expand(B, T)
+    exact = layer._exact()
+    for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):
+        layer.m, layer._route_k = m, int(m.max())
+        assert layer._reads_ranked(reads_all=False)
+        with torch.no_grad():
+            ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
+            ranked = layer._ranked_chunk_read(query, key, value, valid, 0.3, *exact)
+            every = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
+        assert ranked.dtype == ref.dtype and ranked.shape == ref.shape
+        torch.testing.assert_close(ranked, ref, rtol=tol, atol=tol)
+        assert (every.float() - ref.float()).abs().max() > 4 * (ranked.float() - ref.float()).abs().max()
+
+
+def test_prefill_with_ranked_chunk_reads_equals_the_masked_reads(monkeypatch):
+    """Whole model, prefill in chunks longer than a gather serves (the ranked read), then
+    decoding: the logits equal those with every chunk read masked over the whole pool."""
+    model = tiny_model("llama").eval()
+    ids = torch.randint(0, 100, (2, 330), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, :50] = 0
+
+    def run():
+        cache = make_cache(model, "arm", budget=96, chunk=80, adapter="random",
+                           arm_overrides={"sync": 3, "top_m": "fixed", "m_fixed": 2, "read_rank": "best"})
+        with torch.no_grad():
+            out = model(ids[:, :300], attention_mask=mask[:, :300], past_key_values=cache, use_cache=True).logits
+            outs = [out]
+            for t in range(300, 330):
+                outs.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True).logits)
+        return torch.cat(outs, 1)
+
+    calls = []
+    ranked = arm_method.ARMLayer._ranked_chunk_read
+    monkeypatch.setattr(arm_method.ARMLayer, "_ranked_chunk_read", lambda self, *a, **k: calls.append(a[0].shape[2]) or ranked(self, *a, **k))
+    fast = run()
+    assert calls and min(calls) > arm_method.SPARSE_MAX_QUERIES
+    monkeypatch.setattr(arm_method.ARMLayer, "_reads_ranked", lambda self, reads_all: False)
+    masked = run()
+    torch.testing.assert_close(fast, masked, rtol=1e-4, atol=1e-4)

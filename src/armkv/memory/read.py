@@ -77,6 +77,61 @@ def bucket_best_of_keys(query: torch.Tensor, keys: torch.Tensor, bias: torch.Ten
     return torch.cat(out, 1)
 
 
+def ranked_chunk_read(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    chunk_ok: torch.Tensor,
+    scaling: float,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    exact_ok: torch.Tensor,
+    slot_k: torch.Tensor,
+    slot_v: torch.Tensor,
+    slot_bias: torch.Tensor,
+    pick,
+    block: int = 32,
+) -> torch.Tensor:
+    """A chunk's read of the slots its queries' top buckets hold, with every slot's logit
+    computed once: the same logits rank the buckets (``pick``) and enter the softmax. The
+    masked read (``ARMLayer._chunk_read``) scores every slot twice (once to rank, once in
+    SDPA) and builds a float mask of [queries, state + chunk]; this one holds the logits of
+    ``block`` queries at a time.
+
+    One joint softmax over [slots | exact entries | the chunk, causally], all in float32:
+    query [G, R, T, d]; key, value [G, T, d] the chunk; chunk_ok [G, T] (False: padding);
+    exact_k, exact_v [G, L, d], exact_ok [G, L]; slot_k, slot_v [G, S, d], slot_bias [G, S]
+    (-inf where a slot is free); pick(logits [G, T', S]: the largest over the R heads,
+    biased) -> [G, T', S] bool, the slots each query reads. Entries holding no token must be
+    zero (as the layer keeps them). -> [G, R, T, d] float32.
+    """
+    G, R, T, d = query.shape
+    f32 = torch.float32
+    q = query.to(f32) * scaling  # (scaled first, as bucket_best_of_keys ranks: the same logits)
+    slot_k_t, exact_k_t, key_t = (t.to(f32).transpose(1, 2) for t in (slot_k, exact_k, key))
+    slot_v, exact_v = slot_v.to(f32), exact_v.to(f32)
+    chunk_v = torch.where(chunk_ok.unsqueeze(-1), value.to(f32), torch.zeros((), dtype=f32, device=value.device))
+    bias = slot_bias.to(f32).unsqueeze(1).unsqueeze(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril() & chunk_ok.unsqueeze(1)  # [G, T, T]
+    exact_blocked = ~exact_ok.view(G, 1, 1, -1)
+    S, L = slot_k.shape[1], exact_k.shape[1]
+    out = []
+    for t0 in range(0, T, block):
+        qb = q[:, :, t0 : t0 + block]
+        tb = qb.shape[2]
+        flat = qb.reshape(G, R * tb, d)
+        slots = torch.bmm(flat, slot_k_t).view(G, R, tb, S).add_(bias)
+        # (the mask as an additive -inf: a broadcast add is several times cheaper than masked_fill_)
+        slots.add_(torch.where(pick(slots.amax(1)), 0.0, float("-inf")).unsqueeze(1))
+        exact = torch.bmm(flat, exact_k_t).view(G, R, tb, L).masked_fill_(exact_blocked, float("-inf"))
+        chunk = torch.bmm(flat, key_t).view(G, R, tb, T)
+        chunk.masked_fill_(~causal[:, None, t0 : t0 + tb], float("-inf"))
+        w = torch.softmax(torch.cat([slots, exact, chunk], -1), dim=-1).nan_to_num_(0.0).view(G, R * tb, -1)
+        o = torch.bmm(w[..., :S], slot_v) + torch.bmm(w[..., S : S + L], exact_v) + torch.bmm(w[..., S + L :], chunk_v)
+        out.append(o.view(G, R, tb, d))
+    return torch.cat(out, 2)
+
+
 # ---------------------------------------------------------------------- sparse reads
 # The gather width (slots gathered per query) is rounded up to a multiple of this, so that it
 # takes few distinct values over a generation (a compiled decode step sees few shapes)

@@ -34,7 +34,8 @@ from armkv.memory import kernels
 from armkv.memory.module import ARMModel
 from armkv.memory.pool import SlotPool
 from armkv.memory.read import (
-    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, fused_decode_read, fused_sparse_decode_read, gather_slots, gathered_read, run_breaks, slots_of_buckets, sort_by_bucket,
+    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, fused_decode_read, fused_sparse_decode_read, gather_slots, gathered_read,
+    ranked_chunk_read, run_breaks, slots_of_buckets, sort_by_bucket,
 )
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
@@ -196,6 +197,8 @@ class ARMLayer(CacheLayer):
             out = self._decode_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
         elif self._reads_sparse(T, reads_all):
             out = self._sparse_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid)
+        elif self._reads_ranked(reads_all):
+            out = self._ranked_chunk_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
         else:
             out = self._chunk_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all)
 
@@ -434,6 +437,51 @@ class ARMLayer(CacheLayer):
             not reads_all and self.mix is None and not self.memory.training and c.position_mode == "stored"
             and T <= SPARSE_MAX_QUERIES and self._route_k < self.memory.router.num_buckets
         )
+
+    def _reads_ranked(self, reads_all: bool) -> bool:
+        """Whether a chunk too long to gather (:meth:`_reads_sparse`) is read by
+        :meth:`_ranked_chunk_read` instead of the masked read: ``read_rank="best"`` at
+        inference, stored positions, fewer buckets than all."""
+        return (
+            not reads_all and self.mix is None and not self.memory.training and self.config.position_mode == "stored"
+            and self.config.read_rank == "best" and self._route_k < self.memory.router.num_buckets
+        )
+
+    def _ranked_chunk_read(self, query, key, value, valid, scaling, exact_k, exact_v, exact_valid) -> torch.Tensor:
+        """:meth:`_chunk_read` at M < N_b with ``read_rank="best"``, each slot's logit computed
+        once for both the ranking and the softmax (``read.ranked_chunk_read``, in float32, a
+        block of queries at a time) instead of once to rank and again under a mask of
+        [queries, state + chunk]. It reads the same slots: the buckets are ranked from the same
+        float32 logits of the dequantised codes as :meth:`_bucket_scores`, chosen by
+        :meth:`_group_buckets` and masked by ``bucket_slot_mask``. Returns [B, T, Hq, d]."""
+        B, Hq, T, d = query.shape
+        H, L = key.shape[1], exact_k.shape[2]
+        G, R = B * H, Hq // H
+        st = self._readable()
+        S, num_buckets = st.slots, self.memory.router.num_buckets
+        slot_k, slot_v = st.kv(torch.float32, unmix=False)
+        mix = self.mixing.float() if st.mixed else None
+
+        def mixed(t: torch.Tensor) -> torch.Tensor:  # the slots' basis: (q Q).(k Q) = q.k
+            return t.float() if mix is None else t.float() @ mix
+
+        slot_bucket = st.bucket.reshape(G, S)
+        occupied = (st.count.reshape(G, S) > 0).view(B, H, 1, S)
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:  # [G, T', S] -> the slots of each query's buckets
+            best = bucket_best(logits, slot_bucket, num_buckets).view(B, H, -1, num_buckets)
+            buckets = self._group_buckets(self._route_k, None, best)
+            return (bucket_slot_mask(buckets, self.m, slot_bucket.view(B, H, S).long(), num_buckets) & occupied).view(G, -1, S)
+
+        out = ranked_chunk_read(
+            mixed(query).reshape(G, R, T, d), mixed(key).reshape(G, T, d), mixed(value).reshape(G, T, d),
+            valid[:, None].expand(B, H, T).reshape(G, T), scaling,
+            mixed(exact_k).reshape(G, L, d), mixed(exact_v).reshape(G, L, d), exact_valid[:, None].expand(B, H, L).reshape(G, L),
+            slot_k.reshape(G, S, d), slot_v.reshape(G, S, d), self._decode_bias().reshape(G, S), pick,
+        )
+        if mix is not None:
+            out = out @ mix.T
+        return out.reshape(B, Hq, T, d).transpose(1, 2).to(query.dtype)
 
     def _bucket_index(self):
         """The readable slots listed by bucket (``read.bucket_index``): they change only at
