@@ -293,38 +293,60 @@ def test_fused_sparse_decode_read_equals_the_gathered_pytorch_read(kernel, fmt, 
 @pytest.mark.parametrize("d,slots,rep,buckets,m,mixed", [(64, 1, 1, 2, 1, True), (64, 37, 3, 5, 3, True), (40, 301, 5, 16, 2, False),
                                                           (128, 19, 3, 4, 4, True), (64, 203, 12, 64, 8, False)])
 @pytest.mark.parametrize("laid", [True, False])
-def test_best_bucket_topm_equals_bucket_best_of_the_pytorch_scores(kernel, fmt, d, slots, rep, buckets, m, mixed, laid):
-    """read_rank="best" for one decoded token in one kernel call against its PyTorch form:
-    every slot's logit from the stored codes (MemoryState.key_scores, fused=False) times the
-    scaling plus the bias, the largest over the R heads, read.bucket_best, a stable sort (ties
-    to the lower id): the same buckets, best first, and their scores; free slots, buckets
-    that hold nothing (-inf, after every other), pools in any order or laid bucket by bucket."""
+@pytest.mark.parametrize("vectorised", [True, False])
+def test_fused_best_read_ranks_as_pytorch_and_reads_as_the_sparse_read(kernel, fmt, d, slots, rep, buckets, m, mixed, laid, vectorised):
+    """read_rank="best" for one decoded token in one kernel call. Its buckets against the
+    PyTorch ranking: every slot's logit from the stored codes (MemoryState.key_scores,
+    fused=False) times the scaling plus the bias, the largest over the R heads,
+    read.bucket_best, a stable sort (ties to the lower id): the same buckets, best first.
+    Its output against the gathered PyTorch read of those buckets (gathered_read,
+    fused=False). Free slots, buckets that hold nothing, rows reading fewer buckets (take),
+    a group reading none, pools in any order or laid bucket by bucket."""
     from armkv.memory.quant import mixing_matrix
-    from armkv.memory.read import bucket_best
+    from armkv.memory.read import bucket_best, fused_best_decode_read, gather_slots, gathered_read, slots_of_buckets
 
-    G = 4
+    B, H, L = 2, 2, 7
+    G = B * H
     g = torch.Generator().manual_seed(slots * d + rep + buckets)
     st, index = _random_pool(G, slots, d, buckets, fmt, mixed, laid, g)
     bias = torch.where(st.count > 0, st.count.clamp_min(1).log(), -torch.inf)
-    query = torch.randn(G, rep, d, generator=g)
-    mix = mixing_matrix(d) if mixed else torch.empty(0)
-    got, got_scores = kernel.best_bucket_topm(query, st.key, st.key_scale, bias, mix, 0.3, index.kernel_order(), index.start, index.size, m)
-    q = query @ mix if mixed else query
-    logits = (st.key_scores(q, fused=False) * 0.3 + bias.unsqueeze(1)).amax(1, keepdim=True)  # [G, 1, S]
-    best = bucket_best(logits, st.bucket, buckets)[:, 0]
-    want_scores, want = best.sort(dim=-1, descending=True, stable=True)
-    assert torch.equal(got, want[:, :m])
-    torch.testing.assert_close(got_scores, want_scores[:, :m], rtol=1e-5, atol=1e-5)
+    query = torch.randn(B, H * rep, 1, d, generator=g)
+    key, value = torch.randn(B, H, 1, d, generator=g), torch.randn(B, H, 1, d, generator=g)
+    valid = torch.tensor([[True], [False]])  # the second row's token is padding
+    exact_k, exact_v = torch.randn(B, H, L, d, generator=g), torch.randn(B, H, L, d, generator=g)
+    exact_valid = torch.rand(B, L, generator=g) > 0.3
+    exact_k, exact_v = exact_k * exact_valid[:, None, :, None], exact_v * exact_valid[:, None, :, None]
+    take = torch.tensor([m, max(1, m - 1)]).repeat_interleave(H)
+    take[-1] = 0  # (a group that reads nothing but its exact entries)
+    mix = mixing_matrix(d) if mixed else None
+    with torch.no_grad():
+        out, got = fused_best_decode_read(_Vectorised(kernel, vectorised), query, key, value, valid, exact_k, exact_v,
+                                          exact_valid, st, bias, mix, 0.3, index, m, take)
+        q = query.reshape(G, rep, d)
+        q = q @ mix if mixed else q
+        logits = (st.key_scores(q, fused=False) * 0.3 + bias.unsqueeze(1)).amax(1, keepdim=True)  # [G, 1, S]
+        want = bucket_best(logits, st.bucket, buckets)[:, 0].sort(dim=-1, descending=True, stable=True).indices[:, :m]
+        assert torch.equal(got, want)
+        used_of = torch.arange(m).view(1, 1, m) < take.view(G, 1, 1)
+        ids, used = slots_of_buckets(index, want.view(G, 1, m), None, used_of)
+        W = ids.shape[-1]
+        gathered_bias = bias.gather(1, ids.view(G, W)).view(B, H, 1, W).masked_fill(~used.view(B, H, 1, W), -torch.inf)
+        ref = gathered_read(query, key, value, valid, 0.3, exact_k, exact_v, exact_valid,
+                            gather_slots(st, ids, for_reading=True), gathered_bias, fused=False)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 class _Vectorised:
-    """The kernel module with ``vectorised`` fixed for its sparse read (the portable loops in tests)."""
+    """The kernel module with ``vectorised`` fixed for its sparse reads (the portable loops in tests)."""
 
     def __init__(self, module, vectorised: bool):
         self.module, self.vectorised = module, vectorised
 
     def arm_sparse_decode_read(self, *args):
         return self.module.arm_sparse_decode_read(*args, vectorised=self.vectorised)
+
+    def arm_best_decode_read(self, *args):
+        return self.module.arm_best_decode_read(*args, vectorised=self.vectorised)
 
 
 @pytest.mark.parametrize("depth,branching,rep,m", [(3, 4, 3, 8), (2, 4, 1, 3), (2, 3, 5, 9), (3, 2, 4, 3), (1, 8, 2, 8)])

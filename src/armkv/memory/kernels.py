@@ -21,10 +21,11 @@ At M < N_b (``top_m="fixed"``, or a fitted policy) the decode step reads only th
 each KV head's top-M buckets (``ARMLayer._sparse_read``). With PyTorch ops that is a dozen
 small ops to route the query, list the buckets' slots, gather them by index from the
 channel-major codes and read the copy: at budget 2,048 they cost two thirds of reading the
-whole pool. ``best_bucket_topm`` ranks the buckets of one token's query groups in one call
-(``read_rank="best"``: one pass over the key codes, each bucket's best logit), or
-``group_leaf_topm`` routes them down the tree (``"tree"``, the query un-rotated inside), and
-``arm_sparse_decode_read`` reads the chosen buckets where they lie:
+whole pool. ``arm_best_decode_read`` does it for ``read_rank="best"`` in one call: every
+slot scored once (one pass over the key codes), each bucket ranked by its best logit, and the
+chosen buckets' slots read with the logits already computed (only their values are read
+again). For ``"tree"``, ``group_leaf_topm`` routes the query down the tree (un-rotated
+inside) and ``arm_sparse_decode_read`` reads the chosen buckets where they lie:
 a pool laid bucket by bucket (``read.sort_by_bucket``) makes each bucket one run of slots,
 copied out a row at a time and read as ``arm_decode_read`` reads a pool. Their references are
 ``read.bucket_best`` of the PyTorch logits, ``Router.group_topm_buckets`` and ``read.gathered_read``.

@@ -340,15 +340,21 @@ def fused_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_
     slots [G, ..., W] quantised (their codes and scales as stored), slot_bias [B, H, W] or
     [G, W], the rest as :func:`gathered_read` takes them with T = 1. Returns [B, 1, Hq, d]."""
     B, Hq, _, d = query.shape
+    out = kernel.arm_decode_read(*_decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, slots, slot_bias, mix, scaling))
+    return out.reshape(B, Hq, 1, d).transpose(1, 2)
+
+
+def _decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling) -> tuple:
+    """The arguments the fused decode reads share, flattened to G = B * H groups."""
+    B, Hq, _, d = query.shape
     H, L = key.shape[1], exact_k.shape[2]
     G, R = B * H, Hq // H
-    out = kernel.arm_decode_read(
+    return (
         query.reshape(G, R, d), key.reshape(G, d), value.reshape(G, d), valid[:, :1].expand(B, H).reshape(G),
         exact_k.reshape(G, L, d), exact_v.reshape(G, L, d), exact_valid[:, None, :].expand(B, H, L).reshape(G, L),
-        slots.key, slots.key_scale, slots.value, slots.value_scale, slot_bias.reshape(G, -1),
+        state.key, state.key_scale, state.value, state.value_scale, bias.reshape(G, -1),
         mix if mix is not None else query.new_empty(0), float(scaling),
     )
-    return out.reshape(B, Hq, 1, d).transpose(1, 2)
 
 
 def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,
@@ -359,12 +365,23 @@ def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v,
     [B, H, S] or [G, S]. The rest as :func:`fused_decode_read`. It equals
     :func:`gathered_read` of :func:`slots_of_buckets`' slots (tests/test_sparse_read.py)."""
     B, Hq, _, d = query.shape
-    H, L = key.shape[1], exact_k.shape[2]
-    G, R = B * H, Hq // H
     out = kernel.arm_sparse_decode_read(
-        query.reshape(G, R, d), key.reshape(G, d), value.reshape(G, d), valid[:, :1].expand(B, H).reshape(G),
-        exact_k.reshape(G, L, d), exact_v.reshape(G, L, d), exact_valid[:, None, :].expand(B, H, L).reshape(G, L),
-        state.key, state.key_scale, state.value, state.value_scale, bias.reshape(G, -1),
-        mix if mix is not None else query.new_empty(0), float(scaling), index.kernel_order(), index.start, index.size, buckets, take,
+        *_decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling),
+        index.kernel_order(), index.start, index.size, buckets, take,
     )
     return out.reshape(B, Hq, 1, d).transpose(1, 2)
+
+
+def fused_best_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,
+                           index: BucketIndex, m: int, take: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query's read of ``read_rank="best"`` in one fused kernel call: every slot scored
+    once, each group's m buckets ranked by their best logit (:func:`bucket_best`), and the
+    first ``take`` [G] of them read with the logits already computed. Arguments as
+    :func:`fused_sparse_decode_read`'s. Returns ([B, 1, Hq, d], the m buckets [G, m], best
+    first); it equals :func:`fused_sparse_decode_read` of those buckets."""
+    B, Hq, _, d = query.shape
+    out, buckets = kernel.arm_best_decode_read(
+        *_decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling),
+        index.kernel_order(), index.start, index.size, m, take,
+    )
+    return out.reshape(B, Hq, 1, d).transpose(1, 2), buckets

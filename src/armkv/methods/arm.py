@@ -34,7 +34,7 @@ from armkv.memory import kernels
 from armkv.memory.module import ARMModel
 from armkv.memory.pool import SlotPool
 from armkv.memory.read import (
-    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, fused_decode_read, fused_sparse_decode_read, gather_slots, gathered_read,
+    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, fused_best_decode_read, fused_decode_read, fused_sparse_decode_read, gather_slots, gathered_read,
     ranked_chunk_read, run_breaks, slots_of_buckets, sort_by_bucket,
 )
 from armkv.memory.rope import Rotary
@@ -513,18 +513,17 @@ class ARMLayer(CacheLayer):
         index = self._bucket_index()
         st = self._readable()
         kernel = kernels.fused_read(query, st.value) if fused and T == 1 and st.key_scale is not None else None
-        if kernel is not None:  # one query on a CPU: routed, then its buckets' runs read in place, in two calls
+        if kernel is not None:  # one query on a CPU: ranked and read in one call (best), or routed, then read (tree)
             mix = self.mixing.to(query.dtype) if st.mixed else None
-            if self.config.read_rank == "best":  # every slot scored once, each bucket ranked by its best
-                buckets = kernel.best_bucket_topm(
-                    query.reshape(G, -1, query.shape[-1]), st.key, st.key_scale, self._decode_bias().reshape(G, -1),
-                    mix if mix is not None else query.new_empty(0), float(scaling), index.kernel_order(), index.start, index.size,
-                    min(M, self.memory.router.num_buckets),
+            if self.config.read_rank == "best":  # every slot scored once: the ranking's logits are the read's
+                m = min(M, self.memory.router.num_buckets)
+                return fused_best_decode_read(
+                    kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
+                    m, self.m.clamp_max(m).repeat_interleave(H),
                 )[0]
-            else:
-                buckets = self.memory.router.fused_group_topm(kernel, query, positions, self.rotary, M)
-                if buckets is None:
-                    buckets = self._group_buckets(M, self.rotary.unrotate(query, positions.unsqueeze(1))).reshape(G, -1)
+            buckets = self.memory.router.fused_group_topm(kernel, query, positions, self.rotary, M)
+            if buckets is None:
+                buckets = self._group_buckets(M, self.rotary.unrotate(query, positions.unsqueeze(1))).reshape(G, -1)
             return fused_sparse_decode_read(
                 kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
                 buckets, self.m.clamp_max(buckets.shape[-1]).repeat_interleave(H),

@@ -412,43 +412,48 @@ __attribute__((always_inline)) inline float dot(const float* a, const float* b, 
   return total;
 }
 
-// mix [d, d] (Q) and mix_t (Q^T), both row-major: rows times them as axpy loops over
-// contiguous rows, which the compiler vectorises
-template <bool AVX>
-__attribute__((always_inline)) inline void decode_group_body(const DecodeGroup& a, const float* mix, const float* mix_t,
-                                                           bool int8_keys, int64_t R, int64_t d, int64_t L, int64_t S,
-                                                           int64_t ngk, int64_t ngv, float scaling, float* qm, float* slot_w,
-                                                           float* exact_w, float* tmp) {
-  const float ninf = -std::numeric_limits<float>::infinity();
-  // the query in the slots' basis: q Q where the slots are mixed
+// q [R, d] in the slots' basis: q Q where they are mixed (mix [d, d] row-major, as an axpy
+// loop over contiguous rows, which the compiler vectorises), else a copy
+inline void mix_query(const float* q, const float* mix, int64_t R, int64_t d, float* qm) {
   for (int64_t r = 0; r < R; ++r) {
     float* row = qm + r * d;
     if (!mix) {
-      std::copy(a.q + r * d, a.q + (r + 1) * d, row);
+      std::copy(q + r * d, q + (r + 1) * d, row);
       continue;
     }
     std::fill(row, row + d, 0.0f);
     for (int64_t c = 0; c < d; ++c) {
-      const float x = a.q[r * d + c];
+      const float x = q[r * d + c];
       const float* m = mix + c * d;
       for (int64_t j = 0; j < d; ++j) row[j] += x * m[j];
     }
   }
-  if (int8_keys)
-    int8_key_scores(qm, static_cast<const int8_t*>(a.key_codes), a.key_scale, slot_w, R, d, S, a.value_codes, d / 2);
-  else
-    key_scores(qm, static_cast<const uint8_t*>(a.key_codes), a.key_scale, slot_w, R, d, S, ngk, a.value_codes, d / 2);
+}
+
+// The rest of a group's decode read once its S slots are scored: slot_w [R, S] holds q.k
+// (bias given: each becomes q.k * scaling + bias[s]) or the logits themselves (bias null),
+// a.value_codes and a.value_scale those S slots' values. One softmax over the slots, the
+// exact entries and the token; the weighted values unmixed (mix_t = Q^T, or null) into a.out.
+template <bool AVX>
+__attribute__((always_inline)) inline void decode_tail(const DecodeGroup& a, const float* mix_t, int64_t R, int64_t d,
+                                                     int64_t L, int64_t S, int64_t ngv, float scaling, const float* bias,
+                                                     float* slot_w, float* exact_w, float* tmp) {
+  const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < R; ++r) {
     float* sw = slot_w + r * S;
     float* ew = exact_w + r * (L + 1);
     const float* qr = a.q + r * d;
-    float peak;
+    float peak = ninf;
+    if (bias) {
 #ifdef ARMKV_AVX2
-    if constexpr (AVX)
-      peak = affine_max_avx2(sw, a.bias, S, scaling);
-    else
+      if constexpr (AVX)
+        peak = affine_max_avx2(sw, bias, S, scaling);
+      else
 #endif
-      peak = affine_max_scalar(sw, a.bias, S, scaling);
+        peak = affine_max_scalar(sw, bias, S, scaling);
+    } else {
+      for (int64_t s = 0; s < S; ++s) peak = std::max(peak, sw[s]);
+    }
     for (int64_t l = 0; l <= L; ++l) {
       const float* k = l < L ? a.exact_k + l * d : a.own_k;
       const bool ok = l < L ? a.exact_ok[l] : a.own_ok;
@@ -475,7 +480,7 @@ __attribute__((always_inline)) inline void decode_group_body(const DecodeGroup& 
   for (int64_t r = 0; r < R; ++r) {
     const float* ew = exact_w + r * (L + 1);
     float* o = a.out + r * d;
-    if (mix) {  // back from the slots' basis: (w V Q) Q^T
+    if (mix_t) {  // back from the slots' basis: (w V Q) Q^T
       std::fill(o, o + d, 0.0f);
       for (int64_t c = 0; c < d; ++c) {
         const float x = tmp[r * d + c];
@@ -494,6 +499,19 @@ __attribute__((always_inline)) inline void decode_group_body(const DecodeGroup& 
     if (a.own_ok && ew[L] != 0.0f)
       for (int64_t j = 0; j < d; ++j) a.out[r * d + j] += ew[L] * a.own_v[j];
   }
+}
+
+template <bool AVX>
+__attribute__((always_inline)) inline void decode_group_body(const DecodeGroup& a, const float* mix, const float* mix_t,
+                                                           bool int8_keys, int64_t R, int64_t d, int64_t L, int64_t S,
+                                                           int64_t ngk, int64_t ngv, float scaling, float* qm, float* slot_w,
+                                                           float* exact_w, float* tmp) {
+  mix_query(a.q, mix, R, d, qm);
+  if (int8_keys)
+    int8_key_scores(qm, static_cast<const int8_t*>(a.key_codes), a.key_scale, slot_w, R, d, S, a.value_codes, d / 2);
+  else
+    key_scores(qm, static_cast<const uint8_t*>(a.key_codes), a.key_scale, slot_w, R, d, S, ngk, a.value_codes, d / 2);
+  decode_tail<AVX>(a, mix_t, R, d, L, S, ngv, scaling, a.bias, slot_w, exact_w, tmp);
 }
 
 #define ARMKV_DECODE_ARGS                                                                                            \
@@ -845,6 +863,137 @@ inline void unpack_slots(ARMKV_UNPACK_ARGS) {
 
 }  // namespace armkv
 
+// ---------------------------------------------------------------- the slots of chosen buckets
+namespace armkv {
+
+// The runs of consecutive slots that the lists of `count` buckets make (bucket ids `chosen`,
+// best first; ids outside [0, nb) are skipped): bucket b's slots are ord[st[b] : st[b] + sz[b]]
+// (listed > 0), or slots st[b] ... of a pool laid bucket by bucket (listed = 0). Returns
+// the slots they hold in all.
+inline int64_t bucket_runs(const int32_t* ord, int64_t listed, const int32_t* st, const int32_t* sz, int64_t nb,
+                           const int64_t* chosen, int64_t count, int64_t S, std::vector<int64_t>& run_start,
+                           std::vector<int64_t>& run_len, const char* name) {
+  run_start.clear();
+  run_len.clear();
+  int64_t W = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t bucket = chosen[j];
+    if (bucket < 0 || bucket >= nb) continue;
+    const int64_t p0 = st[bucket], n = sz[bucket];
+    TORCH_CHECK(p0 >= 0 && n >= 0 && p0 + n <= (listed ? listed : S), name, ": a bucket's list runs past order");
+    W += n;
+    if (!listed) {  // the pool lies bucket by bucket: the bucket is one run
+      if (n) run_start.push_back(p0), run_len.push_back(n);
+      continue;
+    }
+    for (int64_t p = p0; p < p0 + n; ++p) {
+      const int64_t s = ord[p];
+      TORCH_CHECK(s >= 0 && s < S, name, ": a slot id outside the pool");
+      if (!run_start.empty() && run_start.back() + run_len.back() == s)
+        ++run_len.back();
+      else
+        run_start.push_back(s), run_len.push_back(1);
+    }
+  }
+  return W;
+}
+
+// Each bucket's best logit from top [S] (each slot's largest logit over the heads), over the
+// slots its list holds (as bucket_runs reads them); -inf for a bucket with none
+inline void bucket_maxima(const float* top, const int32_t* ord, int64_t listed, const int32_t* st, const int32_t* sz,
+                          int64_t nb, int64_t S, float* best, const char* name) {
+  for (int64_t k = 0; k < nb; ++k) {
+    const int64_t p0 = st[k], n = sz[k];
+    TORCH_CHECK(p0 >= 0 && n >= 0 && p0 + n <= (listed ? listed : S), name, ": a bucket's list runs past order");
+    float v = -std::numeric_limits<float>::infinity();
+    for (int64_t p = p0; p < p0 + n; ++p) {
+      const int64_t slot = listed ? ord[p] : p;
+      TORCH_CHECK(slot >= 0 && slot < S, name, ": a slot id outside the pool");
+      v = std::max(v, top[slot]);
+    }
+    best[k] = v;
+  }
+}
+
+// the m largest of best [nb] into idx (best first, ties to the lower id)
+inline void top_buckets(const float* best, int64_t nb, int64_t m, std::vector<int64_t>& idx) {
+  idx.resize(nb);
+  for (int64_t k = 0; k < nb; ++k) idx[k] = k;
+  std::partial_sort(idx.begin(), idx.begin() + m, idx.end(),
+                    [&](int64_t a, int64_t c) { return best[a] > best[c] || (best[a] == best[c] && a < c); });
+}
+
+// Per-thread buffers of best_group
+struct BestScratch {
+  std::vector<float> qm, sw, top, best, cw, vs, exact_w, tmp;
+  std::vector<uint8_t> vc;
+  std::vector<int64_t> idx, run_start, run_len;
+};
+
+// One group of arm_best_decode_read: every slot scored once (the key codes read once), the
+// logits q.k * scaling + bias; each bucket ranked by its best logit over the slots and the R
+// heads; the first `take` of the m best buckets read: their slots' logits (kept, not scored
+// again) and value codes copied run by run, then decode_tail. chosen [m] gets the m buckets.
+template <bool AVX>
+__attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a, const float* mix, const float* mix_t,
+                                                         bool int8_keys, int64_t R, int64_t d, int64_t L, int64_t S,
+                                                         int64_t ngk, int64_t ngv, float scaling, const int32_t* ord,
+                                                         int64_t listed, const int32_t* st, const int32_t* sz, int64_t nb,
+                                                         int64_t m, int64_t take, BestScratch& w, int64_t* chosen) {
+  mix_query(a.q, mix, R, d, w.qm.data());
+  float* sw = w.sw.data();
+  if (int8_keys)
+    int8_key_scores(w.qm.data(), static_cast<const int8_t*>(a.key_codes), a.key_scale, sw, R, d, S);
+  else
+    key_scores(w.qm.data(), static_cast<const uint8_t*>(a.key_codes), a.key_scale, sw, R, d, S, ngk);
+  for (int64_t r = 0; r < R; ++r) {
+#ifdef ARMKV_AVX2
+    if constexpr (AVX)
+      affine_max_avx2(sw + r * S, a.bias, S, scaling);
+    else
+#endif
+      affine_max_scalar(sw + r * S, a.bias, S, scaling);
+  }
+  float* top = w.top.data();
+  std::copy(sw, sw + S, top);
+  for (int64_t r = 1; r < R; ++r)
+    for (int64_t s = 0; s < S; ++s) top[s] = std::max(top[s], sw[r * S + s]);
+  bucket_maxima(top, ord, listed, st, sz, nb, S, w.best.data(), "arm_best_decode_read");
+  top_buckets(w.best.data(), nb, m, w.idx);
+  std::copy(w.idx.begin(), w.idx.begin() + m, chosen);
+  const int64_t W = bucket_runs(ord, listed, st, sz, nb, chosen, std::min(take, m), S, w.run_start, w.run_len,
+                                "arm_best_decode_read");
+  const int64_t half = d / 2, Wn = std::max<int64_t>(W, 1);
+  w.cw.resize(R * Wn), w.vc.resize(Wn * half), w.vs.resize(Wn * ngv);
+  for (size_t k = 0, at = 0; k < w.run_start.size(); at += w.run_len[k], ++k) {
+    const int64_t s0 = w.run_start[k], n = w.run_len[k];
+    for (int64_t r = 0; r < R; ++r) std::copy(sw + r * S + s0, sw + r * S + s0 + n, w.cw.data() + r * W + at);
+    std::memcpy(w.vc.data() + at * half, a.value_codes + s0 * half, n * half);
+    std::memcpy(w.vs.data() + at * ngv, a.value_scale + s0 * ngv, n * ngv * sizeof(float));
+  }
+  DecodeGroup b = a;
+  b.value_codes = w.vc.data(), b.value_scale = w.vs.data();
+  decode_tail<AVX>(b, mix_t, R, d, L, W, ngv, scaling, nullptr, w.cw.data(), w.exact_w.data(), w.tmp.data());
+}
+
+#define ARMKV_BEST_ARGS                                                                                             \
+  const DecodeGroup &a, const float *mix, const float *mix_t, bool int8_keys, int64_t R, int64_t d, int64_t L,     \
+      int64_t S, int64_t ngk, int64_t ngv, float scaling, const int32_t *ord, int64_t listed, const int32_t *st,   \
+      const int32_t *sz, int64_t nb, int64_t m, int64_t take, BestScratch &w, int64_t *chosen
+#define ARMKV_BEST_CALL a, mix, mix_t, int8_keys, R, d, L, S, ngk, ngv, scaling, ord, listed, st, sz, nb, m, take, w, chosen
+#ifdef ARMKV_AVX2
+__attribute__((target("avx2,fma"))) void best_group_avx2(ARMKV_BEST_ARGS) { best_group_body<true>(ARMKV_BEST_CALL); }
+#endif
+void best_group_baseline(ARMKV_BEST_ARGS) { best_group_body<false>(ARMKV_BEST_CALL); }
+inline void best_group(ARMKV_BEST_ARGS, bool vectorised) {
+#ifdef ARMKV_AVX2
+  if (vectorised && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return best_group_avx2(ARMKV_BEST_CALL);
+#endif
+  best_group_baseline(ARMKV_BEST_CALL);
+}
+
+}  // namespace armkv
+
 // ---------------------------------------------------------------- PyTorch bindings
 // batched over groups (batch x KV heads), in parallel over them
 
@@ -1128,30 +1277,8 @@ torch::Tensor arm_sparse_decode_read(torch::Tensor query, torch::Tensor own_k, t
     std::vector<uint8_t> kc, vc;
     std::vector<int64_t> run_start, run_len;
     for (int64_t g = g0; g < g1; ++g) {
-      // the runs of consecutive slots that the chosen buckets' lists make
-      run_start.clear();
-      run_len.clear();
-      int64_t W = 0;
-      for (int64_t j = 0; j < std::min(TK[g], M); ++j) {
-        const int64_t bucket = BK[g * M + j];
-        if (bucket < 0 || bucket >= nb) continue;
-        const int64_t p0 = ST[g * nb + bucket], n = SZ[g * nb + bucket];
-        TORCH_CHECK(p0 >= 0 && n >= 0 && p0 + n <= (listed ? listed : S), "arm_sparse_decode_read: a bucket's list runs past order");
-        if (!listed) {  // the pool lies bucket by bucket: the bucket is one run
-          if (n) run_start.push_back(p0), run_len.push_back(n);
-          W += n;
-          continue;
-        }
-        for (int64_t p = p0; p < p0 + n; ++p) {
-          const int64_t s = ORD[g * listed + p];
-          TORCH_CHECK(s >= 0 && s < S, "arm_sparse_decode_read: a slot id outside the pool");
-          if (!run_start.empty() && run_start.back() + run_len.back() == s)
-            ++run_len.back();
-          else
-            run_start.push_back(s), run_len.push_back(1);
-        }
-        W += n;
-      }
+      const int64_t W = armkv::bucket_runs(ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, BK + g * M,
+                                           std::min(TK[g], M), S, run_start, run_len, "arm_sparse_decode_read");
       // their codes, scales and biases copied out run by run: key codes are channel-major
       // (a row of S bytes a channel), everything else slot-major
       kc.resize(std::max<int64_t>(rows * W, 1));
@@ -1264,86 +1391,41 @@ std::vector<torch::Tensor> group_leaf_topm(torch::Tensor query, torch::Tensor po
   return {buckets, scores};
 }
 
-// The m buckets of each group whose best slot logit is the largest (read_rank="best", one
-// decoded token; read.bucket_best): every slot's logit q.k * scaling + bias, the largest over
-// the group's R query heads, then each bucket's largest over its slots (order, start, size as
-// arm_sparse_decode_read lists them) -> (buckets [G, m] int64, their scores [G, m] float32),
-// best first, ties to the lower id; a bucket with no slot scores -inf. query [G, R, d]
-// float32 post-RoPE, the slots and mix as arm_decode_read takes them. One pass over the key
-// codes, a float a slot kept: the read itself is arm_sparse_decode_read's
-std::vector<torch::Tensor> best_bucket_topm(torch::Tensor query, torch::Tensor key_codes, torch::Tensor key_scale,
-                                            torch::Tensor bias, torch::Tensor mix, double scaling, torch::Tensor order,
-                                            torch::Tensor start, torch::Tensor size, int64_t m) {
-  auto q = query.contiguous(), kc = key_codes.contiguous(), ks = key_scale.to(torch::kFloat32).contiguous();
-  auto b = bias.to(torch::kFloat32).contiguous();
-  auto mx = mix.numel() ? mix.to(torch::kFloat32).contiguous() : mix;
+// The decode read of read_rank="best" in one call (ARMLayer._sparse_read, one query): every
+// slot of each group scored once, each bucket ranked by its best logit (read.bucket_best of
+// the logits), and the first take[g] of the m best buckets read with the logits already
+// computed (arm_sparse_decode_read scores its buckets' slots again). The inputs as
+// arm_sparse_decode_read's, with m (1 <= m <= N_b) for buckets -> (out [G, R, d], the m
+// buckets [G, m] int64, best first)
+std::vector<torch::Tensor> arm_best_decode_read(torch::Tensor query, torch::Tensor own_k, torch::Tensor own_v,
+                                                torch::Tensor own_ok, torch::Tensor exact_k, torch::Tensor exact_v,
+                                                torch::Tensor exact_ok, torch::Tensor key_codes, torch::Tensor key_scale,
+                                                torch::Tensor value_codes, torch::Tensor value_scale, torch::Tensor bias,
+                                                torch::Tensor mix, double scaling, torch::Tensor order, torch::Tensor start,
+                                                torch::Tensor size, int64_t m, torch::Tensor take, bool vectorised) {
+  DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
+                  mix, "arm_best_decode_read");
+  const int64_t G = in.G, R = in.R, d = in.d, L = in.L, S = in.S;
   auto ord = order.to(torch::kInt32).contiguous(), st = start.to(torch::kInt32).contiguous();
-  auto sz = size.to(torch::kInt32).contiguous();
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.dim() == 3, "best_bucket_topm: float32 queries [G, R, d]");
-  const bool int8_keys = kc.scalar_type() == torch::kInt8;
-  TORCH_CHECK(int8_keys || kc.scalar_type() == torch::kUInt8, "best_bucket_topm: int4 (uint8) or int8 key codes only");
-  const int64_t G = q.size(0), R = q.size(1), d = q.size(2), S = b.size(1), ngk = ks.size(2);
+  auto sz = size.to(torch::kInt32).contiguous(), tk = take.to(torch::kInt64).contiguous();
+  TORCH_CHECK(ord.dim() == 2 && ord.size(0) == G && ord.size(1) <= S && st.dim() == 2 && st.size(0) == G &&
+                  sz.sizes() == st.sizes() && tk.dim() == 1 && tk.size(0) == G && m >= 1 && m <= st.size(1),
+              "arm_best_decode_read: order [G, <= S], start and size [G, N_b], take [G], 1 <= m <= N_b");
   const int64_t nb = st.size(1), listed = ord.size(1);
-  TORCH_CHECK(kc.size(0) == G && kc.size(1) == (int8_keys ? d : d / 2) && kc.size(2) == S && ks.size(0) == G &&
-                  ks.size(1) == S && b.size(0) == G && d % ngk == 0 && (!int8_keys || ngk == 1) &&
-                  (!mx.numel() || (mx.size(0) == d && mx.size(1) == d)) && ord.dim() == 2 && ord.size(0) == G &&
-                  listed <= S && st.dim() == 2 && st.size(0) == G && sz.sizes() == st.sizes() && m >= 1 && m <= nb,
-              "best_bucket_topm: query [G, R, d], key codes [G, d/2 or d, S], scales [G, S, ngk], bias [G, S], "
-              "order [G, <= S], start and size [G, N_b], 1 <= m <= N_b");
-  auto buckets = torch::empty({G, m}, q.options().dtype(torch::kInt64));
-  auto scores = torch::empty({G, m}, q.options());
-  const float *Q = q.data_ptr<float>(), *KS = ks.data_ptr<float>(), *B = b.data_ptr<float>();
-  const float* MX = mx.numel() ? mx.data_ptr<float>() : nullptr;
-  const auto* KC = static_cast<const uint8_t*>(kc.data_ptr());
   const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
-  int64_t* BO = buckets.data_ptr<int64_t>();
-  float* SO = scores.data_ptr<float>();
-  const int64_t rows = int8_keys ? d : d / 2;
-  const float f = static_cast<float>(scaling), ninf = -std::numeric_limits<float>::infinity();
+  const int64_t* TK = tk.data_ptr<int64_t>();
+  auto out = torch::empty({G, R, d}, in.q.options());
+  auto buckets = torch::empty({G, m}, in.q.options().dtype(torch::kInt64));
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> qm(R * d), sw(R * std::max<int64_t>(S, 1)), best(nb);
-    std::vector<int64_t> idx(nb);
-    for (int64_t g = g0; g < g1; ++g) {
-      for (int64_t r = 0; r < R; ++r) {  // the query in the slots' basis: q Q where they are mixed
-        const float* x = Q + (g * R + r) * d;
-        float* row = qm.data() + r * d;
-        if (!MX) {
-          std::copy(x, x + d, row);
-          continue;
-        }
-        std::fill(row, row + d, 0.0f);
-        for (int64_t c = 0; c < d; ++c)
-          for (int64_t j = 0; j < d; ++j) row[j] += x[c] * MX[c * d + j];
-      }
-      const uint8_t* codes = KC + g * rows * S;
-      if (int8_keys)
-        armkv::int8_key_scores(qm.data(), reinterpret_cast<const int8_t*>(codes), KS + g * S, sw.data(), R, d, S);
-      else
-        armkv::key_scores(qm.data(), codes, KS + g * S * ngk, sw.data(), R, d, S, ngk);
-      const float* bias_g = B + g * S;
-      for (int64_t s = 0; s < S; ++s) {  // the largest over the R heads, kept in row 0
-        float v = sw[s];
-        for (int64_t r = 1; r < R; ++r) v = std::max(v, sw[r * S + s]);
-        sw[s] = v * f + bias_g[s];
-      }
-      for (int64_t k = 0; k < nb; ++k) {
-        const int64_t p0 = ST[g * nb + k], n = SZ[g * nb + k];
-        TORCH_CHECK(p0 >= 0 && n >= 0 && p0 + n <= (listed ? listed : S), "best_bucket_topm: a bucket's list runs past order");
-        float top = ninf;
-        for (int64_t p = p0; p < p0 + n; ++p) {
-          const int64_t slot = listed ? ORD[g * listed + p] : p;
-          TORCH_CHECK(slot >= 0 && slot < S, "best_bucket_topm: a slot id outside the pool");
-          top = std::max(top, sw[slot]);
-        }
-        best[k] = top;
-        idx[k] = k;
-      }
-      std::partial_sort(idx.begin(), idx.begin() + m, idx.end(),
-                        [&](int64_t a, int64_t c) { return best[a] > best[c] || (best[a] == best[c] && a < c); });
-      for (int64_t j = 0; j < m; ++j) BO[g * m + j] = idx[j], SO[g * m + j] = best[idx[j]];
-    }
+    armkv::BestScratch w;
+    w.qm.resize(R * d), w.sw.resize(R * std::max<int64_t>(S, 1)), w.top.resize(std::max<int64_t>(S, 1)), w.best.resize(nb);
+    w.exact_w.resize(R * (L + 1)), w.tmp.resize(R * d);
+    for (int64_t g = g0; g < g1; ++g)
+      armkv::best_group(in.group(g, out.data_ptr<float>() + g * R * d), in.MX, in.MXT, in.int8_keys, R, d, L, S, in.ngk, in.ngv,
+                        static_cast<float>(scaling), ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, m, TK[g], w,
+                        buckets.data_ptr<int64_t>() + g * m, vectorised);
   });
-  return {buckets, scores};
+  return {out, buckets};
 }
 
 // cos [G, N, S] float32 (token-slot cosines), slot_bucket [G, S] (-1 or any negative: free),
@@ -1491,12 +1573,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("exact_ok"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
         py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("order"), py::arg("start"), py::arg("size"),
         py::arg("buckets"), py::arg("take"), py::arg("vectorised") = true);
+  m.def("arm_best_decode_read", &arm_best_decode_read,
+        "the decode read of read_rank=best: every slot scored once, the m best buckets by their best logit read",
+        py::arg("query"), py::arg("own_k"), py::arg("own_v"), py::arg("own_ok"), py::arg("exact_k"), py::arg("exact_v"),
+        py::arg("exact_ok"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
+        py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("order"), py::arg("start"), py::arg("size"),
+        py::arg("m"), py::arg("take"), py::arg("vectorised") = true);
   m.def("group_leaf_topm", &group_leaf_topm, "the top-m buckets of each KV head's query group for one decoded token",
         py::arg("query"), py::arg("pos"), py::arg("inv_freq"), py::arg("rope_scaling"), py::arg("weight"), py::arg("read_bias"),
         py::arg("read_scale"), py::arg("paths"), py::arg("branching"), py::arg("m"));
-  m.def("best_bucket_topm", &best_bucket_topm, "the top-m buckets of each KV head's query group by their best slot logit",
-        py::arg("query"), py::arg("key_codes"), py::arg("key_scale"), py::arg("bias"), py::arg("mix"), py::arg("scaling"),
-        py::arg("order"), py::arg("start"), py::arg("size"), py::arg("m"));
   m.def("int4_unpack_pre_rope", &int4_unpack_pre_rope, "int4 slots to pre-RoPE float keys and float values");
   m.def("ring_push", &ring_push, "the decode step's push of one token a row into the ring window");
 }
