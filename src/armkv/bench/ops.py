@@ -12,9 +12,10 @@
 - sparse read: one layer's read at M = N_b / ``--sparse-fraction`` on the default model's shape
   (3 KV heads of 3 query heads, d = 64, the shipped adapter's 64-bucket tree, k4v4 slots, a
   full pool of each ``--sparse-budgets`` budget), for each bucket ranking of ``--sparse-ranks``
-  (``read_rank``): the read of the top-M buckets' slots (``ARMLayer._sparse_read``: ranking
-  included; for one query on a CPU two fused calls of ``armkv.memory.kernels``, for a chunk
-  the gathered PyTorch read) against the dense read of every slot (the decode step's
+  (``read_rank``): the layer's read of the top-M buckets' slots (``ARMLayer._read``: ranking
+  included; for one query on a CPU fused calls of ``armkv.memory.kernels``; for a chunk the
+  gathered PyTorch read, or with ``best`` the ranked read that reuses its logits) against
+  the dense read of every slot (the decode step's
   ``ARMLayer._decode_read``) and the masked read of the whole pool at the same M
   (``ARMLayer._chunk_read``, the sparse read's reference), for one query and for chunks of
   ``--sparse-queries``; with the largest difference from the masked read.
@@ -227,7 +228,7 @@ def _full_arm_layer(budget: int, fraction: int, seed: int = 0, read_rank: str = 
 
 def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], repeats: int,
                       ranks: tuple[str, ...] = ("best", "tree")) -> dict:
-    """Per budget and bucket ranking (``read_rank``): microseconds per layer of the gathered read
+    """Per budget and bucket ranking (``read_rank``): microseconds per layer of the layer's read
     at M = N_b / fraction, the dense read of every slot (one query) and the masked read at M,
     and the share of the pool gathered."""
     out = {}
@@ -256,7 +257,7 @@ def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], rep
                     q_pre = layer.rotary.unrotate(q, pos.unsqueeze(1))
                     picked = layer._group_buckets(M, q_pre, layer._bucket_scores(q, d**-0.5)).reshape(H, 1, -1)
                     row["eager_width_share"] = slots_of_buckets(index, picked)[0].shape[-1] / layer.state.slots
-                sparse = lambda: layer._sparse_read(q, k, v, valid, pos, d**-0.5, *exact)  # noqa: E731
+                sparse = lambda: layer._read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=False)  # noqa: E731
                 masked = lambda: layer._chunk_read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=False)  # noqa: E731
                 diff = (sparse() - masked()).abs().max().item()
                 cell = {"sparse_us": 1e6 * _time(sparse, repeats), "masked_us": 1e6 * _time(masked, repeats), "max_abs_diff": diff}

@@ -195,12 +195,8 @@ class ARMLayer(CacheLayer):
         reads_all = self.mix is None and self._reads_all
         if T == 1 and reads_all and c.position_mode == "stored":
             out = self._decode_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
-        elif self._reads_sparse(T, reads_all):
-            out = self._sparse_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid)
-        elif self._reads_ranked(reads_all):
-            out = self._ranked_chunk_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
         else:
-            out = self._chunk_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all)
+            out = self._read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all)
 
         # commit: tokens leaving the window wait, then go into the slots together: at the end
         # of every prefill chunk, and every `sync` tokens while decoding
@@ -213,6 +209,16 @@ class ARMLayer(CacheLayer):
         if self.pending is not None and (T > 1 or self.pending[0].shape[2] >= c.sync):
             self._flush()
         return out
+
+    def _read(self, query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all) -> torch.Tensor:
+        """A read of the slots (the decode step's dense read aside): at M < N_b gathered
+        (:meth:`_sparse_read`) or ranked (:meth:`_ranked_chunk_read`) where either serves,
+        else masked over the whole pool (:meth:`_chunk_read`, their reference)."""
+        if self._reads_sparse(query.shape[2], reads_all):
+            return self._sparse_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid)
+        if self._reads_ranked(reads_all):
+            return self._ranked_chunk_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
+        return self._chunk_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all)
 
     def _exact(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The exact part of the state: sinks, window and the tokens waiting to be written
@@ -431,15 +437,17 @@ class ARMLayer(CacheLayer):
     def _reads_sparse(self, T: int, reads_all: bool) -> bool:
         """Whether this read gathers its buckets' slots (:meth:`_sparse_read`) instead of masking
         the whole pool (:meth:`_chunk_read`, its reference): at inference, stored positions, with
-        fewer buckets than all, for reads of at most SPARSE_MAX_QUERIES tokens."""
+        fewer buckets than all, for reads of at most SPARSE_MAX_QUERIES tokens; with
+        ``read_rank="best"`` one token only (a chunk scores every slot for its ranking anyway,
+        and :meth:`_ranked_chunk_read` reads with those scores instead of gathering per token)."""
         c = self.config
         return (
             not reads_all and self.mix is None and not self.memory.training and c.position_mode == "stored"
-            and T <= SPARSE_MAX_QUERIES and self._route_k < self.memory.router.num_buckets
+            and T <= (1 if c.read_rank == "best" else SPARSE_MAX_QUERIES) and self._route_k < self.memory.router.num_buckets
         )
 
     def _reads_ranked(self, reads_all: bool) -> bool:
-        """Whether a chunk too long to gather (:meth:`_reads_sparse`) is read by
+        """Whether a read that does not gather (:meth:`_reads_sparse`) is read by
         :meth:`_ranked_chunk_read` instead of the masked read: ``read_rank="best"`` at
         inference, stored positions, fewer buckets than all."""
         return (
