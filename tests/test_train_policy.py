@@ -245,3 +245,28 @@ def test_curve_cli_scores_fixed_and_learned_and_resumes(tiny_model_dir, text, st
     assert main([a if a != "48" else "40" for a in args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tokens=48" in err[0]
+
+
+def test_curve_cli_options_reach_every_point_and_are_checked(tiny_model_dir, text, start_adapter, tmp_path, capsys, monkeypatch):
+    """--option arm.KEY=VALUE goes to every point of the curve (fixed and learned) and into the
+    curve's settings (a resume with other options is refused); an adapter, the top-M keys
+    the fixed points set, or another method's option are one-line errors before the model loads."""
+    import armkv.evals.policy as policy
+
+    seen = []
+    monkeypatch.setattr(policy, "curve_point", lambda model, windows, budget, chunk, options: seen.append(options) or
+                        {"ppl": 2.0, "ppls": [2.0], "read_share": 0.5, "cache_bytes": 1})
+    out = tmp_path / "curve"
+    base = ["eval", "policy", "--model", str(tiny_model_dir), "--budget", "96", "--input", str(text), "--inputs", "2",
+            "--tokens", "48", "--fixed", "1,4", "--adapter", str(start_adapter), "--output", str(out), "--json"]
+    assert main(base + ["--option", "arm.read_rank=tree"]) == 0
+    capsys.readouterr()
+    assert len(seen) == 3 and all(o["read_rank"] == "tree" for o in seen)
+    assert json.loads((out / "curve.json").read_text())["settings"]["options"] == {"read_rank": "tree"}
+    assert main(base) == 2  # the folder's points were made with other options
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    for option, message in [("arm.adapter=x", "--adapter"), ("arm.m_fixed=2", "--fixed"), ("kivi.bits=2", "kivi"),
+                            ("arm.no_such_key=1", "no_such_key")]:
+        assert main(base[:-3] + ["--output", str(tmp_path / "other"), "--json", "--option", option]) == 2
+        err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("Loading")]
+        assert len(err) == 1 and message in err[0], err

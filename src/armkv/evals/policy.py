@@ -44,16 +44,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tokens", type=int, default=256, help="tokens per window (the policy reads the first policy_tokens)")
     parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     parser.add_argument("--output", default=None, help="folder for policy.json, table.md and policy.png")
+    parser.add_argument("--option", action="append", default=None, metavar="arm.KEY=VALUE",
+                        help="an arm option (repeatable) for every point and the histogram, e.g. arm.read_rank=tree; "
+                        "with --fixed not top_m or m_fixed, which the fixed points set")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
 
 
-def picked_m(model, windows: torch.Tensor, budget: int, adapter: str | None = None) -> tuple[torch.Tensor, int]:
-    """M picked by each layer for each window: windows [N, T] ids -> ([layers, N] long, buckets per layer)."""
+def picked_m(model, windows: torch.Tensor, budget: int, adapter: str | None = None, options: dict | None = None) -> tuple[torch.Tensor, int]:
+    """M picked by each layer for each window: windows [N, T] ids -> ([layers, N] long, buckets per layer).
+    ``options``: other arm options (``--option``)."""
     import torch
 
     from armkv.hf.attach import make_cache
 
-    options = {} if adapter is None else {"adapter": adapter}
+    options = dict(options or {}) if adapter is None else {**(options or {}), "adapter": adapter}
     cache = make_cache(model, "arm", budget=budget, chunk=windows.shape[1], **options)
     with torch.inference_mode():
         model(input_ids=windows, past_key_values=cache, use_cache=True)
@@ -159,6 +163,8 @@ def curve_done(args, path: Path) -> tuple[dict, dict[str, dict]]:
     from armkv.tools.results import compare_settings
 
     settings = {"budget": args.budget, "chunk": args.chunk, "input": str(path), "inputs": args.inputs, "tokens": args.tokens}
+    if args.option:  # (a curve made without options keeps its settings as they were)
+        settings["options"] = arm_options(args)
     out = Path(args.output) if args.output else None
     if out is None or not (out / "curve.json").is_file():
         return settings, {}
@@ -178,8 +184,9 @@ def main_curve(args, model, windows: list, path: Path, settings: dict, done: dic
 
     fixed = parse_fixed(args.fixed)
     out = Path(args.output) if args.output else None
-    points = [(f"M={m}", "fixed", {"top_m": "fixed", "m_fixed": m}) for m in fixed]
-    points += [(Path(a).parent.name if Path(a).name == "adapter" else Path(a).name, "learned", {"adapter": a})
+    extra = arm_options(args)
+    points = [(f"M={m}", "fixed", {**extra, "top_m": "fixed", "m_fixed": m}) for m in fixed]
+    points += [(Path(a).parent.name if Path(a).name == "adapter" else Path(a).name, "learned", {**extra, "adapter": a})
                for a in (args.adapter or [])]
     rows = []
     for label, kind, options in tqdm(points, desc="curve", unit="point"):
@@ -209,11 +216,27 @@ def main_curve(args, model, windows: list, path: Path, settings: dict, done: dic
     return 0
 
 
+def arm_options(args) -> dict:
+    """``--option arm.KEY=VALUE`` as arm's options (checked: another method's, an adapter, or
+    with --fixed the top-M keys the fixed points set, are one-line errors)."""
+    from armkv.options import options_for
+
+    options = options_for("arm", args.option)
+    if "adapter" in options:
+        raise ArmkvError("--option arm.adapter=...: give the adapter with --adapter")
+    if args.fixed is not None and {"top_m", "m_fixed"} & set(options):
+        raise ArmkvError("--option arm.top_m / arm.m_fixed: with --fixed the fixed points set them; drop the option")
+    return options
+
+
 def main(args) -> int:
     from armkv.hf.model import load_model
+    from armkv.tools.preflight import check_method
 
     path = Path(args.input)
     text = read_text(path, "--input")
+    options = arm_options(args)
+    check_method("arm", args.budget, args.chunk, options, args.model)
     if args.inputs < 1 or args.tokens < 1:
         raise ArmkvError("--inputs and --tokens must be at least 1")
     if args.fixed is not None:
@@ -235,10 +258,10 @@ def main(args) -> int:
     if args.fixed is not None:
         return main_curve(args, model, [w.view(1, -1) for w in windows], path, *curve)
     adapter = args.adapter[0] if args.adapter else None
-    m, num_buckets = picked_m(model, windows, args.budget, adapter)
+    m, num_buckets = picked_m(model, windows, args.budget, adapter, options)
     summary = summarise(m, num_buckets)
     summary.update(adapter=adapter or "default", budget=args.budget, inputs=args.inputs, tokens=args.tokens,
-                   input=str(path))
+                   input=str(path), **({"options": options} if options else {}))
     caption = (f"Top-M picked by the policy of adapter {summary['adapter']}, {args.inputs} windows of "
                f"{args.tokens} tokens of {path.name}, {num_buckets} buckets per layer")
     table = markdown(summary, caption)
