@@ -151,6 +151,19 @@ def _layer_with_memory(dtype, overrides, seed=1):
     return model, layer
 
 
+def _chunk(model, layer, dtype, T: int, padded: int):
+    """A random chunk of T tokens for the layer's two rows (queries, keys, values, valid,
+    positions), the second row's first ``padded`` tokens padding."""
+    B, H = layer.buffer.sink_k.shape[:2]
+    Hq, d = model.config.num_attention_heads, layer.buffer.sink_k.shape[-1]
+    g = torch.Generator().manual_seed(T)
+    query = torch.randn(B, Hq, T, d, generator=g).to(dtype)
+    key, value = (torch.randn(B, H, T, d, generator=g).to(dtype) for _ in range(2))
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :padded] = False
+    return query, key, value, valid, torch.arange(400, 400 + T).expand(B, T)
+
+
 FORMATS = [{"slot_format": "k4v4"}, {"slot_format": "k8v4", "slot_mixing": False}, {"slot_format": "int8"},
            {"slot_format": "bfloat16"}, {"slot_format": "model"}, {"slot_ladder": "int8,k8v4"}]
 
@@ -164,14 +177,7 @@ def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overri
     dequantised alike); bf16 2e-2 and fp16 2e-3 (products and softmax in the model's dtype,
     rounded at other points). Both rankings pick the same buckets in both reads."""
     model, layer = _layer_with_memory(dtype, {**overrides, "read_rank": read_rank})
-    B, H = layer.buffer.sink_k.shape[:2]
-    Hq, d = model.config.num_attention_heads, layer.buffer.sink_k.shape[-1]
-    g = torch.Generator().manual_seed(T)
-    query = torch.randn(B, Hq, T, d, generator=g).to(dtype)
-    key, value = (torch.randn(B, H, T, d, generator=g).to(dtype) for _ in range(2))
-    valid = torch.ones(B, T, dtype=torch.bool)
-    valid[1, 0] = False  # a padding token
-    positions = torch.arange(400, 400 + T).expand(B, T)
+    query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=1)
     exact = layer._exact()
     for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):  # rows may read fewer buckets than the widest
         layer.m, layer._route_k = m, int(m.max())  # as ARMLayer._decide_m sets them
@@ -267,14 +273,7 @@ def test_ranked_chunk_read_equals_the_masked_read(dtype, tol, overrides, T):
     Tolerances as for the gathered read: the ranked read works in float32, the masked one's
     products and softmax in the model's dtype."""
     model, layer = _layer_with_memory(dtype, {**overrides, "read_rank": "best"})
-    B, H = layer.buffer.sink_k.shape[:2]
-    Hq, d = model.config.num_attention_heads, layer.buffer.sink_k.shape[-1]
-    g = torch.Generator().manual_seed(T)
-    query = torch.randn(B, Hq, T, d, generator=g).to(dtype)
-    key, value = (torch.randn(B, H, T, d, generator=g).to(dtype) for _ in range(2))
-    valid = torch.ones(B, T, dtype=torch.bool)
-    valid[1, : max(1, T // 3)] = False  # a left-padded row
-    positions = torch.arange(400, 400 + T).expand(B, T)
+    query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=max(1, T // 3))
     exact = layer._exact()
     for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):
         layer.m, layer._route_k = m, int(m.max())
