@@ -434,26 +434,26 @@ class ARMLayer(CacheLayer):
         best = bucket_best_of_keys(q * scaling, keys.reshape(G, S, -1).float(), bias, slot_bucket, num_buckets)
         return best.view(B, H, T, -1)
 
-    def _reads_sparse(self, T: int, reads_all: bool) -> bool:
-        """Whether this read gathers its buckets' slots (:meth:`_sparse_read`) instead of masking
-        the whole pool (:meth:`_chunk_read`, its reference): at inference, stored positions, with
-        fewer buckets than all, for reads of at most SPARSE_MAX_QUERIES tokens; with
-        ``read_rank="best"`` one token only (a chunk scores every slot for its ranking anyway,
-        and :meth:`_ranked_chunk_read` reads with those scores instead of gathering per token)."""
-        c = self.config
-        return (
-            not reads_all and self.mix is None and not self.memory.training and c.position_mode == "stored"
-            and T <= (1 if c.read_rank == "best" else SPARSE_MAX_QUERIES) and self._route_k < self.memory.router.num_buckets
-        )
-
-    def _reads_ranked(self, reads_all: bool) -> bool:
-        """Whether a read that does not gather (:meth:`_reads_sparse`) is read by
-        :meth:`_ranked_chunk_read` instead of the masked read: ``read_rank="best"`` at
-        inference, stored positions, fewer buckets than all."""
+    def _reads_top_m(self, reads_all: bool) -> bool:
+        """Whether a read may skip the pool's other buckets instead of masking them (the
+        masked read, :meth:`_chunk_read`, is the reference): at inference, stored positions,
+        fewer buckets than all."""
         return (
             not reads_all and self.mix is None and not self.memory.training and self.config.position_mode == "stored"
-            and self.config.read_rank == "best" and self._route_k < self.memory.router.num_buckets
+            and self._route_k < self.memory.router.num_buckets
         )
+
+    def _reads_sparse(self, T: int, reads_all: bool) -> bool:
+        """Whether this read gathers its buckets' slots (:meth:`_sparse_read`): one that may
+        skip buckets (:meth:`_reads_top_m`) of at most SPARSE_MAX_QUERIES tokens; with
+        ``read_rank="best"`` one token only (a chunk scores every slot for its ranking anyway,
+        and :meth:`_ranked_chunk_read` reads with those scores instead of gathering per token)."""
+        return self._reads_top_m(reads_all) and T <= (1 if self.config.read_rank == "best" else SPARSE_MAX_QUERIES)
+
+    def _reads_ranked(self, reads_all: bool) -> bool:
+        """Whether a read that does not gather is read by :meth:`_ranked_chunk_read`: one that
+        may skip buckets, ranked by ``read_rank="best"``."""
+        return self._reads_top_m(reads_all) and self.config.read_rank == "best"
 
     def _ranked_chunk_read(self, query, key, value, valid, scaling, exact_k, exact_v, exact_valid) -> torch.Tensor:
         """:meth:`_chunk_read` at M < N_b with ``read_rank="best"``, each slot's logit computed
