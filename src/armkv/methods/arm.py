@@ -473,13 +473,13 @@ class ARMLayer(CacheLayer):
         def mixed(t: torch.Tensor) -> torch.Tensor:  # the slots' basis: (q Q).(k Q) = q.k
             return t.float() if mix is None else t.float() @ mix
 
-        slot_bucket = st.bucket.reshape(G, S)
+        slot_bucket = st.bucket.reshape(G, S).long()
         occupied = (st.count.reshape(G, S) > 0).view(B, H, 1, S)
 
         def pick(logits: torch.Tensor) -> torch.Tensor:  # [G, T', S] -> the slots of each query's buckets
             best = bucket_best(logits, slot_bucket, num_buckets).view(B, H, -1, num_buckets)
             buckets = self._group_buckets(self._route_k, None, best)
-            return (bucket_slot_mask(buckets, self.m, slot_bucket.view(B, H, S).long(), num_buckets) & occupied).view(G, -1, S)
+            return (bucket_slot_mask(buckets, self.m, slot_bucket.view(B, H, S), num_buckets) & occupied).view(G, -1, S)
 
         out = ranked_chunk_read(
             mixed(query).reshape(G, R, T, d), mixed(key).reshape(G, T, d), mixed(value).reshape(G, T, d),
