@@ -226,6 +226,20 @@ def test_bounded_methods_stay_within_budget_at_every_step(method, dtype, device,
     assert max(sizes[-50:]) <= max(sizes[-100:-50]), "a bounded method must not grow while decoding"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_arm_inference_keeps_no_autograd_graph_without_kernels(dtype, monkeypatch):
+    """With gradients left on (a caller outside torch.no_grad) and the fused CPU kernels off
+    (the path a GPU takes), an inference ARM layer writes outside autograd: no slot tensor
+    carries a graph from one write to the next (that would grow without bound while decoding)."""
+    monkeypatch.setenv("ARMKV_KERNELS", "0")
+    info_ = info(dtype=dtype)
+    layer = get_method("arm").make_layer(0, info_, rotary(), 96, 16)
+    for _ in run_layer(layer, 40, 2, info_, torch.Generator().manual_seed(3), 200):
+        pass
+    held = held_kv_tensors(layer)
+    assert held and not any(t.requires_grad for t in held)
+
+
 def held_kv_tensors(obj, seen=None):
     """Every tensor of 3 or more dims (keys, values, codes, scales) a layer keeps between
     calls, found by walking its attributes; parameters (nn.Module) and RoPE are not state."""

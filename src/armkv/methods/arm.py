@@ -23,6 +23,8 @@ takes their PyTorch references.
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 
 import torch
@@ -378,10 +380,13 @@ class ARMLayer(CacheLayer):
         k_pre = self.rotary.unrotate(keys, positions.unsqueeze(1))
         if mem.training and c.write != "fifo":
             self.aux["balance"] = self.aux.get("balance", 0) + mem.router.balance_loss(k_pre, valid)
-        # the un-packed pool is this write's own: at inference the write fills it in place
-        self.pool.write(
-            keys, valid, lambda state: mem.write(state, k_pre, values, positions, valid, self.generator, self.rule, inplace=not mem.training)
-        )
+        # the un-packed pool is this write's own: at inference the write fills it in place,
+        # outside autograd (else the gates' parameters would chain every write's graph to the
+        # next through the stored scales, wherever the caller left gradients on)
+        with contextlib.nullcontext() if mem.training else torch.no_grad():
+            self.pool.write(
+                keys, valid, lambda state: mem.write(state, k_pre, values, positions, valid, self.generator, self.rule, inplace=not mem.training)
+            )
 
     def _masks_for(self, q_pre: torch.Tensor, best: torch.Tensor | None, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
         mem = self.memory
