@@ -57,6 +57,29 @@ def test_greedy_generation_equals_plain_generate(arch, dtype, method, device):
         assert_greedy_within_rounding(model, got, mask, ids.shape[1], TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_arm_cache_made_under_inference_mode(kernels, monkeypatch):
+    """A cache made and used inside ``torch.inference_mode`` (its parameters are then
+    inference tensors) gives the logits of one made outside it, with the fused CPU kernels
+    and without them (the path a GPU takes), through prefill chunks, writes and decode."""
+    monkeypatch.setenv("ARMKV_KERNELS", kernels)
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 160), generator=torch.Generator().manual_seed(5))
+
+    def run(cache):
+        out = [model(ids[:, :120], past_key_values=cache, use_cache=True).logits[:, -1]]
+        for t in range(120, 160):
+            out.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        return torch.stack(out)
+
+    with torch.inference_mode():  # first, so that no parameter was made outside it
+        got = run(make_cache(model, "arm", budget=32, chunk=16))
+    model = tiny_model("llama")
+    with torch.no_grad():
+        want = run(make_cache(model, "arm", budget=32, chunk=16))
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+
+
 def assert_greedy_within_rounding(model, sequences, mask, prompt: int, tolerance: dict, eos: int = 2):
     """Each generated token of ``sequences`` [B, prompt + n] (up to its row's first ``eos``)
     has a no-cache logit within ``tolerance`` of the top logit at its step."""

@@ -102,10 +102,13 @@ class WriteParams(nn.Module):
     def _cosine_only(self) -> bool:
         """True when the scorer's weights are zero but the cosine's (as initialised, and in
         the shipped adapters) and no gradient is wanted: z is then an affine map of cos, and
-        the N x S product of the other terms is skipped. Checked once per weight update."""
+        the N x S product of the other terms is skipped. Checked once per weight update, or
+        at every call for weights made under ``torch.inference_mode`` (they keep no version)."""
         weight = self.score.weight
         if self.scorer_kind != "similarity" or (torch.is_grad_enabled() and weight.requires_grad):
             return False
+        if weight.is_inference():
+            return not bool(weight[0, : 3 * self.head_dim].any())
         stamp = (weight._version, weight.data_ptr())
         if getattr(self, "_cosine_stamp", None) != stamp:
             self._cosine_stamp = stamp
