@@ -228,6 +228,8 @@ def main() -> int:
                    help="stop starting runs, and cut the one running, at this many seconds (default 540)")  # fmt: skip
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "out" / "gpu_bench"),
                    help="where the three files go (default $OUT, else out/gpu_bench)")  # fmt: skip
+    p.add_argument("--lengths", default="",
+                   help="prompt lengths of the length runs instead of the plan's (e.g. 4,32k: ARM's cache is full by then)")  # fmt: skip
     p.add_argument("--fetch-wheel", action="store_true", help=f"download transformers {WHEEL_VERSION} into .whl/ and stop")
     a = p.parse_args()
     if a.fetch_wheel:
@@ -248,6 +250,8 @@ def main() -> int:
         shape = json.loads((ROOT / "src/armkv/data/model_configs/llama-3.1-8b.json").read_text())
         settings["model_config"] = str(work / "llama-3.1-8b-tiny.json")
         Path(settings["model_config"]).write_text(json.dumps({**shape, **DRY_SHAPE}))
+    if a.lengths:
+        settings["lengths"] = a.lengths
     runs = plan(settings)
     names = [n for n, _ in runs]
     only = [n.strip() for n in a.only.split(",") if n.strip()]
