@@ -12,8 +12,8 @@ random tokens, ``--warmup`` untimed steps (a compiled step compiles and records 
     python3 scripts/gpu_profile.py --model-config llama-3.1-8b --device cuda --dtype bfloat16
     python scripts/gpu_profile.py --dry-run      # a two-layer toy of the same shape on the CPU
 
-Writes ``profile.md`` (per method: the figures and the top operators by device and by host
-time) and ``profile.json`` under ``--out`` (default ``$OUT``, else ``out/gpu_profile``); the
+Writes ``profile.md`` (per method: the figures, the top operators by device and by host
+time, and for a compiled run torch's log of graph breaks, recompiles and CUDA-graph skips) and ``profile.json`` under ``--out`` (default ``$OUT``, else ``out/gpu_profile``); the
 last stdout line is a one-line JSON summary.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -63,8 +64,39 @@ def run_spec(name: str) -> tuple[str, bool]:
     return method, kind == "compiled"
 
 
+class Lines(logging.Handler):
+    """Keeps the messages of torch's compile logs (graph breaks, recompiles, CUDA-graph
+    decisions and skips, inductor's performance hints) while a compiled run lasts."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.extend(f"{record.name}: {line}" for line in record.getMessage().splitlines()[:20])
+
+
 def profile_run(model, name: str, a) -> tuple[dict, str]:
     method, compiled = run_spec(name)
+    lines, loggers = Lines(), []
+    if compiled:
+        torch._logging.set_logs(perf_hints=True, recompiles=True, graph_breaks=True, cudagraphs=True)
+        # beside each of torch's own log handlers, with its filters (the artifacts asked for)
+        for logger in [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("torch")]:
+            if logger.handlers and not logger.propagate:
+                lines.filters = list(logger.handlers[0].filters)
+                logger.addHandler(lines)
+                loggers.append(logger)
+    try:
+        return _profile_run(model, name, method, compiled, a, lines)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(lines)
+        if compiled:
+            torch._logging.set_logs()
+
+
+def _profile_run(model, name: str, method: str, compiled: bool, a, lines: Lines) -> tuple[dict, str]:
     bench = DecodeBench(methods=[method], lengths=[a.prompt], budget=a.budget, chunk=a.chunk, compile=compiled,
                         clock="wall", repeats=a.steps, warmup=a.warmup)  # fmt: skip
     session = Session(model, bench)
@@ -111,6 +143,10 @@ def profile_run(model, name: str, a) -> tuple[dict, str]:
     text = [f"## {name}", "", "| figure | value |", "|---|---:|"]
     text += [f"| {k} | {v} |" for k, v in record.items()]
     text += ["", f"Top operators by {sort} ({a.steps} steps)", "", "```", averages.table(sort_by=sort, row_limit=a.rows), "```"]
+    if compiled:
+        record["compile_log_lines"] = len(lines.lines)
+        text += ["", f"torch's compile log ({len(lines.lines)} lines; the last {a.rows * 4})", "", "```",
+                 *lines.lines[-a.rows * 4 :], "```"]  # fmt: skip
     if on_cuda:
         text += ["", f"Top operators by self_cpu_time_total ({a.steps} steps)", "", "```",
                  averages.table(sort_by="self_cpu_time_total", row_limit=a.rows), "```"]  # fmt: skip

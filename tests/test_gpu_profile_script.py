@@ -11,7 +11,7 @@ SCRIPT = ROOT / "scripts" / "gpu_profile.py"
 
 
 def test_dry_run_profiles_each_run(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--runs", "full,arm", "--out", str(tmp_path)],
+    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--runs", "full,arm,arm-compiled", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -22,7 +22,9 @@ def test_dry_run_profiles_each_run(tmp_path):
         assert record["device_kernels_per_step"] == 0  # (no device here)
     # ARM's step reads slots and a window besides the model's own work: more operators than full
     assert arm["leaf_ops_per_step"] > full["leaf_ops_per_step"] > 0
-    assert "## arm" in (tmp_path / "profile.md").read_text()
+    # a compiled run carries torch's compile log (graph breaks, recompiles, CUDA-graph skips)
+    assert "compile_log_lines" in summary["runs"]["arm-compiled"] and "compile_log_lines" not in arm
+    assert "## arm-compiled" in (tmp_path / "profile.md").read_text()
 
 
 def test_an_unknown_method_fails_before_the_model_is_built(tmp_path):
