@@ -80,6 +80,26 @@ def test_arm_cache_made_under_inference_mode(kernels, monkeypatch):
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_arm_logits_equal_with_and_without_the_fused_kernels(dtype, monkeypatch):
+    """The fused CPU kernels change no logit: a whole model's prefill chunks, writes and
+    decode steps through ARM give the same logits with them and with their PyTorch forms
+    (what a GPU runs), within the dtype's tolerance."""
+    ids = torch.randint(3, 128, (2, 170), generator=torch.Generator().manual_seed(7))
+
+    def run(kernels: str) -> torch.Tensor:
+        monkeypatch.setenv("ARMKV_KERNELS", kernels)
+        model = tiny_model("llama", dtype=dtype)
+        cache = make_cache(model, "arm", budget=32, chunk=16)
+        with torch.no_grad():
+            out = [model(ids[:, :130], past_key_values=cache, use_cache=True).logits[:, -1]]
+            for t in range(130, 170):
+                out.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        return torch.stack(out).float()
+
+    torch.testing.assert_close(run("0"), run("1"), **TOLERANCE[dtype])
+
+
 def assert_greedy_within_rounding(model, sequences, mask, prompt: int, tolerance: dict, eos: int = 2):
     """Each generated token of ``sequences`` [B, prompt + n] (up to its row's first ``eos``)
     has a no-cache logit within ``tolerance`` of the top logit at its step."""
