@@ -24,7 +24,6 @@ takes their PyTorch references.
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 
 import torch
@@ -381,9 +380,11 @@ class ARMLayer(CacheLayer):
         if mem.training and c.write != "fifo":
             self.aux["balance"] = self.aux.get("balance", 0) + mem.router.balance_loss(k_pre, valid)
         # the un-packed pool is this write's own: at inference the write fills it in place,
-        # outside autograd (else the gates' parameters would chain every write's graph to the
-        # next through the stored scales, wherever the caller left gradients on)
-        with contextlib.nullcontext() if mem.training else torch.no_grad():
+        # outside autograd where no gradient is wanted through it (else the gates' parameters
+        # would chain every write's graph to the next through the stored scales, wherever the
+        # caller left gradients on); keys that want one still reach write_chunk's refusal
+        wanted = mem.training or keys.requires_grad or values.requires_grad
+        with contextlib.nullcontext() if wanted else torch.no_grad():
             self.pool.write(
                 keys, valid, lambda state: mem.write(state, k_pre, values, positions, valid, self.generator, self.rule, inplace=not mem.training)
             )
