@@ -81,12 +81,12 @@ def profile_run(model, name: str, a) -> tuple[dict, str]:
     lines, loggers = Lines(), []
     if compiled:
         torch._logging.set_logs(perf_hints=True, recompiles=True, graph_breaks=True, cudagraphs=True)
-        # beside each of torch's own log handlers, with its filters (the artifacts asked for)
-        for logger in [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("torch")]:
-            if logger.handlers and not logger.propagate:
-                lines.filters = list(logger.handlers[0].filters)
-                logger.addHandler(lines)
-                loggers.append(logger)
+        # beside torch's own log handlers, with their filter (the artifacts asked for)
+        loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("torch")]
+        loggers = [g for g in loggers if g.handlers and not g.propagate]
+        lines.filters = list(loggers[0].handlers[0].filters)
+        for logger in loggers:
+            logger.addHandler(lines)
     try:
         return _profile_run(model, name, method, compiled, a, lines)
     finally:

@@ -57,6 +57,15 @@ def test_greedy_generation_equals_plain_generate(arch, dtype, method, device):
         assert_greedy_within_rounding(model, got, mask, ids.shape[1], TOLERANCE[dtype])
 
 
+def prefill_then_decode(model, cache, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """The last logits of a prefill of ids[:, :prompt], then of each later token decoded one
+    at a time through ``cache``: [1 + n, B, vocab]."""
+    out = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
+    for t in range(prompt, ids.shape[1]):
+        out.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    return torch.stack(out)
+
+
 @pytest.mark.parametrize("kernels", ["1", "0"])
 def test_arm_cache_made_under_inference_mode(kernels, monkeypatch):
     """A cache made and used inside ``torch.inference_mode`` (its parameters are then
@@ -66,17 +75,11 @@ def test_arm_cache_made_under_inference_mode(kernels, monkeypatch):
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (2, 160), generator=torch.Generator().manual_seed(5))
 
-    def run(cache):
-        out = [model(ids[:, :120], past_key_values=cache, use_cache=True).logits[:, -1]]
-        for t in range(120, 160):
-            out.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
-        return torch.stack(out)
-
     with torch.inference_mode():  # first, so that no parameter was made outside it
-        got = run(make_cache(model, "arm", budget=32, chunk=16))
+        got = prefill_then_decode(model, make_cache(model, "arm", budget=32, chunk=16), ids, 120)
     model = tiny_model("llama")
     with torch.no_grad():
-        want = run(make_cache(model, "arm", budget=32, chunk=16))
+        want = prefill_then_decode(model, make_cache(model, "arm", budget=32, chunk=16), ids, 120)
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
 
 
@@ -90,12 +93,8 @@ def test_arm_logits_equal_with_and_without_the_fused_kernels(dtype, monkeypatch)
     def run(kernels: str) -> torch.Tensor:
         monkeypatch.setenv("ARMKV_KERNELS", kernels)
         model = tiny_model("llama", dtype=dtype)
-        cache = make_cache(model, "arm", budget=32, chunk=16)
         with torch.no_grad():
-            out = [model(ids[:, :130], past_key_values=cache, use_cache=True).logits[:, -1]]
-            for t in range(130, 170):
-                out.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
-        return torch.stack(out).float()
+            return prefill_then_decode(model, make_cache(model, "arm", budget=32, chunk=16), ids, 130).float()
 
     torch.testing.assert_close(run("0"), run("1"), **TOLERANCE[dtype])
 
