@@ -336,6 +336,71 @@ def test_fused_best_read_ranks_as_pytorch_and_reads_as_the_sparse_read(kernel, f
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
+@pytest.mark.parametrize("d,slots,rep,buckets,m,mixed,rows", [(64, 1, 1, 2, 1, True, 8), (64, 37, 3, 5, 3, True, 8),
+                                                               (40, 301, 5, 16, 2, False, 3), (128, 19, 3, 4, 4, True, 16),
+                                                               (64, 203, 12, 64, 8, False, 1), (64, 203, 3, 64, 8, True, 32)])
+@pytest.mark.parametrize("laid", [True, False])
+@pytest.mark.parametrize("vectorised", [True, False])
+def test_fused_partial_read_ranks_as_pytorch_and_reads_as_the_sparse_read(kernel, fmt, d, slots, rep, buckets, m, mixed,
+                                                                          rows, laid, vectorised):
+    """read_rank="partial" for one decoded token in one kernel call. Its buckets against the
+    PyTorch ranking: the rows of read.partial_rows of the (mixed) query,
+    MemoryState.partial_key_scores times the scaling plus the bias, the largest over the R
+    heads, read.bucket_best, a stable sort: the same buckets, best first. Its output against
+    the gathered PyTorch read of those buckets. With every row (rows = d/2) it ranks as
+    "best"; with one row, as the scores of that pair of channels alone."""
+    from armkv.memory.quant import mixing_matrix
+    from armkv.memory.read import bucket_best, fused_partial_decode_read, gather_slots, gathered_read, partial_rows, slots_of_buckets
+
+    B, H, L = 2, 2, 7
+    G = B * H
+    g = torch.Generator().manual_seed(slots * d + rep + buckets + rows)
+    st, index = _random_pool(G, slots, d, buckets, fmt, mixed, laid, g)
+    bias = torch.where(st.count > 0, st.count.clamp_min(1).log(), -torch.inf)
+    query = torch.randn(B, H * rep, 1, d, generator=g)
+    key, value = torch.randn(B, H, 1, d, generator=g), torch.randn(B, H, 1, d, generator=g)
+    valid = torch.tensor([[True], [False]])
+    exact_k, exact_v = torch.randn(B, H, L, d, generator=g), torch.randn(B, H, L, d, generator=g)
+    exact_valid = torch.rand(B, L, generator=g) > 0.3
+    exact_k, exact_v = exact_k * exact_valid[:, None, :, None], exact_v * exact_valid[:, None, :, None]
+    take = torch.tensor([m, max(1, m - 1)]).repeat_interleave(H)
+    take[-1] = 0
+    mix = mixing_matrix(d) if mixed else None
+    with torch.no_grad():
+        out, got = fused_partial_decode_read(_Vectorised(kernel, vectorised), query, key, value, valid, exact_k, exact_v,
+                                             exact_valid, st, bias, mix, 0.3, index, m, take, rows)
+        q = query.reshape(G, rep, d)
+        q = q @ mix if mixed else q
+        scores = st.partial_key_scores(q, partial_rows(q, rows))
+        if rows == d // 2:  # every row: the full scores
+            torch.testing.assert_close(scores, st.key_scores(q, fused=False), rtol=1e-5, atol=1e-4)
+        logits = (scores * 0.3 + bias.unsqueeze(1)).amax(1, keepdim=True)  # [G, 1, S]
+        want = bucket_best(logits, st.bucket, buckets)[:, 0].sort(dim=-1, descending=True, stable=True).indices[:, :m]
+        assert torch.equal(got, want)
+        used_of = torch.arange(m).view(1, 1, m) < take.view(G, 1, 1)
+        ids, used = slots_of_buckets(index, want.view(G, 1, m), None, used_of)
+        W = ids.shape[-1]
+        gathered_bias = bias.gather(1, ids.view(G, W)).view(B, H, 1, W).masked_fill(~used.view(B, H, 1, W), -torch.inf)
+        ref = gathered_read(query, key, value, valid, 0.3, exact_k, exact_v, exact_valid,
+                            gather_slots(st, ids, for_reading=True), gathered_bias, fused=False)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_partial_rows_are_where_the_query_group_is_largest():
+    """read.partial_rows: row c scores q_c^2 + q_{c+d/2}^2 summed over the group's heads; the n
+    largest, ties to the lower row, returned in increasing order."""
+    from armkv.memory.read import partial_rows
+
+    q = torch.zeros(1, 2, 8)
+    q[0, 0, 1], q[0, 1, 5] = 3.0, 2.0  # row 1 scores 9 + 4 (channels 1 and 5 = 1 + 8/2)
+    q[0, 0, 2] = 3.5  # row 2: 12.25
+    q[0, 1, 7] = 1.0  # row 3: 1; row 0: 0
+    assert partial_rows(q, 2).tolist() == [[1, 2]]
+    assert partial_rows(q, 3).tolist() == [[1, 2, 3]]
+    assert partial_rows(torch.ones(1, 1, 8), 2).tolist() == [[0, 1]]  # ties: the lower rows
+
+
 class _Vectorised:
     """The kernel module with ``vectorised`` fixed for its sparse reads (the portable loops in tests)."""
 
@@ -347,6 +412,9 @@ class _Vectorised:
 
     def arm_best_decode_read(self, *args):
         return self.module.arm_best_decode_read(*args, vectorised=self.vectorised)
+
+    def arm_partial_decode_read(self, *args):
+        return self.module.arm_partial_decode_read(*args, vectorised=self.vectorised)
 
 
 @pytest.mark.parametrize("depth,branching,rep,m", [(3, 4, 3, 8), (2, 4, 1, 3), (2, 3, 5, 9), (3, 2, 4, 3), (1, 8, 2, 8)])

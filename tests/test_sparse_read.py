@@ -171,17 +171,18 @@ FORMATS = [{"slot_format": "k4v4"}, {"slot_format": "k8v4", "slot_mixing": False
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("overrides", FORMATS)
 @pytest.mark.parametrize("T", [1, 5])
-@pytest.mark.parametrize("read_rank", ["best", "tree"])
+@pytest.mark.parametrize("read_rank", ["best", "partial", "tree"])
 def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overrides, T, read_rank, monkeypatch):
     """Tolerances: fp32 2e-5 (the two reads sum the same terms in another order, slots
     dequantised alike); bf16 2e-2 and fp16 2e-3 (products and softmax in the model's dtype,
-    rounded at other points). Both rankings pick the same buckets in both reads."""
+    rounded at other points). Every ranking picks the same buckets in both reads ("partial"
+    one decoded token's from a quarter of the key-code rows, a chunk's as "best")."""
     model, layer = _layer_with_memory(dtype, {**overrides, "read_rank": read_rank})
     query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=1)
     exact = layer._exact()
     for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):  # rows may read fewer buckets than the widest
         layer.m, layer._route_k = m, int(m.max())  # as ARMLayer._decide_m sets them
-        assert layer._reads_sparse(T, reads_all=False) == (T == 1 or read_rank == "tree")  # (best chunks: the ranked read)
+        assert layer._reads_sparse(T, reads_all=False) == (T == 1 or read_rank == "tree")  # (best, partial chunks: the ranked read)
         with torch.no_grad():
             ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
             fast = layer._sparse_read(query, key, value, valid, positions, 0.3, *exact)

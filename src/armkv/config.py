@@ -25,7 +25,7 @@ CHOICES = {
     "gate": ("scalar", "channel"),
     "write": ("gated", "mean", "fifo"),
     "top_m": ("adaptive", "fixed"),
-    "read_rank": ("best", "tree"),
+    "read_rank": ("best", "partial", "tree"),
     "demote_scope": ("bucket", "any"),
     "slot_format": ("model", "bfloat16", "int8", "k8v4", "k4v4"),
 }
@@ -138,8 +138,11 @@ class ARMConfig:
     m_max: int | None = None  # largest M the policy may pick (default: N_b)
     read_rank: str = "best"  # which M buckets a query reads when M < N_b: "best", those holding its
     # highest-scoring slots (each bucket ranked by its best logit, max over the slots and the KV
-    # head's query heads: a rule, exact, every key scored); "tree", the tree's read routing
+    # head's query heads: a rule, exact, every key scored); "partial", the same ranking from partial
+    # logits, a decoded token's q.k over only the key-code rows (channel pairs c, c + d/2) where
+    # its query is largest (SparQ's rule; a chunk ranks as "best"); "tree", the tree's read routing
     # (learned routers, scores N_b paths instead of every key, loses needles: docs/decisions.md)
+    partial_share: float = 0.25  # read_rank="partial": the share of the d/2 key-code rows it reads
     policy_hidden: int = 64  # LSTM width of the top-M policy
     policy_tokens: int = 64  # l: tokens pooled into the policy's starting state
     epsilon: float = 0.1  # epsilon-greedy exploration of the policy in training
@@ -193,6 +196,8 @@ class ARMConfig:
                 raise ArmkvError(
                     f"ARMConfig.slot_ladder={self.slot_ladder!r}: {rung!r} is not one of {', '.join(CHOICES['slot_format'])}"
                 )
+        if not 0.0 < self.partial_share <= 1.0:
+            raise ArmkvError(f"ARMConfig.partial_share={self.partial_share} must be in (0, 1]")
         if self.policy_hidden < 1 or self.policy_tokens < 1:
             raise ArmkvError("ARMConfig.policy_hidden and policy_tokens must be >= 1")
 

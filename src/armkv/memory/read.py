@@ -57,6 +57,25 @@ def bucket_best(scores: torch.Tensor, slot_bucket: torch.Tensor, num_buckets: in
     return best.scatter_reduce_(-1, idx, scores, "amax")[..., :num_buckets]
 
 
+def partial_rows(query: torch.Tensor, n: int) -> torch.Tensor:
+    """The key-code rows ``read_rank="partial"`` ranks a decoded token's buckets by: row c
+    holds channels c and c + d/2 (a byte a slot of int4 codes, and under RoPE's rotate-half
+    layout one rotating pair in unmixed slots); the n rows where the query is largest, by the
+    sum over the R heads of q_c^2 + q_{c + d/2}^2 (SparQ's choice, per KV head), ties to
+    the lower row, in increasing order. query [G, R, d] in the slots' basis -> [G, n] long.
+    Sums as the fused kernel sums them, so that both pick the same rows."""
+    d = query.shape[-1]
+    energy = query.float().square().sum(1)
+    energy = energy[:, : d // 2] + energy[:, d // 2 :]
+    rows = energy.sort(dim=-1, descending=True, stable=True).indices[:, :n]
+    return rows.sort(dim=-1).values
+
+
+def partial_row_count(share: float, head_dim: int) -> int:
+    """How many of the head_dim / 2 key-code rows ``partial_share`` names (at least one)."""
+    return max(1, min(head_dim // 2, round(share * (head_dim // 2))))
+
+
 def bucket_best_of_keys(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, slot_bucket: torch.Tensor,
                         num_buckets: int, block: int = 32) -> torch.Tensor:
     """:func:`bucket_best` of the largest logit over a group's R query heads, from float keys,
@@ -370,6 +389,21 @@ def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v,
         index.kernel_order(), index.start, index.size, buckets, take,
     )
     return out.reshape(B, Hq, 1, d).transpose(1, 2)
+
+
+def fused_partial_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,
+                              index: BucketIndex, m: int, take: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query's read of ``read_rank="partial"`` in one fused kernel call: each group's m
+    buckets ranked by their best partial logit (the ``rows`` key-code rows of
+    :func:`partial_rows`, :meth:`MemoryState.partial_key_scores`), then the first ``take`` [G]
+    of them read as :func:`fused_sparse_decode_read` reads them. Arguments as
+    :func:`fused_best_decode_read`'s. Returns ([B, 1, Hq, d], the m buckets [G, m], best first)."""
+    B, Hq, _, d = query.shape
+    out, buckets = kernel.arm_partial_decode_read(
+        *_decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling),
+        index.kernel_order(), index.start, index.size, m, take, rows,
+    )
+    return out.reshape(B, Hq, 1, d).transpose(1, 2), buckets
 
 
 def fused_best_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,

@@ -192,6 +192,29 @@ class MemoryState:
             total = part if total is None else total + part
         return total
 
+    def partial_key_scores(self, query: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`key_scores` over the channels of ``rows`` only: query [G, R, d] (stored
+        basis), rows [G, n] key-code rows, row c holding channels c and c + d/2 (one byte a
+        slot of int4 codes) -> [G, R, S], sum over those 2n channels of q_c s_g(c) k_c. Reads
+        n of the d/2 rows of the channel-major codes (the ranking of ``read_rank="partial"``;
+        the fused CPU read does it inside ``arm_partial_decode_read``)."""
+        G, R, d = query.shape
+        n, half = rows.shape[1], d // 2
+        channels = torch.cat([rows, rows + half], 1)  # [G, 2n]
+        q = query.gather(2, channels.unsqueeze(1).expand(G, R, 2 * n))
+        if self.key_scale is None:  # float keys [G, S, d]
+            keys = self.key.gather(2, channels.unsqueeze(1).expand(G, self.key.shape[1], 2 * n)).to(query.dtype)
+            return torch.matmul(q, keys.transpose(1, 2))
+        S = self.key.shape[-1]
+        if self.key.dtype == torch.uint8:  # int4 bytes [G, d/2, S]: a row's low nibble is channel c, its high c + d/2
+            picked = self.key.gather(1, rows.unsqueeze(-1).expand(G, n, S))
+            codes = torch.cat(int4_halves(picked), 1)  # [G, 2n, S], in the order of `channels`
+        else:  # int8 codes [G, d, S]
+            codes = self.key.gather(1, channels.unsqueeze(-1).expand(G, 2 * n, S))
+        ng = self.key_scale.shape[-1]
+        scale = self.key_scale.gather(2, (channels // (d // ng)).unsqueeze(1).expand(G, S, 2 * n))  # [G, S, 2n]
+        return torch.matmul(q, codes.to(query.dtype) * scale.to(query.dtype).transpose(1, 2))
+
     def weighted_values(self, weights: torch.Tensor, fused: bool = True) -> torch.Tensor:
         """weights [G, R, S] @ the slot values -> [G, R, d], in the stored basis; the scales
         weight the R x S weights instead of the S x d values (int4 codes on a CPU: the fused

@@ -35,8 +35,8 @@ from armkv.memory import kernels
 from armkv.memory.module import ARMModel
 from armkv.memory.pool import SlotPool
 from armkv.memory.read import (
-    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, fused_best_decode_read, fused_decode_read, fused_sparse_decode_read, gather_slots, gathered_read,
-    ranked_chunk_read, run_breaks, slots_of_buckets, sort_by_bucket,
+    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, fused_best_decode_read, fused_decode_read, fused_partial_decode_read, fused_sparse_decode_read, gather_slots, gathered_read,
+    partial_row_count, partial_rows, ranked_chunk_read, run_breaks, slots_of_buckets, sort_by_bucket,
 )
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
@@ -102,6 +102,7 @@ class ARMLayer(CacheLayer):
         self.waiting: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.waiting_steps = 0
         self._route_k = 0  # buckets routed (and gathered by a sparse read) per query: the largest M, +1 for the training mix
+        self._partial_rows = partial_row_count(config.partial_share, info.head_dim)  # read_rank="partial"'s key-code rows
 
     @property
     def state(self) -> MemoryState | None:
@@ -408,19 +409,21 @@ class ARMLayer(CacheLayer):
         the pre-RoPE queries (``Router.group_topm_buckets``), scored in the routers' dtype.
         q_pre [B, Hq, T, d] -> [B, H, T, m']."""
         router = self.memory.router
-        if self.config.read_rank == "best":  # (ties to the lower bucket id, as the fused kernel breaks them)
+        if self.config.read_rank != "tree":  # (ties to the lower bucket id, as the fused kernel breaks them)
             return best.sort(dim=-1, descending=True, stable=True).indices[..., : min(m, router.num_buckets)]
         B, Hq, T, d = q_pre.shape
         x = q_pre.reshape(B, self.info.num_kv_heads, -1, T, d).to(router.weight.dtype)
         return router.group_topm_buckets(x, m)[0]
 
     def _bucket_scores(self, query: torch.Tensor, scaling: float, keys: torch.Tensor | None = None) -> torch.Tensor | None:
-        """For ``read_rank="best"`` (None for the tree): each bucket's best logit, the largest
-        over its readable slots and the KV head's R query heads of q.k * scaling + log n
-        (``read.bucket_best``), in float32 from the stored codes, so that every read path picks
-        the same buckets. query [B, Hq, T, d] post-RoPE (or, with ``keys`` [B, H, S, d] given,
-        whatever the read scores those keys with) -> [B, H, T, N_b], -inf for an empty bucket."""
-        if self.config.read_rank != "best":
+        """For ``read_rank="best"`` and ``"partial"`` (None for the tree): each bucket's best
+        logit, the largest over its readable slots and the KV head's R query heads of
+        q.k * scaling + log n (``read.bucket_best``), in float32 from the stored codes, so that
+        every read path picks the same buckets; for ``"partial"`` and one decoded token, q.k
+        over the key-code rows of ``read.partial_rows`` only. query [B, Hq, T, d] post-RoPE
+        (or, with ``keys`` [B, H, S, d] given, whatever the read scores those keys with)
+        -> [B, H, T, N_b], -inf for an empty bucket."""
+        if self.config.read_rank == "tree":
             return None
         st = self._readable()
         B, Hq, T, d = query.shape
@@ -432,6 +435,10 @@ class ARMLayer(CacheLayer):
         bias = self._decode_bias().reshape(G, S)
         slot_bucket = st.bucket.reshape(G, S)
         num_buckets = self.memory.router.num_buckets
+        if keys is None and T == 1 and self.config.read_rank == "partial":  # a decoded token, a few rows of the codes
+            q = q.view(G, R, d)
+            logits = (st.partial_key_scores(q, partial_rows(q, self._partial_rows)) * scaling + bias.unsqueeze(1)).amax(1)
+            return bucket_best(logits.unsqueeze(1), slot_bucket, num_buckets).view(B, H, 1, -1)
         if keys is None and T == 1:  # a decoded token: the products from the codes (the fused kernel on a CPU)
             logits = (st.key_scores(q.view(G, R, d)) * scaling + bias.unsqueeze(1)).amax(1)
             return bucket_best(logits.unsqueeze(1), slot_bucket, num_buckets).view(B, H, 1, -1)
@@ -452,14 +459,16 @@ class ARMLayer(CacheLayer):
     def _reads_sparse(self, T: int, reads_all: bool) -> bool:
         """Whether this read gathers its buckets' slots (:meth:`_sparse_read`): one that may
         skip buckets (:meth:`_reads_top_m`) of at most SPARSE_MAX_QUERIES tokens; with
-        ``read_rank="best"`` one token only (a chunk scores every slot for its ranking anyway,
-        and :meth:`_ranked_chunk_read` reads with those scores instead of gathering per token)."""
-        return self._reads_top_m(reads_all) and T <= (1 if self.config.read_rank == "best" else SPARSE_MAX_QUERIES)
+        ``read_rank="best"`` or ``"partial"`` one token only (a chunk scores every slot for its
+        ranking anyway, and :meth:`_ranked_chunk_read` reads with those scores instead of
+        gathering per token)."""
+        return self._reads_top_m(reads_all) and T <= (SPARSE_MAX_QUERIES if self.config.read_rank == "tree" else 1)
 
     def _reads_ranked(self, reads_all: bool) -> bool:
         """Whether a read that does not gather is read by :meth:`_ranked_chunk_read`: one that
-        may skip buckets, ranked by ``read_rank="best"``."""
-        return self._reads_top_m(reads_all) and self.config.read_rank == "best"
+        may skip buckets, ranked by ``read_rank="best"`` (or ``"partial"``, whose chunks rank as
+        ``"best"``)."""
+        return self._reads_top_m(reads_all) and self.config.read_rank != "tree"
 
     def _ranked_chunk_read(self, query, key, value, valid, scaling, exact_k, exact_v, exact_valid) -> torch.Tensor:
         """:meth:`_chunk_read` at M < N_b with ``read_rank="best"``, each slot's logit computed
@@ -529,11 +538,16 @@ class ARMLayer(CacheLayer):
         kernel = kernels.fused_read(query, st.value) if fused and T == 1 and st.key_scale is not None else None
         if kernel is not None:  # one query on a CPU: ranked and read in one call (best), or routed, then read (tree)
             mix = self.mixing.to(query.dtype) if st.mixed else None
+            m = min(M, self.memory.router.num_buckets)
             if self.config.read_rank == "best":  # every slot scored once: the ranking's logits are the read's
-                m = min(M, self.memory.router.num_buckets)
                 return fused_best_decode_read(
                     kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
                     m, self.m.clamp_max(m).repeat_interleave(H),
+                )[0]
+            if self.config.read_rank == "partial":  # a few rows of every key to rank, the chosen buckets' keys whole
+                return fused_partial_decode_read(
+                    kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
+                    m, self.m.clamp_max(m).repeat_interleave(H), self._partial_rows,
                 )[0]
             buckets = self.memory.router.fused_group_topm(kernel, query, positions, self.rotary, M)
             if buckets is None:

@@ -380,6 +380,14 @@ __attribute__((target("avx2,fma"))) inline float affine_max_avx2(float* x, const
 }
 #endif
 
+// affine_max_avx2 where the CPU has it and `vectorised`, else the loop
+inline float affine_max(float* x, const float* bias, int64_t n, float scaling, bool vectorised) {
+#ifdef ARMKV_AVX2
+  if (vectorised && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return affine_max_avx2(x, bias, n, scaling);
+#endif
+  return affine_max_scalar(x, bias, n, scaling);
+}
+
 inline float exp_shift_sum_scalar(float* x, int64_t n, float peak) {
   float total = 0.0f;
   for (int64_t i = 0; i < n; ++i) total += (x[i] = std::exp(x[i] - peak));
@@ -976,6 +984,148 @@ __attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a,
   decode_tail<AVX>(b, mix_t, R, d, L, W, ngv, scaling, nullptr, w.cw.data(), w.exact_w.data(), w.tmp.data());
 }
 
+// ---------------------------------------------------------------- read_rank="partial"
+// The key-code rows a query ranks by (read.partial_rows): row c holds channels c and c + d/2
+// (one byte a slot of int4 codes, two rows of int8 ones); the n rows with the largest
+// sum over the R heads of q_c^2 + q_{c+d/2}^2, ties to the lower row, in increasing order
+inline void partial_rows(const float* qm, int64_t R, int64_t d, int64_t n, std::vector<float>& energy,
+                         std::vector<int64_t>& rows) {
+  const int64_t half = d / 2;
+  energy.assign(half, 0.0f);
+  std::vector<float> hi(half, 0.0f);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < half; ++c) {
+      energy[c] += qm[r * d + c] * qm[r * d + c];
+      hi[c] += qm[r * d + c + half] * qm[r * d + c + half];
+    }
+  for (int64_t c = 0; c < half; ++c) energy[c] += hi[c];
+  rows.resize(half);
+  for (int64_t c = 0; c < half; ++c) rows[c] = c;
+  std::partial_sort(rows.begin(), rows.begin() + n, rows.end(), [&](int64_t a, int64_t b) {
+    return energy[a] > energy[b] || (energy[a] == energy[b] && a < b);
+  });
+  rows.resize(n);
+  std::sort(rows.begin(), rows.end());  // (the rows are then read in memory order)
+}
+
+// top [S]: each slot's partial logit, the largest over the R heads of (q.k over the channels
+// of `rows` only) * scaling + bias[s], from slot `first` on (int4 codes [d/2, S], scales
+// [S, ng]; int8 codes [d, S], one scale a slot): what read_rank="partial" ranks buckets by.
+// glo, ghi [n]: the scale group of each row's two channels, c and c + d/2
+inline void partial_top_scalar(const float* q, const void* codes_, bool int8_keys, const float* scale, const float* bias,
+                               float scaling, float* top, int64_t R, int64_t d, int64_t S, int64_t ng, const int64_t* rows,
+                               const int64_t* glo, const int64_t* ghi, int64_t n, int64_t first = 0) {
+  const int64_t half = d / 2;
+  for (int64_t s = first; s < S; ++s) {
+    float peak = -std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < R; ++r) {
+      float total = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t c = rows[j];
+        float lo, hi;
+        if (int8_keys) {
+          const auto* codes = static_cast<const int8_t*>(codes_);
+          lo = static_cast<float>(codes[c * S + s]) * scale[s], hi = static_cast<float>(codes[(c + half) * S + s]) * scale[s];
+        } else {
+          const uint8_t b = static_cast<const uint8_t*>(codes_)[c * S + s];
+          lo = low_nibble(b) * scale[s * ng + glo[j]], hi = high_nibble(b) * scale[s * ng + ghi[j]];
+        }
+        total += q[r * d + c] * lo + q[r * d + c + half] * hi;
+      }
+      peak = std::max(peak, total * scaling + bias[s]);
+    }
+    top[s] = peak;
+  }
+}
+
+#ifdef ARMKV_AVX2
+constexpr int kMaxGroups = 16;  // scale groups of a key the vector loop holds (d / 32 at d = 512)
+
+template <int RR>
+__attribute__((target("avx2,fma"))) void partial_top_avx2_r(const float* q, const void* codes_, bool int8_keys,
+                                                           const float* scale, const float* bias, float scaling, float* top,
+                                                           int64_t R_, int64_t d, int64_t S, int64_t ng, const int64_t* rows,
+                                                           const int64_t* glo, const int64_t* ghi, int64_t n) {
+  const int64_t R = heads<RR>(R_), half = d / 2, full = S / 8 * 8;
+  const __m256i stride = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(ng)));
+  const __m256 f = _mm256_set1_ps(scaling);
+  for (int64_t s0 = 0; s0 < full; s0 += 8) {
+    __m256 res[kAcc<RR>], sg[kMaxGroups];
+    for (int64_t r = 0; r < R; ++r) res[r] = _mm256_setzero_ps();
+    if (int8_keys)
+      sg[0] = _mm256_loadu_ps(scale + s0);
+    else
+      for (int64_t g = 0; g < ng; ++g) sg[g] = _mm256_i32gather_ps(scale + s0 * ng + g, stride, 4);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t c = rows[j];
+      __m256 lo, hi;
+      if (int8_keys) {
+        const auto* codes = static_cast<const int8_t*>(codes_);
+        lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c * S + s0))));
+        hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (c + half) * S + s0))));
+        lo = _mm256_mul_ps(lo, sg[0]), hi = _mm256_mul_ps(hi, sg[0]);
+      } else {
+        decode8(static_cast<const uint8_t*>(codes_) + c * S + s0, lo, hi);
+        lo = _mm256_mul_ps(lo, sg[glo[j]]), hi = _mm256_mul_ps(hi, sg[ghi[j]]);
+      }
+      for (int64_t r = 0; r < R; ++r)
+        res[r] = _mm256_fmadd_ps(_mm256_set1_ps(q[r * d + c]), lo, _mm256_fmadd_ps(_mm256_set1_ps(q[r * d + c + half]), hi, res[r]));
+    }
+    const __m256 b = _mm256_loadu_ps(bias + s0);
+    __m256 peak = _mm256_add_ps(_mm256_mul_ps(res[0], f), b);  // (a product, then a sum: as the reference rounds)
+    for (int64_t r = 1; r < R; ++r) peak = _mm256_max_ps(peak, _mm256_add_ps(_mm256_mul_ps(res[r], f), b));
+    _mm256_storeu_ps(top + s0, peak);
+  }
+  partial_top_scalar(q, codes_, int8_keys, scale, bias, scaling, top, R, d, S, ng, rows, glo, ghi, n, full);  // the last S % 8
+}
+#endif
+
+inline void partial_top(const float* q, const void* codes, bool int8_keys, const float* scale, const float* bias,
+                        float scaling, float* top, int64_t R, int64_t d, int64_t S, int64_t ng, const int64_t* rows,
+                        int64_t n, std::vector<int64_t>& groups, bool vectorised) {
+  const int64_t gs = int8_keys ? d : d / ng, half = d / 2;
+  groups.resize(2 * n);
+  for (int64_t j = 0; j < n; ++j) groups[j] = rows[j] / gs, groups[n + j] = (rows[j] + half) / gs;
+  const int64_t *glo = groups.data(), *ghi = groups.data() + n;
+#ifdef ARMKV_AVX2
+  if (vectorised && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && R <= kMaxRep &&
+      (int8_keys || ng <= kMaxGroups))
+    ARMKV_BY_HEADS(partial_top_avx2_r, R, q, codes, int8_keys, scale, bias, scaling, top, R, d, S, ng, rows, glo, ghi, n)
+#endif
+  partial_top_scalar(q, codes, int8_keys, scale, bias, scaling, top, R, d, S, ng, rows, glo, ghi, n);
+}
+
+#ifdef ARMKV_AVX2
+// the largest of x [n], 8 at a time (a maximum is exact: any order gives the same)
+__attribute__((target("avx2"))) inline float max_avx2(const float* x, int64_t n) {
+  __m256 acc = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_max_ps(acc, _mm256_loadu_ps(x + i));
+  alignas(32) float part[8];
+  _mm256_store_ps(part, acc);
+  float peak = part[0];
+  for (int k = 1; k < 8; ++k) peak = std::max(peak, part[k]);
+  for (; i < n; ++i) peak = std::max(peak, x[i]);
+  return peak;
+}
+#endif
+
+// bucket_maxima; a pool laid bucket by bucket (listed = 0) takes each bucket's run 8 at a time
+inline void bucket_maxima_fast(const float* top, const int32_t* ord, int64_t listed, const int32_t* st, const int32_t* sz,
+                               int64_t nb, int64_t S, float* best, const char* name, bool vectorised) {
+#ifdef ARMKV_AVX2
+  if (!listed && vectorised && __builtin_cpu_supports("avx2")) {
+    for (int64_t k = 0; k < nb; ++k) {
+      const int64_t p0 = st[k], n = sz[k];
+      TORCH_CHECK(p0 >= 0 && n >= 0 && p0 + n <= S, name, ": a bucket's list runs past order");
+      best[k] = max_avx2(top + p0, n);
+    }
+    return;
+  }
+#endif
+  bucket_maxima(top, ord, listed, st, sz, nb, S, best, name);
+}
+
 #define ARMKV_BEST_ARGS                                                                                             \
   const DecodeGroup &a, const float *mix, const float *mix_t, bool int8_keys, int64_t R, int64_t d, int64_t L,     \
       int64_t S, int64_t ngk, int64_t ngv, float scaling, const int32_t *ord, int64_t listed, const int32_t *st,   \
@@ -1247,6 +1397,46 @@ torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::T
 // makes each bucket one run of consecutive slots: the copy is then a memcpy per run and
 // channel row, and costs a fraction of reading those bytes. The other inputs and the
 // result as arm_decode_read's.
+// Per-thread buffers of sparse_group and partial_group
+struct SparseScratch {
+  std::vector<float> qm, exact_w, tmp, slot_w, ks, vs, bias, energy, top, best;
+  std::vector<uint8_t> kc, vc;
+  std::vector<int64_t> run_start, run_len, rows, idx;
+};
+
+// One group of arm_sparse_decode_read: the slots of the first `count` of `chosen` buckets,
+// their codes, scales and biases copied out run by run (key codes are channel-major, a row of
+// S bytes a channel; everything else slot-major), then read as arm_decode_read reads a pool
+void sparse_group(DecodeInputs& in, int64_t g, float* out, const int32_t* ORD, int64_t listed, const int32_t* ST,
+                  const int32_t* SZ, int64_t nb, const int64_t* chosen, int64_t count, double scaling, bool vectorised,
+                  SparseScratch& w, const char* name) {
+  const int64_t R = in.R, d = in.d, L = in.L, S = in.S, ngk = in.ngk, ngv = in.ngv;
+  const int64_t rows = in.int8_keys ? d : d / 2, half = d / 2;  // key code rows: a byte a slot each
+  const auto* KC = static_cast<const uint8_t*>(in.kc.data_ptr());  // int8 or uint8 codes: bytes alike
+  const uint8_t* VC = in.vc.data_ptr<uint8_t>();
+  const float *KS = in.ks.data_ptr<float>(), *VS = in.vs.data_ptr<float>(), *B = in.b.data_ptr<float>();
+  const int64_t W = armkv::bucket_runs(ORD, listed, ST, SZ, nb, chosen, count, S, w.run_start, w.run_len, name);
+  w.kc.resize(std::max<int64_t>(rows * W, 1));
+  w.vc.resize(std::max<int64_t>(W * half, 1));
+  w.ks.resize(std::max<int64_t>(W * ngk, 1));
+  w.vs.resize(std::max<int64_t>(W * ngv, 1));
+  w.bias.resize(std::max<int64_t>(W, 1));
+  w.slot_w.resize(R * std::max<int64_t>(W, 1));
+  w.qm.resize(R * d), w.exact_w.resize(R * (L + 1)), w.tmp.resize(R * d);
+  const uint8_t* kc_g = KC + g * rows * S;
+  for (size_t r = 0, at = 0; r < w.run_start.size(); at += w.run_len[r], ++r) {
+    const int64_t s0 = w.run_start[r], n = w.run_len[r];
+    for (int64_t c = 0; c < rows; ++c) std::memcpy(w.kc.data() + c * W + at, kc_g + c * S + s0, n);
+    std::memcpy(w.vc.data() + at * half, VC + (g * S + s0) * half, n * half);
+    std::memcpy(w.ks.data() + at * ngk, KS + (g * S + s0) * ngk, n * ngk * sizeof(float));
+    std::memcpy(w.vs.data() + at * ngv, VS + (g * S + s0) * ngv, n * ngv * sizeof(float));
+    std::memcpy(w.bias.data() + at, B + g * S + s0, n * sizeof(float));
+  }
+  armkv::decode_group(in.group(g, out, w.kc.data(), w.ks.data(), w.vc.data(), w.vs.data(), w.bias.data()), in.MX, in.MXT,
+                      in.int8_keys, R, d, L, W, ngk, ngv, static_cast<float>(scaling), w.qm.data(), w.slot_w.data(),
+                      w.exact_w.data(), w.tmp.data(), vectorised);
+}
+
 torch::Tensor arm_sparse_decode_read(torch::Tensor query, torch::Tensor own_k, torch::Tensor own_v, torch::Tensor own_ok,
                                      torch::Tensor exact_k, torch::Tensor exact_v, torch::Tensor exact_ok,
                                      torch::Tensor key_codes, torch::Tensor key_scale, torch::Tensor value_codes,
@@ -1255,7 +1445,7 @@ torch::Tensor arm_sparse_decode_read(torch::Tensor query, torch::Tensor own_k, t
                                      torch::Tensor take, bool vectorised) {
   DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
                   mix, "arm_sparse_decode_read");
-  const int64_t G = in.G, R = in.R, d = in.d, L = in.L, S = in.S, ngk = in.ngk, ngv = in.ngv;
+  const int64_t G = in.G, R = in.R, d = in.d, S = in.S;
   auto ord = order.to(torch::kInt32).contiguous(), st = start.to(torch::kInt32).contiguous();
   auto sz = size.to(torch::kInt32).contiguous(), bk = buckets.to(torch::kInt64).contiguous();
   auto tk = take.to(torch::kInt64).contiguous();
@@ -1263,45 +1453,67 @@ torch::Tensor arm_sparse_decode_read(torch::Tensor query, torch::Tensor own_k, t
                   sz.sizes() == st.sizes() && bk.dim() == 2 && bk.size(0) == G && tk.dim() == 1 && tk.size(0) == G,
               "arm_sparse_decode_read: order [G, <= S], start and size [G, N_b], buckets [G, M], take [G]");
   const int64_t nb = st.size(1), M = bk.size(1), listed = ord.size(1);
-  const int64_t rows = in.int8_keys ? d : d / 2, half = d / 2;  // key code rows: a byte a slot each
-  const auto* ORD = ord.data_ptr<int32_t>();
-  const auto *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
-  const int64_t* BK = bk.data_ptr<int64_t>();
-  const int64_t* TK = tk.data_ptr<int64_t>();
-  const auto* KC = static_cast<const uint8_t*>(in.kc.data_ptr());  // int8 or uint8 codes: bytes alike
-  const uint8_t* VC = in.vc.data_ptr<uint8_t>();
-  const float *KS = in.ks.data_ptr<float>(), *VS = in.vs.data_ptr<float>(), *B = in.b.data_ptr<float>();
+  const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
+  const int64_t *BK = bk.data_ptr<int64_t>(), *TK = tk.data_ptr<int64_t>();
   auto out = torch::empty({G, R, d}, in.q.options());
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> qm(R * d), exact_w(R * (L + 1)), tmp(R * d), slot_w, ks, vs, bias;
-    std::vector<uint8_t> kc, vc;
-    std::vector<int64_t> run_start, run_len;
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t W = armkv::bucket_runs(ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, BK + g * M,
-                                           std::min(TK[g], M), S, run_start, run_len, "arm_sparse_decode_read");
-      // their codes, scales and biases copied out run by run: key codes are channel-major
-      // (a row of S bytes a channel), everything else slot-major
-      kc.resize(std::max<int64_t>(rows * W, 1));
-      vc.resize(std::max<int64_t>(W * half, 1));
-      ks.resize(std::max<int64_t>(W * ngk, 1));
-      vs.resize(std::max<int64_t>(W * ngv, 1));
-      bias.resize(std::max<int64_t>(W, 1));
-      slot_w.resize(R * std::max<int64_t>(W, 1));
-      const uint8_t* kc_g = KC + g * rows * S;
-      for (size_t r = 0, at = 0; r < run_start.size(); at += run_len[r], ++r) {
-        const int64_t s0 = run_start[r], n = run_len[r];
-        for (int64_t c = 0; c < rows; ++c) std::memcpy(kc.data() + c * W + at, kc_g + c * S + s0, n);
-        std::memcpy(vc.data() + at * half, VC + (g * S + s0) * half, n * half);
-        std::memcpy(ks.data() + at * ngk, KS + (g * S + s0) * ngk, n * ngk * sizeof(float));
-        std::memcpy(vs.data() + at * ngv, VS + (g * S + s0) * ngv, n * ngv * sizeof(float));
-        std::memcpy(bias.data() + at, B + g * S + s0, n * sizeof(float));
-      }
-      armkv::decode_group(in.group(g, out.data_ptr<float>() + g * R * d, kc.data(), ks.data(), vc.data(), vs.data(), bias.data()),
-                          in.MX, in.MXT, in.int8_keys, R, d, L, W, ngk, ngv, static_cast<float>(scaling), qm.data(),
-                          slot_w.data(), exact_w.data(), tmp.data(), vectorised);
-    }
+    SparseScratch w;
+    for (int64_t g = g0; g < g1; ++g)
+      sparse_group(in, g, out.data_ptr<float>() + g * R * d, ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, BK + g * M,
+                   std::min(TK[g], M), scaling, vectorised, w, "arm_sparse_decode_read");
   });
   return out;
+}
+
+// The decode read of read_rank="partial" (ARMLayer._sparse_read, one query): each group's
+// buckets ranked by their best partial logit, q.k over the n key-code rows where the query
+// (in the slots' basis) is largest (armkv::partial_rows), times the scaling plus the bias,
+// the largest over the slots a bucket lists and the R heads; the first take [G] of the m best
+// buckets then read as arm_sparse_decode_read reads them (every key of theirs scored whole).
+// Arguments as arm_sparse_decode_read's, m and n for its buckets -> (out [G, R, d], buckets
+// [G, m] best first, ties to the lower id)
+std::vector<torch::Tensor> arm_partial_decode_read(torch::Tensor query, torch::Tensor own_k, torch::Tensor own_v,
+                                                   torch::Tensor own_ok, torch::Tensor exact_k, torch::Tensor exact_v,
+                                                   torch::Tensor exact_ok, torch::Tensor key_codes, torch::Tensor key_scale,
+                                                   torch::Tensor value_codes, torch::Tensor value_scale, torch::Tensor bias,
+                                                   torch::Tensor mix, double scaling, torch::Tensor order, torch::Tensor start,
+                                                   torch::Tensor size, int64_t m, torch::Tensor take, int64_t n,
+                                                   bool vectorised) {
+  DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
+                  mix, "arm_partial_decode_read");
+  const int64_t G = in.G, R = in.R, d = in.d, S = in.S;
+  auto ord = order.to(torch::kInt32).contiguous(), st = start.to(torch::kInt32).contiguous();
+  auto sz = size.to(torch::kInt32).contiguous(), tk = take.to(torch::kInt64).contiguous();
+  TORCH_CHECK(ord.dim() == 2 && ord.size(0) == G && ord.size(1) <= S && st.dim() == 2 && st.size(0) == G &&
+                  sz.sizes() == st.sizes() && tk.dim() == 1 && tk.size(0) == G && m >= 1 && m <= st.size(1) && n >= 1 &&
+                  n <= d / 2,
+              "arm_partial_decode_read: order [G, <= S], start and size [G, N_b], take [G], 1 <= m <= N_b, 1 <= n <= d / 2");
+  const int64_t nb = st.size(1), listed = ord.size(1);
+  const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
+  const int64_t* TK = tk.data_ptr<int64_t>();
+  auto out = torch::empty({G, R, d}, in.q.options());
+  auto buckets = torch::empty({G, m}, in.q.options().dtype(torch::kInt64));
+  const float* B = in.b.data_ptr<float>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    SparseScratch w;
+    w.qm.resize(R * d), w.top.resize(std::max<int64_t>(S, 1)), w.best.resize(nb);
+    for (int64_t g = g0; g < g1; ++g) {
+      const armkv::DecodeGroup a = in.group(g, nullptr);
+      armkv::mix_query(a.q, in.MX, R, d, w.qm.data());
+      armkv::partial_rows(w.qm.data(), R, d, n, w.energy, w.rows);
+      float* top = w.top.data();
+      armkv::partial_top(w.qm.data(), a.key_codes, in.int8_keys, a.key_scale, B + g * S, static_cast<float>(scaling), top, R, d,
+                         S, in.ngk, w.rows.data(), n, w.idx, vectorised);
+      armkv::bucket_maxima_fast(top, ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, S, w.best.data(),
+                                "arm_partial_decode_read", vectorised);
+      armkv::top_buckets(w.best.data(), nb, m, w.idx);
+      int64_t* chosen = buckets.data_ptr<int64_t>() + g * m;
+      std::copy(w.idx.begin(), w.idx.begin() + m, chosen);
+      sparse_group(in, g, out.data_ptr<float>() + g * R * d, ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, chosen,
+                   std::min(TK[g], m), scaling, vectorised, w, "arm_partial_decode_read");
+    }
+  });
+  return {out, buckets};
 }
 
 // The m best buckets of each group of R query heads that share a KV head, for one decoded
@@ -1579,6 +1791,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("exact_ok"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
         py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("order"), py::arg("start"), py::arg("size"),
         py::arg("m"), py::arg("take"), py::arg("vectorised") = true);
+  m.def("arm_partial_decode_read", &arm_partial_decode_read,
+        "the decode read of read_rank=partial: the m best buckets by their best logit over the query's n largest key-code rows read",
+        py::arg("query"), py::arg("own_k"), py::arg("own_v"), py::arg("own_ok"), py::arg("exact_k"), py::arg("exact_v"),
+        py::arg("exact_ok"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
+        py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("order"), py::arg("start"), py::arg("size"),
+        py::arg("m"), py::arg("take"), py::arg("n"), py::arg("vectorised") = true);
   m.def("group_leaf_topm", &group_leaf_topm, "the top-m buckets of each KV head's query group for one decoded token",
         py::arg("query"), py::arg("pos"), py::arg("inv_freq"), py::arg("rope_scaling"), py::arg("weight"), py::arg("read_bias"),
         py::arg("read_scale"), py::arg("paths"), py::arg("branching"), py::arg("m"));
