@@ -235,3 +235,10 @@ def test_bench_ops_times_the_int4_read_against_pytorch(capsys, one_thread):
     chunk = result["chunk_read_ms_per_layer"]
     assert set(chunk) == {"37", "8"}  # this torch has the CPU flash op (test_methods checks the split form)
     assert all(r["max_abs_diff"] < 1e-4 and r["split_ms"] > 0 and r["one_call_ms"] > 0 for r in chunk.values())
+
+
+def test_bench_ops_refuses_an_unknown_ranking_before_timing(capsys):
+    """A misspelt --sparse-ranks fails at once with the rankings there are, not after the scan timing."""
+    assert cli_main(["bench", "ops", "--sparse-ranks", "best,partal"]) == 2
+    err = capsys.readouterr().err
+    assert "--sparse-ranks partal" in err and "best, partial, tree" in err and "scan of" not in err

@@ -58,12 +58,14 @@ def test_bucket_best_is_each_buckets_largest_score(G, T, S, nb, dtype):
                 assert float(got[gi, t, b]) == max(mine, default=-float("inf"))
 
 
-@pytest.mark.parametrize("read_rank,finds", [("best", True), ("tree", False)])
+@pytest.mark.parametrize("read_rank,finds", [("best", True), ("partial", True), ("tree", False)])
 def test_a_needle_is_read_from_one_bucket_when_the_ranking_is_the_best_logit(read_rank, finds):
     """A slot's key direction as the query of its KV head (a needle the query retrieves): at
     M = 1, the "best" ranking reads the bucket of the slot with the largest logit (computed
-    here from the dequantised keys, + log n); the tree's routing of a random tree, which never
-    sees the slots, misses some."""
+    here from the dequantised keys, + log n); so does "partial" for a query whose energy lies
+    in as many key-code rows as it reads (the needle's largest, in the slots' basis), whose
+    partial logits are then its logits; the tree's routing of a random tree, which never sees
+    the slots, misses some."""
     _, layer = _layer_with_memory(torch.float32, {"slot_format": "k4v4", "read_rank": read_rank})
     st = layer._readable()
     B, H = layer.buffer.sink_k.shape[:2]
@@ -75,8 +77,17 @@ def test_a_needle_is_read_from_one_bucket_when_the_ranking_is_the_best_logit(rea
     for needle in range(st.slots):
         if not st.count[0, needle] > 0:
             continue
+        direction = keys[0, needle]
+        if read_rank == "partial":  # the needle's key on its layer._partial_rows largest rows only
+            stored = st.kv(torch.float32, unmix=False)[0][0, needle]
+            energy = stored[: d // 2].square() + stored[d // 2 :].square()
+            rows = energy.topk(layer._partial_rows).indices
+            kept = torch.zeros(d, dtype=torch.bool)
+            kept[rows], kept[rows + d // 2] = True, True
+            direction = torch.where(kept, stored, 0.0)
+            direction = direction @ layer.mixing.T if st.mixed else direction
         query = torch.zeros(B, Hq, 1, d)
-        query[0, : Hq // H] = 40 * keys[0, needle] / keys[0, needle].norm()  # KV head 0 of row 0
+        query[0, : Hq // H] = 40 * direction / direction.norm()  # KV head 0 of row 0
         logits = keys[0] @ query[0, 0, 0] * d**-0.5 + bias[0]
         best = int(logits.argmax())
         picked = layer._group_buckets(1, query, layer._bucket_scores(query, d**-0.5))[0, 0, 0, 0]
@@ -202,7 +213,8 @@ def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overri
     assert index.width(3) <= layer._readable().slots
 
 
-def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch):
+@pytest.mark.parametrize("read_rank", ["best", "partial"])
+def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch, read_rank):
     """Whole model, prefill in chunks then decoding (writes between the reads): the logits
     with the gathered reads equal those with every read masked over the whole pool."""
     model = tiny_model("llama").eval()
@@ -210,7 +222,7 @@ def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch):
 
     def run():
         cache = make_cache(model, "arm", budget=96, chunk=16, adapter="random",
-                           arm_overrides={"sync": 3, "top_m": "fixed", "m_fixed": 2})
+                           arm_overrides={"sync": 3, "top_m": "fixed", "m_fixed": 2, "read_rank": read_rank})
         outs = []
         with torch.no_grad():
             logits = model(ids[:, :200], past_key_values=cache, use_cache=True).logits

@@ -54,7 +54,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--int4-slots", default="2706,8295",
                         help="pool sizes for the int4 read timing (2706: budget 512, d = 64; 8295: the largest calibrated share)")
     parser.add_argument("--sparse-budgets", default="2048,4096,8192", help="budgets for the sparse read timing (full pools)")
-    parser.add_argument("--sparse-ranks", default="best,tree", help="bucket rankings (read_rank) for the sparse read timing")
+    parser.add_argument("--sparse-ranks", default="best,partial,tree", help="bucket rankings (read_rank) for the sparse read timing")
     parser.add_argument("--sparse-fraction", type=int, default=8, help="the sparse read's M = N_b / this")
     parser.add_argument("--sparse-queries", default="1,16,64", help="tokens per read for the sparse read timing")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point")
@@ -227,7 +227,7 @@ def _full_arm_layer(budget: int, fraction: int, seed: int = 0, read_rank: str = 
 
 
 def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], repeats: int,
-                      ranks: tuple[str, ...] = ("best", "tree")) -> dict:
+                      ranks: tuple[str, ...] = ("best", "partial", "tree")) -> dict:
     """Per budget and bucket ranking (``read_rank``): microseconds per layer of the layer's read
     at M = N_b / fraction, the dense read of every slot (one query) and the masked read at M,
     and the share of the pool gathered."""
@@ -308,6 +308,13 @@ def bench_chunk_read(states: list[int], chunk: int, kv_heads: int, head_dim: int
 
 def main(args) -> int:
     global _clock
+    from armkv.config import CHOICES
+    from armkv.errors import ArmkvError
+
+    ranks = tuple(r for r in args.sparse_ranks.split(",") if r)
+    unknown = [r for r in ranks if r not in CHOICES["read_rank"]]
+    if unknown:
+        raise ArmkvError(f"--sparse-ranks {','.join(unknown)}: not a read_rank; use any of {', '.join(CHOICES['read_rank'])}")
     _clock = CLOCK[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -334,7 +341,6 @@ def main(args) -> int:
             log(f"| {n} | {r['fused_us']:.0f} | {r['pytorch_us']:.0f} | {r['speedup']:.1f}x |")
     else:
         log("int4 read: the fused kernel is not available here (see the warning); not timed")
-    ranks = tuple(r for r in args.sparse_ranks.split(",") if r)
     sparse = bench_sparse_read([int(b) for b in args.sparse_budgets.split(",") if b], args.sparse_fraction,
                                [int(t) for t in args.sparse_queries.split(",") if t], max(args.repeats, 10), ranks)
     log(f"| budget | ranking | slots | M / N_b | gathered share | T | sparse us | dense us (every slot) | masked us | vs dense | vs masked | max diff |\n"

@@ -101,7 +101,8 @@ def read_errors(
 
     t = torch.arange(T, device=device)
     in_memory = (t.view(1, T) >= sinks) & (t.view(1, T) < t.view(T, 1) - window)  # [query, key]
-    rotary = model_rotary(model) if config.read_rank == "best" else None
+    # (read_rank="partial" ranks as "best" here: its chunks do, and its decoded tokens approximate it)
+    rotary = model_rotary(model) if config.read_rank != "tree" else None
     errors, pooled = [], []
     for i, memory in enumerate(arm.layers):
         router = memory.router.to(device)

@@ -1041,35 +1041,62 @@ inline void partial_top_scalar(const float* q, const void* codes_, bool int8_key
 #ifdef ARMKV_AVX2
 constexpr int kMaxGroups = 16;  // scale groups of a key the vector loop holds (d / 32 at d = 512)
 
+// the scales of slots [s0, s0 + 8) of each of the ng groups (scale [S, ng]): one load for one
+// group, two loads and a de-interleave for two, gathers beyond
+__attribute__((target("avx2,fma"))) inline void block_scales(const float* scale, int64_t s0, int64_t ng, __m256* sg) {
+  if (ng == 1) {
+    sg[0] = _mm256_loadu_ps(scale + s0);
+  } else if (ng == 2) {
+    const __m256 a = _mm256_loadu_ps(scale + 2 * s0), b = _mm256_loadu_ps(scale + 2 * s0 + 8);
+    sg[0] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))), 0xD8));
+    sg[1] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))), 0xD8));
+  } else {
+    const __m256i stride = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(ng)));
+    for (int64_t g = 0; g < ng; ++g) sg[g] = _mm256_i32gather_ps(scale + s0 * ng + g, stride, 4);
+  }
+}
+
+// 8 slots a block; the rows (increasing) taken in runs that share their two scale groups, each
+// run's products summed before its scales multiply them (as key_scores_block8 does)
 template <int RR>
 __attribute__((target("avx2,fma"))) void partial_top_avx2_r(const float* q, const void* codes_, bool int8_keys,
                                                            const float* scale, const float* bias, float scaling, float* top,
                                                            int64_t R_, int64_t d, int64_t S, int64_t ng, const int64_t* rows,
                                                            const int64_t* glo, const int64_t* ghi, int64_t n) {
   const int64_t R = heads<RR>(R_), half = d / 2, full = S / 8 * 8;
-  const __m256i stride = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(ng)));
   const __m256 f = _mm256_set1_ps(scaling);
+  const int64_t width = int8_keys ? 1 : 0;  // int8 codes: each channel its own row
   for (int64_t s0 = 0; s0 < full; s0 += 8) {
+    // the chosen rows' lines kPrefetchAhead bytes ahead, once per line (as key_scores_avx2_r)
+    if (s0 % 64 == 0 && s0 + kPrefetchAhead < S)
+      for (int64_t j = 0; j < n; ++j) {
+        const auto* base = static_cast<const uint8_t*>(codes_) + s0 + kPrefetchAhead;
+        _mm_prefetch(reinterpret_cast<const char*>(base + rows[j] * S), _MM_HINT_T0);
+        if (width) _mm_prefetch(reinterpret_cast<const char*>(base + (rows[j] + half) * S), _MM_HINT_T0);
+      }
     __m256 res[kAcc<RR>], sg[kMaxGroups];
     for (int64_t r = 0; r < R; ++r) res[r] = _mm256_setzero_ps();
-    if (int8_keys)
-      sg[0] = _mm256_loadu_ps(scale + s0);
-    else
-      for (int64_t g = 0; g < ng; ++g) sg[g] = _mm256_i32gather_ps(scale + s0 * ng + g, stride, 4);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t c = rows[j];
-      __m256 lo, hi;
-      if (int8_keys) {
-        const auto* codes = static_cast<const int8_t*>(codes_);
-        lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c * S + s0))));
-        hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (c + half) * S + s0))));
-        lo = _mm256_mul_ps(lo, sg[0]), hi = _mm256_mul_ps(hi, sg[0]);
-      } else {
-        decode8(static_cast<const uint8_t*>(codes_) + c * S + s0, lo, hi);
-        lo = _mm256_mul_ps(lo, sg[glo[j]]), hi = _mm256_mul_ps(hi, sg[ghi[j]]);
+    block_scales(scale, s0, int8_keys ? 1 : ng, sg);
+    for (int64_t j = 0; j < n;) {
+      const int64_t gl = glo[j], gh = ghi[j];
+      __m256 alo[kAcc<RR>], ahi[kAcc<RR>];
+      for (int64_t r = 0; r < R; ++r) alo[r] = ahi[r] = _mm256_setzero_ps();
+      for (; j < n && glo[j] == gl && ghi[j] == gh; ++j) {
+        const int64_t c = rows[j];
+        __m256 lo, hi;
+        if (int8_keys) {
+          const auto* codes = static_cast<const int8_t*>(codes_);
+          lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c * S + s0))));
+          hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (c + half) * S + s0))));
+        } else {
+          decode8(static_cast<const uint8_t*>(codes_) + c * S + s0, lo, hi);
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          alo[r] = _mm256_fmadd_ps(_mm256_set1_ps(q[r * d + c]), lo, alo[r]);
+          ahi[r] = _mm256_fmadd_ps(_mm256_set1_ps(q[r * d + c + half]), hi, ahi[r]);
+        }
       }
-      for (int64_t r = 0; r < R; ++r)
-        res[r] = _mm256_fmadd_ps(_mm256_set1_ps(q[r * d + c]), lo, _mm256_fmadd_ps(_mm256_set1_ps(q[r * d + c + half]), hi, res[r]));
+      for (int64_t r = 0; r < R; ++r) res[r] = _mm256_fmadd_ps(alo[r], sg[gl], _mm256_fmadd_ps(ahi[r], sg[gh], res[r]));
     }
     const __m256 b = _mm256_loadu_ps(bias + s0);
     __m256 peak = _mm256_add_ps(_mm256_mul_ps(res[0], f), b);  // (a product, then a sum: as the reference rounds)
