@@ -17,7 +17,8 @@ CASES = {
     "kivi": dict(budget=64, group=4, residual=8),
     "arm": dict(budget=48, arm_overrides={"sync": 4}),
     "arm-routed": dict(budget=48, arm_overrides={"sync": 4, "top_m": "fixed", "m_fixed": 2}),
-    "arm-partial": dict(budget=48, arm_overrides={"sync": 4, "top_m": "fixed", "m_fixed": 2, "read_rank": "partial"}),
+    "arm-partial": dict(budget=48, arm_overrides={"sync": 4, "top_m": "fixed", "m_fixed": 2, "read_rank": "partial",
+                                          "slot_mixing": False}),
     "arm-tree": dict(budget=48, arm_overrides={"sync": 4, "top_m": "fixed", "m_fixed": 2, "read_rank": "tree"}),
     "fifo": dict(budget=48),
 }

@@ -365,7 +365,9 @@ def test_bad_inputs_name_the_argument():
         ARMConfig(depth=2, branching=2, m_max=5)
     for share in (0.0, 1.5):
         with pytest.raises(ArmkvError, match="partial_share"):
-            ARMConfig(read_rank="partial", partial_share=share)
+            ARMConfig(read_rank="partial", partial_share=share, slot_mixing=False)
+    with pytest.raises(ArmkvError, match="slot_mixing=false"):
+        ARMConfig(read_rank="partial")
     with pytest.raises(ArmkvError, match="budget"):
         ARMConfig.for_budget(1, 64)
 

@@ -66,7 +66,7 @@ def test_a_needle_is_read_from_one_bucket_when_the_ranking_is_the_best_logit(rea
     in as many key-code rows as it reads (the needle's largest, in the slots' basis), whose
     partial logits are then its logits; the tree's routing of a random tree, which never sees
     the slots, misses some."""
-    _, layer = _layer_with_memory(torch.float32, {"slot_format": "k4v4", "read_rank": read_rank})
+    _, layer = _layer_with_memory(torch.float32, {"slot_format": "k4v4", **_rank(read_rank)})
     st = layer._readable()
     B, H = layer.buffer.sink_k.shape[:2]
     Hq, d = layer.info.num_heads, layer.info.head_dim
@@ -137,6 +137,11 @@ def test_group_routing_is_the_mean_path_probability_of_the_group(depth, m):
     assert torch.equal(one, router.topm_buckets(x[:, :, 0], m)[0])
 
 
+def _rank(read_rank: str) -> dict:
+    """The overrides that select a ranking ("partial" needs unmixed slots)."""
+    return {"read_rank": read_rank, **({"slot_mixing": False} if read_rank == "partial" else {})}
+
+
 def _layer_with_memory(dtype, overrides, seed=1):
     """Layer 1 of a tiny model's arm cache after a prompt and a few decode steps: merged
     slots, tokens waiting, a left-padded row."""
@@ -188,7 +193,7 @@ def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overri
     dequantised alike); bf16 2e-2 and fp16 2e-3 (products and softmax in the model's dtype,
     rounded at other points). Every ranking picks the same buckets in both reads ("partial"
     one decoded token's from a quarter of the key-code rows, a chunk's as "best")."""
-    model, layer = _layer_with_memory(dtype, {**overrides, "read_rank": read_rank})
+    model, layer = _layer_with_memory(dtype, {**overrides, **_rank(read_rank)})
     query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=1)
     exact = layer._exact()
     for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):  # rows may read fewer buckets than the widest
@@ -222,7 +227,7 @@ def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch, read_
 
     def run():
         cache = make_cache(model, "arm", budget=96, chunk=16, adapter="random",
-                           arm_overrides={"sync": 3, "top_m": "fixed", "m_fixed": 2, "read_rank": read_rank})
+                           arm_overrides={"sync": 3, "top_m": "fixed", "m_fixed": 2, **_rank(read_rank)})
         outs = []
         with torch.no_grad():
             logits = model(ids[:, :200], past_key_values=cache, use_cache=True).logits

@@ -140,7 +140,8 @@ class ARMConfig:
     # highest-scoring slots (each bucket ranked by its best logit, max over the slots and the KV
     # head's query heads: a rule, exact, every key scored); "partial", the same ranking from partial
     # logits, a decoded token's q.k over only the key-code rows (channel pairs c, c + d/2) where
-    # its query is largest (SparQ's rule; a chunk ranks as "best"); "tree", the tree's read routing
+    # its query is largest (SparQ's rule; a chunk ranks as "best"; needs slot_mixing=False, as
+    # mixed slots spread every channel over all of them); "tree", the tree's read routing
     # (learned routers, scores N_b paths instead of every key, loses needles: docs/decisions.md)
     partial_share: float = 0.25  # read_rank="partial": the share of the d/2 key-code rows it reads
     policy_hidden: int = 64  # LSTM width of the top-M policy
@@ -198,6 +199,11 @@ class ARMConfig:
                 )
         if not 0.0 < self.partial_share <= 1.0:
             raise ArmkvError(f"ARMConfig.partial_share={self.partial_share} must be in (0, 1]")
+        if self.read_rank == "partial" and self.slot_mixing:
+            raise ArmkvError(
+                "ARMConfig: read_rank='partial' ranks by the few key channels where a query is largest, and mixed "
+                "slots spread every channel over all of them; set slot_mixing=false (--option arm.slot_mixing=false)"
+            )
         if self.policy_hidden < 1 or self.policy_tokens < 1:
             raise ArmkvError("ARMConfig.policy_hidden and policy_tokens must be >= 1")
 

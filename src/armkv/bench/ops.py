@@ -205,7 +205,7 @@ def _full_arm_layer(budget: int, fraction: int, seed: int = 0, read_rank: str = 
     probe = make_arm(0, info, rotary, budget, 256, layer_weights="even")
     nb = probe.memory.router.num_buckets
     layer = make_arm(0, info, rotary, budget, 256, layer_weights="even", top_m="fixed", m_fixed=max(1, nb // fraction),
-                     read_rank=read_rank)
+                     read_rank=read_rank, slot_mixing=read_rank != "partial")
     g = torch.Generator().manual_seed(seed)
     H, d = info.num_kv_heads, info.head_dim
     with torch.no_grad():
