@@ -224,7 +224,8 @@ def test_bench_ops_times_the_int4_read_against_pytorch(capsys, one_thread):
     from armkv.memory.kernels import int4_read
 
     assert cli_main(["bench", "ops", "--tokens", "64", "--chunk", "32", "--slots", "16", "--buckets", "16",
-                     "--queries", "4", "--int4-slots", "37,8", "--repeats", "1", "--json"]) == 0
+                     "--queries", "4", "--int4-slots", "37,8", "--sparse-budgets", "256", "--sparse-queries", "1,3",
+                     "--repeats", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     int4 = result["int4_read_us_per_layer"]
     if int4_read() is None:
@@ -232,6 +233,9 @@ def test_bench_ops_times_the_int4_read_against_pytorch(capsys, one_thread):
     else:
         assert set(int4) == {"37", "8"}
         assert all(r["max_abs_diff"] < 1e-3 and r["fused_us"] > 0 for r in int4.values())
+    sparse = result["sparse_read_us_per_layer"]["256"]
+    assert set(sparse) == {"best", "partial", "tree"}  # every ranking timed, each read equal to its masked reference
+    assert all(row[t]["max_abs_diff"] < 1e-4 and row[t]["sparse_us"] > 0 for row in sparse.values() for t in ("T1", "T3"))
     chunk = result["chunk_read_ms_per_layer"]
     assert set(chunk) == {"37", "8"}  # this torch has the CPU flash op (test_methods checks the split form)
     assert all(r["max_abs_diff"] < 1e-4 and r["split_ms"] > 0 and r["one_call_ms"] > 0 for r in chunk.values())

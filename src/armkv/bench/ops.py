@@ -14,7 +14,8 @@
   full pool of each ``--sparse-budgets`` budget), for each bucket ranking of ``--sparse-ranks``
   (``read_rank``): the layer's read of the top-M buckets' slots (``ARMLayer._read``: ranking
   included; for one query on a CPU fused calls of ``armkv.memory.kernels``; for a chunk the
-  gathered PyTorch read, or with ``best`` the ranked read that reuses its logits) against
+  gathered PyTorch read, or with ``best`` and ``partial`` the ranked read that reuses its
+  logits; ``partial`` on unmixed slots, as it requires) against
   the dense read of every slot (the decode step's
   ``ARMLayer._decode_read``) and the masked read of the whole pool at the same M
   (``ARMLayer._chunk_read``, the sparse read's reference), for one query and for chunks of

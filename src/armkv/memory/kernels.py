@@ -24,11 +24,14 @@ channel-major codes and read the copy: at budget 2,048 they cost two thirds of r
 whole pool. ``arm_best_decode_read`` does it for ``read_rank="best"`` in one call: every
 slot scored once (one pass over the key codes), each bucket ranked by its best logit, and the
 chosen buckets' slots read with the logits already computed (only their values are read
-again). For ``"tree"``, ``group_leaf_topm`` routes the query down the tree (un-rotated
+again). ``arm_partial_decode_read`` does it for ``read_rank="partial"``: each slot scored over
+only the few key-code rows where the query is largest (one pass over those rows), each bucket
+ranked by its best partial logit, and the chosen buckets' slots read whole. For ``"tree"``, ``group_leaf_topm`` routes the query down the tree (un-rotated
 inside) and ``arm_sparse_decode_read`` reads the chosen buckets where they lie:
 a pool laid bucket by bucket (``read.sort_by_bucket``) makes each bucket one run of slots,
 copied out a row at a time and read as ``arm_decode_read`` reads a pool. Their references are
-``read.bucket_best`` of the PyTorch logits, ``Router.group_topm_buckets`` and ``read.gathered_read``.
+``read.bucket_best`` of the PyTorch logits (for ``"partial"``, of
+``MemoryState.partial_key_scores``), ``Router.group_topm_buckets`` and ``read.gathered_read``.
 
 The write (``SlotPool.write``, every ``sync`` decoded tokens) un-packs the whole pool to
 pre-RoPE floats and, once the pool is full, finds each slot's nearest neighbour in a band
