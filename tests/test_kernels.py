@@ -289,6 +289,52 @@ def test_fused_sparse_decode_read_equals_the_gathered_pytorch_read(kernel, fmt, 
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
 
+def _ranked_case(fmt, d, slots, rep, buckets, m, mixed, laid, seed) -> dict:
+    """One decoded token's read of a random pool, for the fused ranked reads: free slots,
+    buckets that hold nothing, a padding token, rows reading fewer buckets (take), a group
+    reading none. "read": the arguments the fused reads share; "q" the queries [G, R, d] in
+    the slots' basis."""
+    from armkv.memory.quant import mixing_matrix
+
+    B, H, L = 2, 2, 7
+    G = B * H
+    g = torch.Generator().manual_seed(seed)
+    st, index = _random_pool(G, slots, d, buckets, fmt, mixed, laid, g)
+    bias = torch.where(st.count > 0, st.count.clamp_min(1).log(), -torch.inf)
+    query = torch.randn(B, H * rep, 1, d, generator=g)
+    key, value = torch.randn(B, H, 1, d, generator=g), torch.randn(B, H, 1, d, generator=g)
+    valid = torch.tensor([[True], [False]])  # the second row's token is padding
+    exact_k, exact_v = torch.randn(B, H, L, d, generator=g), torch.randn(B, H, L, d, generator=g)
+    exact_valid = torch.rand(B, L, generator=g) > 0.3
+    exact_k, exact_v = exact_k * exact_valid[:, None, :, None], exact_v * exact_valid[:, None, :, None]
+    take = torch.tensor([m, max(1, m - 1)]).repeat_interleave(H)
+    take[-1] = 0  # (a group that reads nothing but its exact entries)
+    mix = mixing_matrix(d) if mixed else None
+    q = query.reshape(G, rep, d)
+    return {"read": (query, key, value, valid, exact_k, exact_v, exact_valid, st, bias, mix, 0.3), "index": index,
+            "take": take, "st": st, "bias": bias, "q": q @ mix if mixed else q, "B": B, "H": H}
+
+
+def _assert_ranked_read(c: dict, out, got, scores, m: int, buckets: int) -> None:
+    """A fused ranked read's buckets are the PyTorch ranking of ``scores`` [G, R, S] (times
+    the scaling plus the bias, the largest over the R heads, read.bucket_best, a stable sort:
+    ties to the lower id), best first; its output is the gathered PyTorch read of them."""
+    from armkv.memory.read import bucket_best, gather_slots, gathered_read, slots_of_buckets
+
+    query, key, value, valid, exact_k, exact_v, exact_valid, st, bias, _, scaling = c["read"]
+    B, H, G = c["B"], c["H"], c["q"].shape[0]
+    logits = (scores * scaling + bias.unsqueeze(1)).amax(1, keepdim=True)  # [G, 1, S]
+    want = bucket_best(logits, st.bucket, buckets)[:, 0].sort(dim=-1, descending=True, stable=True).indices[:, :m]
+    assert torch.equal(got, want)
+    used_of = torch.arange(m).view(1, 1, m) < c["take"].view(G, 1, 1)
+    ids, used = slots_of_buckets(c["index"], want.view(G, 1, m), None, used_of)
+    W = ids.shape[-1]
+    gathered_bias = bias.gather(1, ids.view(G, W)).view(B, H, 1, W).masked_fill(~used.view(B, H, 1, W), -torch.inf)
+    ref = gathered_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid,
+                        gather_slots(st, ids, for_reading=True), gathered_bias, fused=False)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
 @pytest.mark.parametrize("d,slots,rep,buckets,m,mixed", [(64, 1, 1, 2, 1, True), (64, 37, 3, 5, 3, True), (40, 301, 5, 16, 2, False),
                                                           (128, 19, 3, 4, 4, True), (64, 203, 12, 64, 8, False)])
@@ -302,38 +348,12 @@ def test_fused_best_read_ranks_as_pytorch_and_reads_as_the_sparse_read(kernel, f
     Its output against the gathered PyTorch read of those buckets (gathered_read,
     fused=False). Free slots, buckets that hold nothing, rows reading fewer buckets (take),
     a group reading none, pools in any order or laid bucket by bucket."""
-    from armkv.memory.quant import mixing_matrix
-    from armkv.memory.read import bucket_best, fused_best_decode_read, gather_slots, gathered_read, slots_of_buckets
+    from armkv.memory.read import fused_best_decode_read
 
-    B, H, L = 2, 2, 7
-    G = B * H
-    g = torch.Generator().manual_seed(slots * d + rep + buckets)
-    st, index = _random_pool(G, slots, d, buckets, fmt, mixed, laid, g)
-    bias = torch.where(st.count > 0, st.count.clamp_min(1).log(), -torch.inf)
-    query = torch.randn(B, H * rep, 1, d, generator=g)
-    key, value = torch.randn(B, H, 1, d, generator=g), torch.randn(B, H, 1, d, generator=g)
-    valid = torch.tensor([[True], [False]])  # the second row's token is padding
-    exact_k, exact_v = torch.randn(B, H, L, d, generator=g), torch.randn(B, H, L, d, generator=g)
-    exact_valid = torch.rand(B, L, generator=g) > 0.3
-    exact_k, exact_v = exact_k * exact_valid[:, None, :, None], exact_v * exact_valid[:, None, :, None]
-    take = torch.tensor([m, max(1, m - 1)]).repeat_interleave(H)
-    take[-1] = 0  # (a group that reads nothing but its exact entries)
-    mix = mixing_matrix(d) if mixed else None
+    c = _ranked_case(fmt, d, slots, rep, buckets, m, mixed, laid, slots * d + rep + buckets)
     with torch.no_grad():
-        out, got = fused_best_decode_read(_Vectorised(kernel, vectorised), query, key, value, valid, exact_k, exact_v,
-                                          exact_valid, st, bias, mix, 0.3, index, m, take)
-        q = query.reshape(G, rep, d)
-        q = q @ mix if mixed else q
-        logits = (st.key_scores(q, fused=False) * 0.3 + bias.unsqueeze(1)).amax(1, keepdim=True)  # [G, 1, S]
-        want = bucket_best(logits, st.bucket, buckets)[:, 0].sort(dim=-1, descending=True, stable=True).indices[:, :m]
-        assert torch.equal(got, want)
-        used_of = torch.arange(m).view(1, 1, m) < take.view(G, 1, 1)
-        ids, used = slots_of_buckets(index, want.view(G, 1, m), None, used_of)
-        W = ids.shape[-1]
-        gathered_bias = bias.gather(1, ids.view(G, W)).view(B, H, 1, W).masked_fill(~used.view(B, H, 1, W), -torch.inf)
-        ref = gathered_read(query, key, value, valid, 0.3, exact_k, exact_v, exact_valid,
-                            gather_slots(st, ids, for_reading=True), gathered_bias, fused=False)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        out, got = fused_best_decode_read(_Vectorised(kernel, vectorised), *c["read"], c["index"], m, c["take"])
+        _assert_ranked_read(c, out, got, c["st"].key_scores(c["q"], fused=False), m, buckets)
 
 
 @pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
@@ -350,41 +370,15 @@ def test_fused_partial_read_ranks_as_pytorch_and_reads_as_the_sparse_read(kernel
     heads, read.bucket_best, a stable sort: the same buckets, best first. Its output against
     the gathered PyTorch read of those buckets. With every row (rows = d/2) it ranks as
     "best"; with one row, as the scores of that pair of channels alone."""
-    from armkv.memory.quant import mixing_matrix
-    from armkv.memory.read import bucket_best, fused_partial_decode_read, gather_slots, gathered_read, partial_rows, slots_of_buckets
+    from armkv.memory.read import fused_partial_decode_read, partial_rows
 
-    B, H, L = 2, 2, 7
-    G = B * H
-    g = torch.Generator().manual_seed(slots * d + rep + buckets + rows)
-    st, index = _random_pool(G, slots, d, buckets, fmt, mixed, laid, g)
-    bias = torch.where(st.count > 0, st.count.clamp_min(1).log(), -torch.inf)
-    query = torch.randn(B, H * rep, 1, d, generator=g)
-    key, value = torch.randn(B, H, 1, d, generator=g), torch.randn(B, H, 1, d, generator=g)
-    valid = torch.tensor([[True], [False]])
-    exact_k, exact_v = torch.randn(B, H, L, d, generator=g), torch.randn(B, H, L, d, generator=g)
-    exact_valid = torch.rand(B, L, generator=g) > 0.3
-    exact_k, exact_v = exact_k * exact_valid[:, None, :, None], exact_v * exact_valid[:, None, :, None]
-    take = torch.tensor([m, max(1, m - 1)]).repeat_interleave(H)
-    take[-1] = 0
-    mix = mixing_matrix(d) if mixed else None
+    c = _ranked_case(fmt, d, slots, rep, buckets, m, mixed, laid, slots * d + rep + buckets + rows)
     with torch.no_grad():
-        out, got = fused_partial_decode_read(_Vectorised(kernel, vectorised), query, key, value, valid, exact_k, exact_v,
-                                             exact_valid, st, bias, mix, 0.3, index, m, take, rows)
-        q = query.reshape(G, rep, d)
-        q = q @ mix if mixed else q
-        scores = st.partial_key_scores(q, partial_rows(q, rows))
+        out, got = fused_partial_decode_read(_Vectorised(kernel, vectorised), *c["read"], c["index"], m, c["take"], rows)
+        scores = c["st"].partial_key_scores(c["q"], partial_rows(c["q"], rows))
         if rows == d // 2:  # every row: the full scores
-            torch.testing.assert_close(scores, st.key_scores(q, fused=False), rtol=1e-5, atol=1e-4)
-        logits = (scores * 0.3 + bias.unsqueeze(1)).amax(1, keepdim=True)  # [G, 1, S]
-        want = bucket_best(logits, st.bucket, buckets)[:, 0].sort(dim=-1, descending=True, stable=True).indices[:, :m]
-        assert torch.equal(got, want)
-        used_of = torch.arange(m).view(1, 1, m) < take.view(G, 1, 1)
-        ids, used = slots_of_buckets(index, want.view(G, 1, m), None, used_of)
-        W = ids.shape[-1]
-        gathered_bias = bias.gather(1, ids.view(G, W)).view(B, H, 1, W).masked_fill(~used.view(B, H, 1, W), -torch.inf)
-        ref = gathered_read(query, key, value, valid, 0.3, exact_k, exact_v, exact_valid,
-                            gather_slots(st, ids, for_reading=True), gathered_bias, fused=False)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(scores, c["st"].key_scores(c["q"], fused=False), rtol=1e-5, atol=1e-4)
+        _assert_ranked_read(c, out, got, scores, m, buckets)
 
 
 def test_partial_rows_are_where_the_query_group_is_largest():
