@@ -435,12 +435,11 @@ class ARMLayer(CacheLayer):
         bias = self._decode_bias().reshape(G, S)
         slot_bucket = st.bucket.reshape(G, S)
         num_buckets = self.memory.router.num_buckets
-        if keys is None and T == 1 and self.config.read_rank == "partial":  # a decoded token, a few rows of the codes
-            q = q.view(G, R, d)
-            logits = (st.partial_key_scores(q, partial_rows(q, self._partial_rows)) * scaling + bias.unsqueeze(1)).amax(1)
-            return bucket_best(logits.unsqueeze(1), slot_bucket, num_buckets).view(B, H, 1, -1)
         if keys is None and T == 1:  # a decoded token: the products from the codes (the fused kernel on a CPU)
-            logits = (st.key_scores(q.view(G, R, d)) * scaling + bias.unsqueeze(1)).amax(1)
+            q = q.view(G, R, d)  # ("partial": a few rows of them)
+            partial = self.config.read_rank == "partial"
+            scores = st.partial_key_scores(q, partial_rows(q, self._partial_rows)) if partial else st.key_scores(q)
+            logits = (scores * scaling + bias.unsqueeze(1)).amax(1)
             return bucket_best(logits.unsqueeze(1), slot_bucket, num_buckets).view(B, H, 1, -1)
         if keys is None:  # a chunk: the keys dequantised once
             keys = st.kv(torch.float32, unmix=False)[0]

@@ -380,14 +380,6 @@ __attribute__((target("avx2,fma"))) inline float affine_max_avx2(float* x, const
 }
 #endif
 
-// affine_max_avx2 where the CPU has it and `vectorised`, else the loop
-inline float affine_max(float* x, const float* bias, int64_t n, float scaling, bool vectorised) {
-#ifdef ARMKV_AVX2
-  if (vectorised && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return affine_max_avx2(x, bias, n, scaling);
-#endif
-  return affine_max_scalar(x, bias, n, scaling);
-}
-
 inline float exp_shift_sum_scalar(float* x, int64_t n, float peak) {
   float total = 0.0f;
   for (int64_t i = 0; i < n; ++i) total += (x[i] = std::exp(x[i] - peak));
@@ -906,13 +898,35 @@ inline int64_t bucket_runs(const int32_t* ord, int64_t listed, const int32_t* st
   return W;
 }
 
+#ifdef ARMKV_AVX2
+// the largest of x [n], 8 at a time (a maximum is exact: any order gives the same)
+__attribute__((target("avx2"))) inline float max_avx2(const float* x, int64_t n) {
+  __m256 acc = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_max_ps(acc, _mm256_loadu_ps(x + i));
+  alignas(32) float part[8];
+  _mm256_store_ps(part, acc);
+  float peak = part[0];
+  for (int k = 1; k < 8; ++k) peak = std::max(peak, part[k]);
+  for (; i < n; ++i) peak = std::max(peak, x[i]);
+  return peak;
+}
+#endif
+
 // Each bucket's best logit from top [S] (each slot's largest logit over the heads), over the
-// slots its list holds (as bucket_runs reads them); -inf for a bucket with none
+// slots its list holds (as bucket_runs reads them); -inf for a bucket with none. A pool laid
+// bucket by bucket (listed = 0) takes each bucket's run 8 at a time where `vectorised`
 inline void bucket_maxima(const float* top, const int32_t* ord, int64_t listed, const int32_t* st, const int32_t* sz,
-                          int64_t nb, int64_t S, float* best, const char* name) {
+                          int64_t nb, int64_t S, float* best, const char* name, bool vectorised) {
   for (int64_t k = 0; k < nb; ++k) {
     const int64_t p0 = st[k], n = sz[k];
     TORCH_CHECK(p0 >= 0 && n >= 0 && p0 + n <= (listed ? listed : S), name, ": a bucket's list runs past order");
+#ifdef ARMKV_AVX2
+    if (!listed && vectorised && __builtin_cpu_supports("avx2")) {
+      best[k] = max_avx2(top + p0, n);
+      continue;
+    }
+#endif
     float v = -std::numeric_limits<float>::infinity();
     for (int64_t p = p0; p < p0 + n; ++p) {
       const int64_t slot = listed ? ord[p] : p;
@@ -966,7 +980,7 @@ __attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a,
   std::copy(sw, sw + S, top);
   for (int64_t r = 1; r < R; ++r)
     for (int64_t s = 0; s < S; ++s) top[s] = std::max(top[s], sw[r * S + s]);
-  bucket_maxima(top, ord, listed, st, sz, nb, S, w.best.data(), "arm_best_decode_read");
+  bucket_maxima(top, ord, listed, st, sz, nb, S, w.best.data(), "arm_best_decode_read", AVX);
   top_buckets(w.best.data(), nb, m, w.idx);
   std::copy(w.idx.begin(), w.idx.begin() + m, chosen);
   const int64_t W = bucket_runs(ord, listed, st, sz, nb, chosen, std::min(take, m), S, w.run_start, w.run_len,
@@ -991,14 +1005,10 @@ __attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a,
 inline void partial_rows(const float* qm, int64_t R, int64_t d, int64_t n, std::vector<float>& energy,
                          std::vector<int64_t>& rows) {
   const int64_t half = d / 2;
-  energy.assign(half, 0.0f);
-  std::vector<float> hi(half, 0.0f);
+  energy.assign(d, 0.0f);  // each channel's sum over the heads, then a row's two channels
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < half; ++c) {
-      energy[c] += qm[r * d + c] * qm[r * d + c];
-      hi[c] += qm[r * d + c + half] * qm[r * d + c + half];
-    }
-  for (int64_t c = 0; c < half; ++c) energy[c] += hi[c];
+    for (int64_t c = 0; c < d; ++c) energy[c] += qm[r * d + c] * qm[r * d + c];
+  for (int64_t c = 0; c < half; ++c) energy[c] += energy[c + half];
   rows.resize(half);
   for (int64_t c = 0; c < half; ++c) rows[c] = c;
   std::partial_sort(rows.begin(), rows.begin() + n, rows.end(), [&](int64_t a, int64_t b) {
@@ -1065,14 +1075,13 @@ __attribute__((target("avx2,fma"))) void partial_top_avx2_r(const float* q, cons
                                                            const int64_t* glo, const int64_t* ghi, int64_t n) {
   const int64_t R = heads<RR>(R_), half = d / 2, full = S / 8 * 8;
   const __m256 f = _mm256_set1_ps(scaling);
-  const int64_t width = int8_keys ? 1 : 0;  // int8 codes: each channel its own row
   for (int64_t s0 = 0; s0 < full; s0 += 8) {
     // the chosen rows' lines kPrefetchAhead bytes ahead, once per line (as key_scores_avx2_r)
     if (s0 % 64 == 0 && s0 + kPrefetchAhead < S)
       for (int64_t j = 0; j < n; ++j) {
         const auto* base = static_cast<const uint8_t*>(codes_) + s0 + kPrefetchAhead;
         _mm_prefetch(reinterpret_cast<const char*>(base + rows[j] * S), _MM_HINT_T0);
-        if (width) _mm_prefetch(reinterpret_cast<const char*>(base + (rows[j] + half) * S), _MM_HINT_T0);
+        if (int8_keys) _mm_prefetch(reinterpret_cast<const char*>(base + (rows[j] + half) * S), _MM_HINT_T0);  // (its own row)
       }
     __m256 res[kAcc<RR>], sg[kMaxGroups];
     for (int64_t r = 0; r < R; ++r) res[r] = _mm256_setzero_ps();
@@ -1120,37 +1129,6 @@ inline void partial_top(const float* q, const void* codes, bool int8_keys, const
     ARMKV_BY_HEADS(partial_top_avx2_r, R, q, codes, int8_keys, scale, bias, scaling, top, R, d, S, ng, rows, glo, ghi, n)
 #endif
   partial_top_scalar(q, codes, int8_keys, scale, bias, scaling, top, R, d, S, ng, rows, glo, ghi, n);
-}
-
-#ifdef ARMKV_AVX2
-// the largest of x [n], 8 at a time (a maximum is exact: any order gives the same)
-__attribute__((target("avx2"))) inline float max_avx2(const float* x, int64_t n) {
-  __m256 acc = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_max_ps(acc, _mm256_loadu_ps(x + i));
-  alignas(32) float part[8];
-  _mm256_store_ps(part, acc);
-  float peak = part[0];
-  for (int k = 1; k < 8; ++k) peak = std::max(peak, part[k]);
-  for (; i < n; ++i) peak = std::max(peak, x[i]);
-  return peak;
-}
-#endif
-
-// bucket_maxima; a pool laid bucket by bucket (listed = 0) takes each bucket's run 8 at a time
-inline void bucket_maxima_fast(const float* top, const int32_t* ord, int64_t listed, const int32_t* st, const int32_t* sz,
-                               int64_t nb, int64_t S, float* best, const char* name, bool vectorised) {
-#ifdef ARMKV_AVX2
-  if (!listed && vectorised && __builtin_cpu_supports("avx2")) {
-    for (int64_t k = 0; k < nb; ++k) {
-      const int64_t p0 = st[k], n = sz[k];
-      TORCH_CHECK(p0 >= 0 && n >= 0 && p0 + n <= S, name, ": a bucket's list runs past order");
-      best[k] = max_avx2(top + p0, n);
-    }
-    return;
-  }
-#endif
-  bucket_maxima(top, ord, listed, st, sz, nb, S, best, name);
 }
 
 #define ARMKV_BEST_ARGS                                                                                             \
@@ -1414,17 +1392,7 @@ torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::T
   return out;
 }
 
-// The sparse decode read (ARMLayer._sparse_read, one query): arm_decode_read over only the
-// slots filed under each group's chosen buckets, copied out of the pool where they lie
-// instead of gathered slot by slot by index. order [G, S] int32 lists the occupied slots
-// bucket by bucket; bucket b's are order[start[b] : start[b] + size[b]] (start, size
-// [G, N_b] int32: read.BucketIndex; an order of width 0 lists slot p at p, a pool laid
-// bucket by bucket); buckets [G, M] the group's buckets, best first, and take [G] how many
-// of them it reads. A pool laid bucket by bucket (read.sort_by_bucket)
-// makes each bucket one run of consecutive slots: the copy is then a memcpy per run and
-// channel row, and costs a fraction of reading those bytes. The other inputs and the
-// result as arm_decode_read's.
-// Per-thread buffers of sparse_group and partial_group
+// Per-thread buffers of sparse_group and arm_partial_decode_read's ranking
 struct SparseScratch {
   std::vector<float> qm, exact_w, tmp, slot_w, ks, vs, bias, energy, top, best;
   std::vector<uint8_t> kc, vc;
@@ -1464,6 +1432,16 @@ void sparse_group(DecodeInputs& in, int64_t g, float* out, const int32_t* ORD, i
                       w.exact_w.data(), w.tmp.data(), vectorised);
 }
 
+// The sparse decode read (ARMLayer._sparse_read, one query): arm_decode_read over only the
+// slots filed under each group's chosen buckets, copied out of the pool where they lie
+// instead of gathered slot by slot by index. order [G, S] int32 lists the occupied slots
+// bucket by bucket; bucket b's are order[start[b] : start[b] + size[b]] (start, size
+// [G, N_b] int32: read.BucketIndex; an order of width 0 lists slot p at p, a pool laid
+// bucket by bucket); buckets [G, M] the group's buckets, best first, and take [G] how many
+// of them it reads. A pool laid bucket by bucket (read.sort_by_bucket)
+// makes each bucket one run of consecutive slots: the copy is then a memcpy per run and
+// channel row, and costs a fraction of reading those bytes. The other inputs and the
+// result as arm_decode_read's.
 torch::Tensor arm_sparse_decode_read(torch::Tensor query, torch::Tensor own_k, torch::Tensor own_v, torch::Tensor own_ok,
                                      torch::Tensor exact_k, torch::Tensor exact_v, torch::Tensor exact_ok,
                                      torch::Tensor key_codes, torch::Tensor key_scale, torch::Tensor value_codes,
@@ -1531,8 +1509,8 @@ std::vector<torch::Tensor> arm_partial_decode_read(torch::Tensor query, torch::T
       float* top = w.top.data();
       armkv::partial_top(w.qm.data(), a.key_codes, in.int8_keys, a.key_scale, B + g * S, static_cast<float>(scaling), top, R, d,
                          S, in.ngk, w.rows.data(), n, w.idx, vectorised);
-      armkv::bucket_maxima_fast(top, ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, S, w.best.data(),
-                                "arm_partial_decode_read", vectorised);
+      armkv::bucket_maxima(top, ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, S, w.best.data(),
+                           "arm_partial_decode_read", vectorised);
       armkv::top_buckets(w.best.data(), nb, m, w.idx);
       int64_t* chosen = buckets.data_ptr<int64_t>() + g * m;
       std::copy(w.idx.begin(), w.idx.begin() + m, chosen);
