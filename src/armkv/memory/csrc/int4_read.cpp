@@ -37,9 +37,10 @@ inline float high_nibble(uint8_t b) { return static_cast<float>(static_cast<int8
 
 // ---------------------------------------------------------------- portable reference loops
 // scores [R, S] = per group sum of q . codes, times the group's scale (codes [d/2, S] channel-major);
-// slots from `first` on
+// slots from `first` on. Here and in the loops below, ld is the codes' row stride and ldo the
+// scores' (S for a whole pool; the pool's S for one run of its slots, read in place)
 inline void key_scores_scalar(const float* q, const uint8_t* codes, const float* scale, float* out, int64_t R,
-                              int64_t d, int64_t S, int64_t ng, int64_t first = 0) {
+                              int64_t d, int64_t S, int64_t ng, int64_t first, int64_t ld, int64_t ldo) {
   const int64_t half = d / 2, gs = d / ng;
   for (int64_t s = first; s < S; ++s) {
     for (int64_t r = 0; r < R; ++r) {
@@ -47,24 +48,25 @@ inline void key_scores_scalar(const float* q, const uint8_t* codes, const float*
       for (int64_t g = 0; g < ng; ++g) {
         float part = 0.0f;
         for (int64_t ch = g * gs; ch < (g + 1) * gs; ++ch) {
-          const uint8_t b = codes[(ch % half) * S + s];
+          const uint8_t b = codes[(ch % half) * ld + s];
           part += q[r * d + ch] * (ch < half ? low_nibble(b) : high_nibble(b));
         }
         total += part * scale[s * ng + g];
       }
-      out[r * S + s] = total;
+      out[r * ldo + s] = total;
     }
   }
 }
 
-// out [R, d] = sum_s w[r, s] * scale[s, group] * code[s, ch] (codes [S, d/2])
+// out [R, d] = sum_s w[r, s] * scale[s, group] * code[s, ch] (codes [S, d/2]; w's rows ldw
+// apart); accumulate: out += that
 inline void weighted_values_scalar(const float* w, const uint8_t* codes, const float* scale, float* out, int64_t R,
-                                   int64_t d, int64_t S, int64_t ng) {
+                                   int64_t d, int64_t S, int64_t ng, int64_t ldw, bool accumulate) {
   const int64_t half = d / 2, gs = d / ng;
-  std::fill(out, out + R * d, 0.0f);
+  if (!accumulate) std::fill(out, out + R * d, 0.0f);
   for (int64_t s = 0; s < S; ++s)
     for (int64_t r = 0; r < R; ++r) {
-      const float wr = w[r * S + s];
+      const float wr = w[r * ldw + s];
       if (wr == 0.0f) continue;
       for (int64_t c = 0; c < half; ++c) {
         const uint8_t b = codes[s * half + c];
@@ -94,7 +96,8 @@ constexpr int kAcc = RR > 0 ? RR : kMaxRep;
 template <int RR>
 __attribute__((target("avx2,fma"), always_inline)) inline void key_scores_block8(const float* q, const uint8_t* codes,
                                                                                  const float* scale, float* out, int64_t R_,
-                                                                                 int64_t d, int64_t S, int64_t ng, int64_t s0) {
+                                                                                 int64_t d, int64_t ld, int64_t ldo, int64_t ng,
+                                                                                 int64_t s0) {
   const int64_t R = heads<RR>(R_), half = d / 2, gs = d / ng, seg = std::min(gs, half);
   __m256 res[kAcc<RR>];
   for (int64_t r = 0; r < R; ++r) res[r] = _mm256_setzero_ps();
@@ -103,7 +106,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void key_scores_block8
     for (int64_t r = 0; r < R; ++r) alo[r] = ahi[r] = _mm256_setzero_ps();
     for (int64_t c = c0; c < c0 + seg; ++c) {
       __m256 lo, hi;
-      decode8(codes + c * S + s0, lo, hi);
+      decode8(codes + c * ld + s0, lo, hi);
       for (int64_t r = 0; r < R; ++r) {
         alo[r] = _mm256_fmadd_ps(_mm256_set1_ps(q[r * d + c]), lo, alo[r]);
         ahi[r] = _mm256_fmadd_ps(_mm256_set1_ps(q[r * d + c + half]), hi, ahi[r]);
@@ -115,13 +118,13 @@ __attribute__((target("avx2,fma"), always_inline)) inline void key_scores_block8
     const __m256 shi = _mm256_i32gather_ps(scale + s0 * ng + ghi, idx, 4);
     for (int64_t r = 0; r < R; ++r) res[r] = _mm256_fmadd_ps(alo[r], slo, _mm256_fmadd_ps(ahi[r], shi, res[r]));
   }
-  for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(out + r * S + s0, res[r]);
+  for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo + s0, res[r]);
 }
 
 template <int RR>
 __attribute__((target("avx2,fma"))) void key_scores_avx2_r(const float* q, const uint8_t* codes, const float* scale,
                                                           float* out, int64_t R, int64_t d, int64_t S, int64_t ng,
-                                                          const uint8_t* then = nullptr, int64_t then_row = 0) {
+                                                          const uint8_t* then, int64_t then_row, int64_t ld, int64_t ldo) {
   const int64_t full = S / 8 * 8, half = d / 2;
   for (int64_t s0 = 0; s0 < full; s0 += 8) {
     // the codes are channel-major: a block reads 8 bytes from each of d/2 rows S bytes apart,
@@ -129,19 +132,20 @@ __attribute__((target("avx2,fma"))) void key_scores_avx2_r(const float* q, const
     // memory (the weights' matmuls between two layers' reads evict them): ask for each row's
     // line kPrefetchAhead bytes ahead once per line
     if (s0 % 64 == 0 && s0 + kPrefetchAhead < S)
-      for (int64_t c = 0; c < half; ++c) _mm_prefetch(reinterpret_cast<const char*>(codes + c * S + s0 + kPrefetchAhead), _MM_HINT_T0);
+      for (int64_t c = 0; c < half; ++c) _mm_prefetch(reinterpret_cast<const char*>(codes + c * ld + s0 + kPrefetchAhead), _MM_HINT_T0);
     // and the rows the caller reads next (the value codes of these slots), while these compute
     if (then)
       for (int64_t b = 0; b < 8 * then_row; b += 64) _mm_prefetch(reinterpret_cast<const char*>(then + s0 * then_row + b), _MM_HINT_T0);
-    key_scores_block8<RR>(q, codes, scale, out, R, d, S, ng, s0);
+    key_scores_block8<RR>(q, codes, scale, out, R, d, ld, ldo, ng, s0);
   }
-  key_scores_scalar(q, codes, scale, out, R, d, S, ng, full);  // the last S % 8 slots
+  key_scores_scalar(q, codes, scale, out, R, d, S, ng, full, ld, ldo);  // the last S % 8 slots
 }
 
 // weighted values, channels in blocks of 8 bytes (16 channels), accumulators in registers
 template <int RR>
 __attribute__((target("avx2,fma"))) void weighted_values_avx2_r(const float* w, const uint8_t* codes, const float* scale,
-                                                               float* out, int64_t R_, int64_t d, int64_t S, int64_t ng) {
+                                                               float* out, int64_t R_, int64_t d, int64_t S, int64_t ng,
+                                                               int64_t ldw, bool accumulate) {
   const int64_t R = heads<RR>(R_), half = d / 2, gs = d / ng;
   // each weight times its slot's group scale, once: ws[(g * R + r) * S + s] (the inner loop
   // then broadcasts it from memory instead of multiplying two scalars per head and block)
@@ -149,7 +153,7 @@ __attribute__((target("avx2,fma"))) void weighted_values_avx2_r(const float* w, 
   for (int64_t g = 0; g < ng; ++g)
     for (int64_t r = 0; r < R; ++r) {
       float* row = ws.data() + (g * R + r) * S;
-      const float* wr = w + r * S;
+      const float* wr = w + r * ldw;
       for (int64_t s = 0; s < S; ++s) row[s] = wr[s] * scale[s * ng + g];
     }
   for (int64_t c0 = 0; c0 < half; c0 += 8) {
@@ -166,8 +170,9 @@ __attribute__((target("avx2,fma"))) void weighted_values_avx2_r(const float* w, 
       }
     }
     for (int64_t r = 0; r < R; ++r) {
-      _mm256_storeu_ps(out + r * d + c0, alo[r]);
-      _mm256_storeu_ps(out + r * d + half + c0, ahi[r]);
+      float *lo = out + r * d + c0, *hi = out + r * d + half + c0;
+      _mm256_storeu_ps(lo, accumulate ? _mm256_add_ps(_mm256_loadu_ps(lo), alo[r]) : alo[r]);
+      _mm256_storeu_ps(hi, accumulate ? _mm256_add_ps(_mm256_loadu_ps(hi), ahi[r]) : ahi[r]);
     }
   }
 }
@@ -188,13 +193,13 @@ __attribute__((target("avx2,fma"))) void weighted_values_avx2_r(const float* w, 
   }
 
 inline void key_scores_avx2(const float* q, const uint8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
-                            int64_t S, int64_t ng, const uint8_t* then = nullptr, int64_t then_row = 0) {
-  ARMKV_BY_HEADS(key_scores_avx2_r, R, q, codes, scale, out, R, d, S, ng, then, then_row)
+                            int64_t S, int64_t ng, const uint8_t* then, int64_t then_row, int64_t ld, int64_t ldo) {
+  ARMKV_BY_HEADS(key_scores_avx2_r, R, q, codes, scale, out, R, d, S, ng, then, then_row, ld, ldo)
 }
 
 inline void weighted_values_avx2(const float* w, const uint8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
-                                 int64_t S, int64_t ng) {
-  ARMKV_BY_HEADS(weighted_values_avx2_r, R, w, codes, scale, out, R, d, S, ng)
+                                 int64_t S, int64_t ng, int64_t ldw, bool accumulate) {
+  ARMKV_BY_HEADS(weighted_values_avx2_r, R, w, codes, scale, out, R, d, S, ng, ldw, accumulate)
 }
 #endif
 
@@ -210,33 +215,38 @@ inline bool use_avx2(int64_t R, int64_t d, int64_t ng) {
 #endif
 }
 
-// then, then_row: rows of then_row bytes a slot that the caller reads next (prefetched alongside)
+// then, then_row: rows of then_row bytes a slot that the caller reads next (prefetched alongside);
+// ld, ldo: the row strides of the codes and the scores (0: S)
 inline void key_scores(const float* q, const uint8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
-                       int64_t S, int64_t ng, const uint8_t* then = nullptr, int64_t then_row = 0) {
+                       int64_t S, int64_t ng, const uint8_t* then = nullptr, int64_t then_row = 0, int64_t ld = 0,
+                       int64_t ldo = 0) {
+  ld = ld ? ld : S, ldo = ldo ? ldo : S;
 #ifdef ARMKV_AVX2
-  if (use_avx2(R, d, ng)) return key_scores_avx2(q, codes, scale, out, R, d, S, ng, then, then_row);
+  if (use_avx2(R, d, ng)) return key_scores_avx2(q, codes, scale, out, R, d, S, ng, then, then_row, ld, ldo);
 #endif
-  key_scores_scalar(q, codes, scale, out, R, d, S, ng);
+  key_scores_scalar(q, codes, scale, out, R, d, S, ng, 0, ld, ldo);
 }
 
+// ldw: the weights' row stride (0: S); accumulate: add to out
 inline void weighted_values(const float* w, const uint8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
-                            int64_t S, int64_t ng) {
+                            int64_t S, int64_t ng, int64_t ldw = 0, bool accumulate = false) {
+  ldw = ldw ? ldw : S;
 #ifdef ARMKV_AVX2
-  if (use_avx2(R, d, ng)) return weighted_values_avx2(w, codes, scale, out, R, d, S, ng);
+  if (use_avx2(R, d, ng)) return weighted_values_avx2(w, codes, scale, out, R, d, S, ng, ldw, accumulate);
 #endif
-  weighted_values_scalar(w, codes, scale, out, R, d, S, ng);
+  weighted_values_scalar(w, codes, scale, out, R, d, S, ng, ldw, accumulate);
 }
 
 // ---------------------------------------------------------------- int8 keys (k8v4, int8 slots)
 // scores [R, S] = (q . codes[:, s]) * scale[s], codes [d, S] int8 channel-major, one scale a slot;
 // slots from `first` on
 inline void int8_key_scores_scalar(const float* q, const int8_t* codes, const float* scale, float* out, int64_t R,
-                                   int64_t d, int64_t S, int64_t first = 0) {
+                                   int64_t d, int64_t S, int64_t first, int64_t ld, int64_t ldo) {
   for (int64_t s = first; s < S; ++s)
     for (int64_t r = 0; r < R; ++r) {
       float total = 0.0f;
-      for (int64_t c = 0; c < d; ++c) total += q[r * d + c] * static_cast<float>(codes[c * S + s]);
-      out[r * S + s] = total * scale[s];
+      for (int64_t c = 0; c < d; ++c) total += q[r * d + c] * static_cast<float>(codes[c * ld + s]);
+      out[r * ldo + s] = total * scale[s];
     }
 }
 
@@ -245,18 +255,18 @@ inline void int8_key_scores_scalar(const float* q, const int8_t* codes, const fl
 template <int RR>
 __attribute__((target("avx2,fma"))) void int8_key_scores_avx2_r(const float* q, const int8_t* codes, const float* scale,
                                                                float* out, int64_t R_, int64_t d, int64_t S,
-                                                               const uint8_t* then, int64_t then_row) {
+                                                               const uint8_t* then, int64_t then_row, int64_t ld, int64_t ldo) {
   const int64_t R = heads<RR>(R_), full = S / 16 * 16;
   for (int64_t s0 = 0; s0 < full; s0 += 16) {
     // prefetches as in key_scores_avx2_r: each channel row's line ahead, and the rows read next
     if (s0 % 64 == 0 && s0 + kPrefetchAhead < S)
-      for (int64_t c = 0; c < d; ++c) _mm_prefetch(reinterpret_cast<const char*>(codes + c * S + s0 + kPrefetchAhead), _MM_HINT_T0);
+      for (int64_t c = 0; c < d; ++c) _mm_prefetch(reinterpret_cast<const char*>(codes + c * ld + s0 + kPrefetchAhead), _MM_HINT_T0);
     if (then)
       for (int64_t b = 0; b < 16 * then_row; b += 64) _mm_prefetch(reinterpret_cast<const char*>(then + s0 * then_row + b), _MM_HINT_T0);
     __m256 lo[kAcc<RR>], hi[kAcc<RR>];
     for (int64_t r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t c = 0; c < d; ++c) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + c * S + s0));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + c * ld + s0));
       const __m256 k0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
       const __m256 k1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
       for (int64_t r = 0; r < R; ++r) {
@@ -267,16 +277,16 @@ __attribute__((target("avx2,fma"))) void int8_key_scores_avx2_r(const float* q, 
     }
     const __m256 s_lo = _mm256_loadu_ps(scale + s0), s_hi = _mm256_loadu_ps(scale + s0 + 8);
     for (int64_t r = 0; r < R; ++r) {
-      _mm256_storeu_ps(out + r * S + s0, _mm256_mul_ps(lo[r], s_lo));
-      _mm256_storeu_ps(out + r * S + s0 + 8, _mm256_mul_ps(hi[r], s_hi));
+      _mm256_storeu_ps(out + r * ldo + s0, _mm256_mul_ps(lo[r], s_lo));
+      _mm256_storeu_ps(out + r * ldo + s0 + 8, _mm256_mul_ps(hi[r], s_hi));
     }
   }
-  int8_key_scores_scalar(q, codes, scale, out, R, d, S, full);  // the last S % 16 slots
+  int8_key_scores_scalar(q, codes, scale, out, R, d, S, full, ld, ldo);  // the last S % 16 slots
 }
 
 inline void int8_key_scores_avx2(const float* q, const int8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
-                                 int64_t S, const uint8_t* then = nullptr, int64_t then_row = 0) {
-  ARMKV_BY_HEADS(int8_key_scores_avx2_r, R, q, codes, scale, out, R, d, S, then, then_row)
+                                 int64_t S, const uint8_t* then, int64_t then_row, int64_t ld, int64_t ldo) {
+  ARMKV_BY_HEADS(int8_key_scores_avx2_r, R, q, codes, scale, out, R, d, S, then, then_row, ld, ldo)
 }
 #endif
 
@@ -289,11 +299,12 @@ inline bool int8_use_avx2(int64_t R) {
 }
 
 inline void int8_key_scores(const float* q, const int8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
-                            int64_t S, const uint8_t* then = nullptr, int64_t then_row = 0) {
+                            int64_t S, const uint8_t* then = nullptr, int64_t then_row = 0, int64_t ld = 0, int64_t ldo = 0) {
+  ld = ld ? ld : S, ldo = ldo ? ldo : S;  // as key_scores
 #ifdef ARMKV_AVX2
-  if (int8_use_avx2(R)) return int8_key_scores_avx2(q, codes, scale, out, R, d, S, then, then_row);
+  if (int8_use_avx2(R)) return int8_key_scores_avx2(q, codes, scale, out, R, d, S, then, then_row, ld, ldo);
 #endif
-  int8_key_scores_scalar(q, codes, scale, out, R, d, S);
+  int8_key_scores_scalar(q, codes, scale, out, R, d, S, 0, ld, ldo);
 }
 
 // ---------------------------------------------------------------- the whole decode-step read
@@ -380,11 +391,64 @@ __attribute__((target("avx2,fma"))) inline float affine_max_avx2(float* x, const
 }
 #endif
 
+template <bool AVX>
+__attribute__((always_inline)) inline float affine_max(float* x, const float* bias, int64_t n, float scaling) {
+#ifdef ARMKV_AVX2
+  if constexpr (AVX) return affine_max_avx2(x, bias, n, scaling);
+#endif
+  return affine_max_scalar(x, bias, n, scaling);
+}
+
 inline float exp_shift_sum_scalar(float* x, int64_t n, float peak) {
   float total = 0.0f;
   for (int64_t i = 0; i < n; ++i) total += (x[i] = std::exp(x[i] - peak));
   return total;
 }
+
+inline float bf16_to_float(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(float));
+  return out;
+}
+
+#ifdef ARMKV_AVX2
+// 8 bfloat16 -> 8 float32 (exact: a bfloat16 is the high half of a float32)
+__attribute__((target("avx2"))) inline __m256 bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+__attribute__((target("avx2"))) inline void bf16_to_float_avx2(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, bf16x8(src + i));
+  for (; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+}
+#endif
+
+// A [S, ng] table of scales as the pool stores them, float32 or bfloat16. A read converts only
+// the rows it reads (a sparse read a fraction of them), into a buffer of its thread that lives
+// from call to call instead of a new tensor each call.
+struct Scales {
+  const float* f32 = nullptr;      // float32 scales, or
+  const uint16_t* bf16 = nullptr;  // bfloat16 ones (the high half of a float32's bits)
+  int64_t ng = 1;
+
+  // rows [s0, s0 + n) as float32: the table's own where it is float32, else converted into buf
+  const float* rows(int64_t s0, int64_t n, std::vector<float>& buf) const {
+    if (f32) return f32 + s0 * ng;
+    buf.resize(std::max<int64_t>(n * ng, 1));
+    const uint16_t* src = bf16 + s0 * ng;
+    float* dst = buf.data();
+#ifdef ARMKV_AVX2
+    if (__builtin_cpu_supports("avx2")) {
+      bf16_to_float_avx2(src, dst, n * ng);
+      return dst;
+    }
+#endif
+    for (int64_t i = 0; i < n * ng; ++i) dst[i] = bf16_to_float(src[i]);
+    return dst;
+  }
+};
 
 struct DecodeGroup {  // one group's inputs and outputs (pointers into contiguous tensors)
   const float* q;         // [R, d]
@@ -395,9 +459,9 @@ struct DecodeGroup {  // one group's inputs and outputs (pointers into contiguou
   const float* exact_v;   // [L, d]
   const bool* exact_ok;   // [L]
   const void* key_codes;  // uint8 [d/2, S] or int8 [d, S]
-  const float* key_scale; // [S, ngk]
+  Scales key_scale;       // [S, ngk]
   const uint8_t* value_codes;  // [S, d/2]
-  const float* value_scale;    // [S, ngv]
+  Scales value_scale;     // [S, ngv]
   const float* bias;      // [S] (-inf: free)
   float* out;             // [R, d]
 };
@@ -431,13 +495,14 @@ inline void mix_query(const float* q, const float* mix, int64_t R, int64_t d, fl
 }
 
 // The rest of a group's decode read once its S slots are scored: slot_w [R, S] holds q.k
-// (bias given: each becomes q.k * scaling + bias[s]) or the logits themselves (bias null),
-// a.value_codes and a.value_scale those S slots' values. One softmax over the slots, the
-// exact entries and the token; the weighted values unmixed (mix_t = Q^T, or null) into a.out.
-template <bool AVX>
+// (bias given: each becomes q.k * scaling + bias[s]) or the logits themselves (bias null).
+// One softmax over the slots, the exact entries and the token; values(slot_w, tmp) then puts
+// the slots' weighted values [R, d] in tmp (weighted_values over the S slots' codes, or run by
+// run where they lie in a pool), and those, unmixed (mix_t = Q^T, or null), go into a.out.
+template <bool AVX, class Values>
 __attribute__((always_inline)) inline void decode_tail(const DecodeGroup& a, const float* mix_t, int64_t R, int64_t d,
-                                                     int64_t L, int64_t S, int64_t ngv, float scaling, const float* bias,
-                                                     float* slot_w, float* exact_w, float* tmp) {
+                                                     int64_t L, int64_t S, float scaling, const float* bias,
+                                                     float* slot_w, float* exact_w, float* tmp, const Values& values) {
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < R; ++r) {
     float* sw = slot_w + r * S;
@@ -445,12 +510,7 @@ __attribute__((always_inline)) inline void decode_tail(const DecodeGroup& a, con
     const float* qr = a.q + r * d;
     float peak = ninf;
     if (bias) {
-#ifdef ARMKV_AVX2
-      if constexpr (AVX)
-        peak = affine_max_avx2(sw, bias, S, scaling);
-      else
-#endif
-        peak = affine_max_scalar(sw, bias, S, scaling);
+      peak = affine_max<AVX>(sw, bias, S, scaling);
     } else {
       for (int64_t s = 0; s < S; ++s) peak = std::max(peak, sw[s]);
     }
@@ -476,7 +536,7 @@ __attribute__((always_inline)) inline void decode_tail(const DecodeGroup& a, con
     for (int64_t s = 0; s < S; ++s) sw[s] *= inv;
     for (int64_t l = 0; l <= L; ++l) ew[l] *= inv;
   }
-  weighted_values(slot_w, a.value_codes, a.value_scale, tmp, R, d, S, ngv);
+  values(slot_w, tmp);
   for (int64_t r = 0; r < R; ++r) {
     const float* ew = exact_w + r * (L + 1);
     float* o = a.out + r * d;
@@ -506,12 +566,16 @@ __attribute__((always_inline)) inline void decode_group_body(const DecodeGroup& 
                                                            bool int8_keys, int64_t R, int64_t d, int64_t L, int64_t S,
                                                            int64_t ngk, int64_t ngv, float scaling, float* qm, float* slot_w,
                                                            float* exact_w, float* tmp) {
+  thread_local std::vector<float> kbuf, vbuf;
   mix_query(a.q, mix, R, d, qm);
+  const float* ks = a.key_scale.rows(0, S, kbuf);
   if (int8_keys)
-    int8_key_scores(qm, static_cast<const int8_t*>(a.key_codes), a.key_scale, slot_w, R, d, S, a.value_codes, d / 2);
+    int8_key_scores(qm, static_cast<const int8_t*>(a.key_codes), ks, slot_w, R, d, S, a.value_codes, d / 2);
   else
-    key_scores(qm, static_cast<const uint8_t*>(a.key_codes), a.key_scale, slot_w, R, d, S, ngk, a.value_codes, d / 2);
-  decode_tail<AVX>(a, mix_t, R, d, L, S, ngv, scaling, a.bias, slot_w, exact_w, tmp);
+    key_scores(qm, static_cast<const uint8_t*>(a.key_codes), ks, slot_w, R, d, S, ngk, a.value_codes, d / 2);
+  decode_tail<AVX>(a, mix_t, R, d, L, S, scaling, a.bias, slot_w, exact_w, tmp, [&](const float* w, float* out) {
+    weighted_values(w, a.value_codes, a.value_scale.rows(0, S, vbuf), out, R, d, S, ngv);
+  });
 }
 
 #define ARMKV_DECODE_ARGS                                                                                            \
@@ -899,6 +963,70 @@ inline int64_t bucket_runs(const int32_t* ord, int64_t listed, const int32_t* st
 }
 
 #ifdef ARMKV_AVX2
+// out [R, d] = the weighted values of the slots of the runs (bucket_runs) of a pool (value
+// codes [S, d/2], scales [S, ng]), read where they lie: w [R, W] the runs' slots' weights in
+// run order; run by run, each added to the ones before
+inline void run_values(const float* w, const uint8_t* codes, const Scales& scale, float* out, int64_t R, int64_t d,
+                       int64_t W, int64_t ng, const std::vector<int64_t>& start, const std::vector<int64_t>& len) {
+  thread_local std::vector<float> buf;
+  if (start.empty()) std::fill(out, out + R * d, 0.0f);
+  for (size_t k = 0, at = 0; k < start.size(); at += len[k], ++k)
+    weighted_values(w + at, codes + start[k] * (d / 2), scale.rows(start[k], len[k], buf), out, R, d, len[k], ng, W, k > 0);
+}
+
+// slot_w [R, W] = the logits q.k * scaling + bias[s] of the slots of the runs of a pool (S
+// slots; key codes channel-major, rows S apart, int4 or int8), read where they lie, run by run
+template <bool AVX>
+__attribute__((always_inline)) inline void run_logits(const float* qm, const void* key_codes, bool int8_keys,
+                                                    const Scales& key_scale, const float* bias, const uint8_t* value_codes,
+                                                    float* slot_w, int64_t R, int64_t d, int64_t S, int64_t W, int64_t ngk,
+                                                    float scaling, const std::vector<int64_t>& start,
+                                                    const std::vector<int64_t>& len) {
+  thread_local std::vector<float> buf;
+  const int64_t half = d / 2;
+  for (size_t k = 0, at = 0; k < start.size(); at += len[k], ++k) {
+    const int64_t s0 = start[k], n = len[k];
+    const uint8_t* then = value_codes + s0 * half;  // (the run's values, read next)
+    const float* ks = key_scale.rows(s0, n, buf);
+    if (int8_keys)
+      int8_key_scores(qm, static_cast<const int8_t*>(key_codes) + s0, ks, slot_w + at, R, d, n, then, half, S, W);
+    else
+      key_scores(qm, static_cast<const uint8_t*>(key_codes) + s0, ks, slot_w + at, R, d, n, ngk, then, half, S, W);
+    for (int64_t r = 0; r < R; ++r) affine_max<AVX>(slot_w + r * W + at, bias + s0, n, scaling);
+  }
+}
+
+// One group's decode read of the slots of the runs of its pool (a: the pool's, S slots), read
+// where they lie: no copy of their codes. qm, slot_w [R, W], exact_w, tmp: scratch.
+template <bool AVX>
+__attribute__((always_inline)) inline void runs_group_body(const DecodeGroup& a, const float* mix, const float* mix_t,
+                                                         bool int8_keys, int64_t R, int64_t d, int64_t L, int64_t S,
+                                                         int64_t ngk, int64_t ngv, float scaling,
+                                                         const std::vector<int64_t>& start, const std::vector<int64_t>& len,
+                                                         int64_t W, float* qm, float* slot_w, float* exact_w, float* tmp) {
+  mix_query(a.q, mix, R, d, qm);
+  run_logits<AVX>(qm, a.key_codes, int8_keys, a.key_scale, a.bias, a.value_codes, slot_w, R, d, S, W, ngk, scaling, start, len);
+  decode_tail<AVX>(a, mix_t, R, d, L, W, scaling, nullptr, slot_w, exact_w, tmp, [&](const float* w, float* out) {
+    run_values(w, a.value_codes, a.value_scale, out, R, d, W, ngv, start, len);
+  });
+}
+
+#define ARMKV_RUNS_ARGS                                                                                             \
+  const DecodeGroup &a, const float *mix, const float *mix_t, bool int8_keys, int64_t R, int64_t d, int64_t L,     \
+      int64_t S, int64_t ngk, int64_t ngv, float scaling, const std::vector<int64_t> &start,                         \
+      const std::vector<int64_t> &len, int64_t W, float *qm, float *slot_w, float *exact_w, float *tmp
+#define ARMKV_RUNS_CALL a, mix, mix_t, int8_keys, R, d, L, S, ngk, ngv, scaling, start, len, W, qm, slot_w, exact_w, tmp
+#ifdef ARMKV_AVX2
+__attribute__((target("avx2,fma"))) void runs_group_avx2(ARMKV_RUNS_ARGS) { runs_group_body<true>(ARMKV_RUNS_CALL); }
+#endif
+void runs_group_baseline(ARMKV_RUNS_ARGS) { runs_group_body<false>(ARMKV_RUNS_CALL); }
+inline void runs_group(ARMKV_RUNS_ARGS, bool vectorised) {
+#ifdef ARMKV_AVX2
+  if (vectorised && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return runs_group_avx2(ARMKV_RUNS_CALL);
+#endif
+  runs_group_baseline(ARMKV_RUNS_CALL);
+}
+
 // the largest of x [n], 8 at a time (a maximum is exact: any order gives the same)
 __attribute__((target("avx2"))) inline float max_avx2(const float* x, int64_t n) {
   __m256 acc = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -947,35 +1075,30 @@ inline void top_buckets(const float* best, int64_t nb, int64_t m, std::vector<in
 
 // Per-thread buffers of best_group
 struct BestScratch {
-  std::vector<float> qm, sw, top, best, cw, vs, exact_w, tmp;
-  std::vector<uint8_t> vc;
+  std::vector<float> qm, sw, top, best, cw, exact_w, tmp;
   std::vector<int64_t> idx, run_start, run_len;
 };
 
 // One group of arm_best_decode_read: every slot scored once (the key codes read once), the
 // logits q.k * scaling + bias; each bucket ranked by its best logit over the slots and the R
 // heads; the first `take` of the m best buckets read: their slots' logits (kept, not scored
-// again) and value codes copied run by run, then decode_tail. chosen [m] gets the m buckets.
+// again) copied run by run, then decode_tail, their values read where they lie. chosen [m]
+// gets the m buckets.
 template <bool AVX>
 __attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a, const float* mix, const float* mix_t,
                                                          bool int8_keys, int64_t R, int64_t d, int64_t L, int64_t S,
                                                          int64_t ngk, int64_t ngv, float scaling, const int32_t* ord,
                                                          int64_t listed, const int32_t* st, const int32_t* sz, int64_t nb,
                                                          int64_t m, int64_t take, BestScratch& w, int64_t* chosen) {
+  thread_local std::vector<float> kbuf;
   mix_query(a.q, mix, R, d, w.qm.data());
   float* sw = w.sw.data();
+  const float* ks = a.key_scale.rows(0, S, kbuf);
   if (int8_keys)
-    int8_key_scores(w.qm.data(), static_cast<const int8_t*>(a.key_codes), a.key_scale, sw, R, d, S);
+    int8_key_scores(w.qm.data(), static_cast<const int8_t*>(a.key_codes), ks, sw, R, d, S);
   else
-    key_scores(w.qm.data(), static_cast<const uint8_t*>(a.key_codes), a.key_scale, sw, R, d, S, ngk);
-  for (int64_t r = 0; r < R; ++r) {
-#ifdef ARMKV_AVX2
-    if constexpr (AVX)
-      affine_max_avx2(sw + r * S, a.bias, S, scaling);
-    else
-#endif
-      affine_max_scalar(sw + r * S, a.bias, S, scaling);
-  }
+    key_scores(w.qm.data(), static_cast<const uint8_t*>(a.key_codes), ks, sw, R, d, S, ngk);
+  for (int64_t r = 0; r < R; ++r) affine_max<AVX>(sw + r * S, a.bias, S, scaling);
   float* top = w.top.data();
   std::copy(sw, sw + S, top);
   for (int64_t r = 1; r < R; ++r)
@@ -985,17 +1108,13 @@ __attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a,
   std::copy(w.idx.begin(), w.idx.begin() + m, chosen);
   const int64_t W = bucket_runs(ord, listed, st, sz, nb, chosen, std::min(take, m), S, w.run_start, w.run_len,
                                 "arm_best_decode_read");
-  const int64_t half = d / 2, Wn = std::max<int64_t>(W, 1);
-  w.cw.resize(R * Wn), w.vc.resize(Wn * half), w.vs.resize(Wn * ngv);
+  w.cw.resize(R * std::max<int64_t>(W, 1));
   for (size_t k = 0, at = 0; k < w.run_start.size(); at += w.run_len[k], ++k) {
     const int64_t s0 = w.run_start[k], n = w.run_len[k];
     for (int64_t r = 0; r < R; ++r) std::copy(sw + r * S + s0, sw + r * S + s0 + n, w.cw.data() + r * W + at);
-    std::memcpy(w.vc.data() + at * half, a.value_codes + s0 * half, n * half);
-    std::memcpy(w.vs.data() + at * ngv, a.value_scale + s0 * ngv, n * ngv * sizeof(float));
   }
-  DecodeGroup b = a;
-  b.value_codes = w.vc.data(), b.value_scale = w.vs.data();
-  decode_tail<AVX>(b, mix_t, R, d, L, W, ngv, scaling, nullptr, w.cw.data(), w.exact_w.data(), w.tmp.data());
+  decode_tail<AVX>(a, mix_t, R, d, L, W, scaling, nullptr, w.cw.data(), w.exact_w.data(), w.tmp.data(),
+                   [&](const float* wt, float* out) { run_values(wt, a.value_codes, a.value_scale, out, R, d, W, ngv, w.run_start, w.run_len); });
 }
 
 // ---------------------------------------------------------------- read_rank="partial"
@@ -1116,9 +1235,11 @@ __attribute__((target("avx2,fma"))) void partial_top_avx2_r(const float* q, cons
 }
 #endif
 
-inline void partial_top(const float* q, const void* codes, bool int8_keys, const float* scale, const float* bias,
+inline void partial_top(const float* q, const void* codes, bool int8_keys, const Scales& scales, const float* bias,
                         float scaling, float* top, int64_t R, int64_t d, int64_t S, int64_t ng, const int64_t* rows,
                         int64_t n, std::vector<int64_t>& groups, bool vectorised) {
+  thread_local std::vector<float> buf;
+  const float* scale = scales.rows(0, S, buf);
   const int64_t gs = int8_keys ? d : d / ng, half = d / 2;
   groups.resize(2 * n);
   for (int64_t j = 0; j < n; ++j) groups[j] = rows[j] / gs, groups[n + j] = (rows[j] + half) / gs;
@@ -1327,7 +1448,7 @@ struct DecodeInputs {
     kk = own_k.contiguous(), vv = own_v.contiguous(), ek = exact_k.contiguous(), ev = exact_v.contiguous();
     eok = exact_ok.to(torch::kBool).contiguous();
     kc = key_codes.contiguous(), vc = value_codes.contiguous();
-    ks = key_scale.to(torch::kFloat32).contiguous(), vs = value_scale.to(torch::kFloat32).contiguous();
+    ks = as_stored(key_scale), vs = as_stored(value_scale);
     b = bias.to(torch::kFloat32).contiguous();
     mx = mix.numel() ? mix.to(torch::kFloat32).contiguous() : mix;
     TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kk.scalar_type() == torch::kFloat32 && ek.scalar_type() == torch::kFloat32,
@@ -1350,21 +1471,33 @@ struct DecodeInputs {
     MXT = mx.numel() ? mxt.data_ptr<float>() : nullptr;
   }
 
-  // group g's inputs; its slots' codes, scales and bias where given (gathered), else the pool's
-  armkv::DecodeGroup group(int64_t g, float* out, const void* key_codes = nullptr, const float* key_scale = nullptr,
-                           const uint8_t* value_codes = nullptr, const float* value_scale = nullptr,
-                           const float* bias = nullptr) {
-    const void* pool_keys = int8_keys ? static_cast<const void*>(kc.data_ptr<int8_t>() + g * d * S)
-                                      : static_cast<const void*>(kc.data_ptr<uint8_t>() + g * (d / 2) * S);
+  // scales float32 or bfloat16 as they are (each read converts the rows it reads), others float32
+  static torch::Tensor as_stored(const torch::Tensor& x) {
+    const auto t = x.scalar_type();
+    return (t == torch::kFloat32 || t == torch::kBFloat16 ? x : x.to(torch::kFloat32)).contiguous();
+  }
+
+  // rows from `row` on of a [G * S, ng] table of scales
+  static armkv::Scales scales(const torch::Tensor& x, int64_t row, int64_t ng) {
+    armkv::Scales out;
+    out.ng = ng;
+    if (x.scalar_type() == torch::kFloat32)
+      out.f32 = x.data_ptr<float>() + row * ng;
+    else
+      out.bf16 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + row * ng;
+    return out;
+  }
+
+  // group g's inputs: its query, token, exact entries and pool
+  armkv::DecodeGroup group(int64_t g, float* out) {
     return armkv::DecodeGroup{
         q.data_ptr<float>() + g * R * d, kk.data_ptr<float>() + g * d, vv.data_ptr<float>() + g * d,
         own_ok.data_ptr<bool>()[g], ek.data_ptr<float>() + g * L * d, ev.data_ptr<float>() + g * L * d,
         eok.data_ptr<bool>() + g * L,
-        key_codes ? key_codes : pool_keys,
-        key_scale ? key_scale : ks.data_ptr<float>() + g * S * ngk,
-        value_codes ? value_codes : vc.data_ptr<uint8_t>() + g * S * (d / 2),
-        value_scale ? value_scale : vs.data_ptr<float>() + g * S * ngv,
-        bias ? bias : b.data_ptr<float>() + g * S, out};
+        int8_keys ? static_cast<const void*>(kc.data_ptr<int8_t>() + g * d * S)
+                  : static_cast<const void*>(kc.data_ptr<uint8_t>() + g * (d / 2) * S),
+        scales(ks, g * S, ngk), vc.data_ptr<uint8_t>() + g * S * (d / 2), scales(vs, g * S, ngv),
+        b.data_ptr<float>() + g * S, out};
   }
 };
 
@@ -1394,42 +1527,21 @@ torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::T
 
 // Per-thread buffers of sparse_group and arm_partial_decode_read's ranking
 struct SparseScratch {
-  std::vector<float> qm, exact_w, tmp, slot_w, ks, vs, bias, energy, top, best;
-  std::vector<uint8_t> kc, vc;
+  std::vector<float> qm, exact_w, tmp, slot_w, energy, top, best;
   std::vector<int64_t> run_start, run_len, rows, idx;
 };
 
 // One group of arm_sparse_decode_read: the slots of the first `count` of `chosen` buckets,
-// their codes, scales and biases copied out run by run (key codes are channel-major, a row of
-// S bytes a channel; everything else slot-major), then read as arm_decode_read reads a pool
+// read run by run where they lie in the pool (armkv::runs_group), as arm_decode_read reads a pool
 void sparse_group(DecodeInputs& in, int64_t g, float* out, const int32_t* ORD, int64_t listed, const int32_t* ST,
                   const int32_t* SZ, int64_t nb, const int64_t* chosen, int64_t count, double scaling, bool vectorised,
                   SparseScratch& w, const char* name) {
-  const int64_t R = in.R, d = in.d, L = in.L, S = in.S, ngk = in.ngk, ngv = in.ngv;
-  const int64_t rows = in.int8_keys ? d : d / 2, half = d / 2;  // key code rows: a byte a slot each
-  const auto* KC = static_cast<const uint8_t*>(in.kc.data_ptr());  // int8 or uint8 codes: bytes alike
-  const uint8_t* VC = in.vc.data_ptr<uint8_t>();
-  const float *KS = in.ks.data_ptr<float>(), *VS = in.vs.data_ptr<float>(), *B = in.b.data_ptr<float>();
+  const int64_t R = in.R, d = in.d, L = in.L, S = in.S;
   const int64_t W = armkv::bucket_runs(ORD, listed, ST, SZ, nb, chosen, count, S, w.run_start, w.run_len, name);
-  w.kc.resize(std::max<int64_t>(rows * W, 1));
-  w.vc.resize(std::max<int64_t>(W * half, 1));
-  w.ks.resize(std::max<int64_t>(W * ngk, 1));
-  w.vs.resize(std::max<int64_t>(W * ngv, 1));
-  w.bias.resize(std::max<int64_t>(W, 1));
   w.slot_w.resize(R * std::max<int64_t>(W, 1));
   w.qm.resize(R * d), w.exact_w.resize(R * (L + 1)), w.tmp.resize(R * d);
-  const uint8_t* kc_g = KC + g * rows * S;
-  for (size_t r = 0, at = 0; r < w.run_start.size(); at += w.run_len[r], ++r) {
-    const int64_t s0 = w.run_start[r], n = w.run_len[r];
-    for (int64_t c = 0; c < rows; ++c) std::memcpy(w.kc.data() + c * W + at, kc_g + c * S + s0, n);
-    std::memcpy(w.vc.data() + at * half, VC + (g * S + s0) * half, n * half);
-    std::memcpy(w.ks.data() + at * ngk, KS + (g * S + s0) * ngk, n * ngk * sizeof(float));
-    std::memcpy(w.vs.data() + at * ngv, VS + (g * S + s0) * ngv, n * ngv * sizeof(float));
-    std::memcpy(w.bias.data() + at, B + g * S + s0, n * sizeof(float));
-  }
-  armkv::decode_group(in.group(g, out, w.kc.data(), w.ks.data(), w.vc.data(), w.vs.data(), w.bias.data()), in.MX, in.MXT,
-                      in.int8_keys, R, d, L, W, ngk, ngv, static_cast<float>(scaling), w.qm.data(), w.slot_w.data(),
-                      w.exact_w.data(), w.tmp.data(), vectorised);
+  armkv::runs_group(in.group(g, out), in.MX, in.MXT, in.int8_keys, R, d, L, S, in.ngk, in.ngv, static_cast<float>(scaling),
+                    w.run_start, w.run_len, W, w.qm.data(), w.slot_w.data(), w.exact_w.data(), w.tmp.data(), vectorised);
 }
 
 // The sparse decode read (ARMLayer._sparse_read, one query): arm_decode_read over only the
