@@ -368,17 +368,73 @@ def test_fused_partial_read_ranks_as_pytorch_and_reads_as_the_sparse_read(kernel
     PyTorch ranking: the rows of read.partial_rows of the (mixed) query,
     MemoryState.partial_key_scores times the scaling plus the bias, the largest over the R
     heads, read.bucket_best, a stable sort: the same buckets, best first. Its output against
-    the gathered PyTorch read of those buckets. With every row (rows = d/2) it ranks as
-    "best"; with one row, as the scores of that pair of channels alone."""
+    the gathered PyTorch read of those buckets. With every row (rows = d/2) the scores are
+    the full scores of the query rounded to int8 (each head at max |q| / 127); with one row,
+    those of that pair of channels alone."""
     from armkv.memory.read import fused_partial_decode_read, partial_rows
 
     c = _ranked_case(fmt, d, slots, rep, buckets, m, mixed, laid, slots * d + rep + buckets + rows)
     with torch.no_grad():
         out, got = fused_partial_decode_read(_Vectorised(kernel, vectorised), *c["read"], c["index"], m, c["take"], rows)
         scores = c["st"].partial_key_scores(c["q"], partial_rows(c["q"], rows))
-        if rows == d // 2:  # every row: the full scores
-            torch.testing.assert_close(scores, c["st"].key_scores(c["q"], fused=False), rtol=1e-5, atol=1e-4)
+        if rows == d // 2:  # every row: the full scores of the rounded query
+            step = c["q"].abs().amax(-1, keepdim=True) / 127
+            rounded = torch.round(c["q"] / step) * step
+            torch.testing.assert_close(scores, c["st"].key_scores(rounded, fused=False), rtol=1e-5, atol=1e-4)
         _assert_ranked_read(c, out, got, scores, m, buckets)
+
+
+@pytest.mark.parametrize("vectorised", [True, False])
+def test_fused_partial_ranking_holds_the_largest_integer_sums(kernel, vectorised):
+    """The int16 lanes of the partial ranking at their limit: every key code at a nibble's
+    extreme (7 in half the slots, -8 in the rest) and every query channel at 127 after
+    rounding, all 32 rows of d = 64 (two chunks of 8 pairs, each summing 8 x 2 x 127 x 15 in
+    a lane): the same buckets and read as the PyTorch ranking, whose sums are exact."""
+    from armkv.memory.read import fused_partial_decode_read, partial_rows
+
+    c = _ranked_case("k4v4", 64, 203, 3, 64, 8, False, True, 7)
+    st = c["st"]
+    some = st.key.shape[-1] // 2
+    st.key[..., :some] = 0x77  # both nibbles 7
+    st.key[..., some:] = 0x88  # both nibbles -8
+    c["read"][0].fill_(1.0)
+    c["q"].fill_(1.0)
+    with torch.no_grad():
+        out, got = fused_partial_decode_read(_Vectorised(kernel, vectorised), *c["read"], c["index"], 8, c["take"], 32)
+        scores = st.partial_key_scores(c["q"], partial_rows(c["q"], 32))
+    scale = st.key_scale.float()  # [G, S, 2]: the low 32 channels' group, the high 32's
+    torch.testing.assert_close(scores[:, 0, :some], 7 * 32 * scale[:, :some].sum(-1))
+    torch.testing.assert_close(scores[:, 0, some:], -8 * 32 * scale[:, some:].sum(-1))
+    _assert_ranked_read(c, out, got, scores, 8, 64)
+
+
+@pytest.mark.parametrize("rank", ["dense", "sparse", "best", "partial"])
+def test_fused_reads_take_float32_scales_as_bfloat16_ones(kernel, rank):
+    """The pools store their scales in bfloat16 and the kernels read them as they are (each read
+    converting the rows it reads); float32 scales of the same values give the same read."""
+    from dataclasses import replace
+
+    from armkv.memory.read import fused_best_decode_read, fused_partial_decode_read, fused_sparse_decode_read
+
+    c = _ranked_case("k4v4", 64, 203, 3, 64, 8, False, True, 11)
+    query, key, value, valid, exact_k, exact_v, exact_valid, st, bias, mix, scaling = c["read"]
+    assert st.key_scale.dtype == torch.bfloat16
+    wide = replace(st, key_scale=st.key_scale.float(), value_scale=st.value_scale.float())
+    buckets = torch.arange(8).expand(st.key.shape[0], 8)
+
+    def read(state):
+        args = (query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling)
+        if rank == "dense":
+            from armkv.memory.read import fused_decode_read
+            return fused_decode_read(kernel, *args)
+        if rank == "sparse":
+            return fused_sparse_decode_read(kernel, *args, c["index"], buckets, c["take"])
+        if rank == "best":
+            return fused_best_decode_read(kernel, *args, c["index"], 8, c["take"])[0]
+        return fused_partial_decode_read(kernel, *args, c["index"], 8, c["take"], 8)[0]
+
+    with torch.no_grad():
+        torch.testing.assert_close(read(wide), read(st), rtol=0, atol=0)
 
 
 def test_partial_rows_are_where_the_query_group_is_largest():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 import torch
+import torch.nn.functional as F
 
 from armkv.config import QUANTISED_SLOTS, SLOT_SCALE_BYTES, value_groups
 from armkv.memory.kernels import fused_read
@@ -193,27 +194,36 @@ class MemoryState:
         return total
 
     def partial_key_scores(self, query: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """:meth:`key_scores` over the channels of ``rows`` only: query [G, R, d] (stored
-        basis), rows [G, n] key-code rows, row c holding channels c and c + d/2 (one byte a
-        slot of int4 codes) -> [G, R, S], sum over those 2n channels of q_c s_g(c) k_c. Reads
-        n of the d/2 rows of the channel-major codes (the ranking of ``read_rank="partial"``;
-        the fused CPU read does it inside ``arm_partial_decode_read``)."""
+        """The ranking scores of ``read_rank="partial"``: :meth:`key_scores` over the channels of
+        ``rows`` only, with the query rounded to int8. query [G, R, d] (stored basis), rows
+        [G, n] key-code rows, row c holding channels c and c + d/2 (one byte a slot of int4
+        codes) -> [G, R, S] float32: per head, q's 2n channels are rounded at the head's scale
+        s = max |q| / 127 (1 where all are 0) to qi = round(q / s); a slot's score is s times
+        the sum over its scale groups g of scale_g times the integer sum of qi_c k_c over g's
+        channels (exact in float32, in any order). Reads n of the d/2 rows of the
+        channel-major codes; the fused CPU read does the same inside ``arm_partial_decode_read``,
+        in int16 lanes."""
         G, R, d = query.shape
         n, half = rows.shape[1], d // 2
         channels = torch.cat([rows, rows + half], 1)  # [G, 2n]
-        q = query.gather(2, channels.unsqueeze(1).expand(G, R, 2 * n))
+        q = query.float().gather(2, channels.unsqueeze(1).expand(G, R, 2 * n))
+        peak = q.abs().amax(-1, keepdim=True)
+        scale = torch.where(peak > 0, peak / 127, torch.ones_like(peak))  # [G, R, 1]
+        qi = torch.round(q / scale).clamp(-127, 127)
         if self.key_scale is None:  # float keys [G, S, d]
-            keys = self.key.gather(2, channels.unsqueeze(1).expand(G, self.key.shape[1], 2 * n)).to(query.dtype)
-            return torch.matmul(q, keys.transpose(1, 2))
+            keys = self.key.gather(2, channels.unsqueeze(1).expand(G, self.key.shape[1], 2 * n)).float()
+            return torch.matmul(qi, keys.transpose(1, 2)) * scale
         S = self.key.shape[-1]
         if self.key.dtype == torch.uint8:  # int4 bytes [G, d/2, S]: a row's low nibble is channel c, its high c + d/2
             picked = self.key.gather(1, rows.unsqueeze(-1).expand(G, n, S))
             codes = torch.cat(int4_halves(picked), 1)  # [G, 2n, S], in the order of `channels`
         else:  # int8 codes [G, d, S]
             codes = self.key.gather(1, channels.unsqueeze(-1).expand(G, 2 * n, S))
+        codes = codes.float()
         ng = self.key_scale.shape[-1]
-        scale = self.key_scale.gather(2, (channels // (d // ng)).unsqueeze(1).expand(G, S, 2 * n))  # [G, S, 2n]
-        return torch.matmul(q, codes.to(query.dtype) * scale.to(query.dtype).transpose(1, 2))
+        of_group = F.one_hot(channels // (d // ng), ng).transpose(1, 2).unsqueeze(1)  # [G, 1, ng, 2n]
+        sums = torch.matmul(qi.unsqueeze(2) * of_group, codes.unsqueeze(1))  # [G, R, ng, S]: each group's, integers
+        return (sums * self.key_scale.float().transpose(1, 2).unsqueeze(1)).sum(2) * scale
 
     def weighted_values(self, weights: torch.Tensor, fused: bool = True) -> torch.Tensor:
         """weights [G, R, S] @ the slot values -> [G, R, d], in the stored basis; the scales
