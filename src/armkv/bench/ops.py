@@ -19,7 +19,9 @@
   the dense read of every slot (the decode step's
   ``ARMLayer._decode_read``) and the masked read of the whole pool at the same M
   (``ARMLayer._chunk_read``, the sparse read's reference), for one query and for chunks of
-  ``--sparse-queries``; with the largest difference from the masked read.
+  ``--sparse-queries``; with the largest difference from the masked read. The three reads
+  are timed side by side, their calls interleaved (at least 30 rounds), so that their ratios
+  hold on a shared machine.
 - chunk read: one prefill chunk's attention over a state of each ``--int4-slots`` size and
   itself (``joint_attention``): the split form (two flash attentions merged by their
   log-sum-exps) against one SDPA call over [state | chunk] with the full float mask.
@@ -77,6 +79,21 @@ def _time(fn, repeats: int) -> float:
         fn()
         times.append(_clock() - t0)
     return statistics.median(times)
+
+
+def _time_side_by_side(fns: dict, repeats: int) -> dict:
+    """Median seconds per call of each of ``fns`` (name -> callable), their calls interleaved
+    round by round, so that a slow stretch of a shared machine weighs on each alike and
+    their ratios hold where timing one after the other would not."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = _clock()
+            fn()
+            times[name].append(_clock() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _synthetic_plan(tokens: int, slots: int, kv_heads: int, head_dim: int) -> tuple:
@@ -261,14 +278,14 @@ def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], rep
                 sparse = lambda: layer._read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=False)  # noqa: E731
                 masked = lambda: layer._chunk_read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=False)  # noqa: E731
                 diff = (sparse() - masked()).abs().max().item()
-                cell = {"sparse_us": 1e6 * _time(sparse, repeats), "masked_us": 1e6 * _time(masked, repeats), "max_abs_diff": diff}
-                if T == 1:
-                    cell["dense_us"] = 1e6 * _time(lambda: layer._decode_read(q, k, v, valid, d**-0.5, *exact), repeats)
-                    cell["speedup_vs_dense"] = cell["dense_us"] / cell["sparse_us"]
+                if T == 1:  # the dense read of every slot: the fused decode read
+                    dense = lambda: layer._decode_read(q, k, v, valid, d**-0.5, *exact)  # noqa: E731
                 else:
-                    every = lambda: layer._chunk_read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=True)  # noqa: E731
-                    cell["dense_us"] = 1e6 * _time(every, repeats)
-                    cell["speedup_vs_dense"] = cell["dense_us"] / cell["sparse_us"]
+                    dense = lambda: layer._chunk_read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=True)  # noqa: E731
+                took = _time_side_by_side({"sparse": sparse, "masked": masked, "dense": dense}, repeats)
+                cell = {f"{name}_us": 1e6 * t for name, t in took.items()}
+                cell["max_abs_diff"] = diff
+                cell["speedup_vs_dense"] = cell["dense_us"] / cell["sparse_us"]
                 cell["speedup_vs_masked"] = cell["masked_us"] / cell["sparse_us"]
             row[f"T{T}"] = cell
         out.setdefault(str(budget), {})[rank] = row
@@ -343,7 +360,7 @@ def main(args) -> int:
     else:
         log("int4 read: the fused kernel is not available here (see the warning); not timed")
     sparse = bench_sparse_read([int(b) for b in args.sparse_budgets.split(",") if b], args.sparse_fraction,
-                               [int(t) for t in args.sparse_queries.split(",") if t], max(args.repeats, 10), ranks)
+                               [int(t) for t in args.sparse_queries.split(",") if t], max(args.repeats, 30), ranks)
     log(f"| budget | ranking | slots | M / N_b | gathered share | T | sparse us | dense us (every slot) | masked us | vs dense | vs masked | max diff |\n"
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for b, by_rank in sparse.items():
