@@ -1233,15 +1233,14 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 head_peak(const
   return peak;
 }
 
-// Float lanes (int8 codes, or int4 where the int16 loop below does not apply), 8 slots a block;
-// the rows (increasing) taken in runs that share their two scale groups, each run's products
-// (integers, exact) summed before its scales multiply them
+// int8 codes in float lanes (their products with the query's int8 codes would overflow int16
+// lanes), 8 slots a block: each row's two channels' products (integers, exact) summed, then
+// times the slot's one scale
 template <int RR>
-__attribute__((target("avx2,fma"))) void partial_top_avx2_r(const int8_t* qi, const float* f, const void* codes_,
-                                                           bool int8_keys, const Scales& scale, const float* bias,
-                                                           float* top, int64_t R_, int64_t d, int64_t S, int64_t ng,
-                                                           const int64_t* rows, const int64_t* glo, const int64_t* ghi,
-                                                           int64_t n) {
+__attribute__((target("avx2,fma"))) void partial_top_int8_avx2_r(const int8_t* qi, const float* f, const int8_t* codes,
+                                                                const Scales& scale, const float* bias, float* top,
+                                                                int64_t R_, int64_t d, int64_t S, const int64_t* rows,
+                                                                const int64_t* glo, const int64_t* ghi, int64_t n) {
   const int64_t R = heads<RR>(R_), half = d / 2, full = S / 8 * 8;
   std::vector<float> qf(R * 2 * n);  // the rounded query as floats
   for (int64_t i = 0; i < R * 2 * n; ++i) qf[i] = static_cast<float>(qi[i]);
@@ -1249,40 +1248,25 @@ __attribute__((target("avx2,fma"))) void partial_top_avx2_r(const int8_t* qi, co
     // the chosen rows' lines kPrefetchAhead bytes ahead, once per line (as key_scores_avx2_r)
     if (s0 % 64 == 0 && s0 + kPrefetchAhead < S)
       for (int64_t j = 0; j < n; ++j) {
-        const auto* base = static_cast<const uint8_t*>(codes_) + s0 + kPrefetchAhead;
-        _mm_prefetch(reinterpret_cast<const char*>(base + rows[j] * S), _MM_HINT_T0);
-        if (int8_keys) _mm_prefetch(reinterpret_cast<const char*>(base + (rows[j] + half) * S), _MM_HINT_T0);  // (its own row)
+        _mm_prefetch(reinterpret_cast<const char*>(codes + rows[j] * S + s0 + kPrefetchAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(codes + (rows[j] + half) * S + s0 + kPrefetchAhead), _MM_HINT_T0);
       }
-    __m256 res[kAcc<RR>], sg[kMaxGroups];
-    for (int64_t r = 0; r < R; ++r) res[r] = _mm256_setzero_ps();
-    block_scales(scale, s0, int8_keys ? 1 : ng, sg);
-    for (int64_t j = 0; j < n;) {
-      const int64_t gl = int8_keys ? 0 : glo[j], gh = int8_keys ? 0 : ghi[j];
-      __m256 alo[kAcc<RR>], ahi[kAcc<RR>];
-      for (int64_t r = 0; r < R; ++r) alo[r] = ahi[r] = _mm256_setzero_ps();
-      for (; j < n && (int8_keys || (glo[j] == gl && ghi[j] == gh)); ++j) {
-        const int64_t c = rows[j];
-        __m256 lo, hi;
-        if (int8_keys) {
-          const auto* codes = static_cast<const int8_t*>(codes_);
-          lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c * S + s0))));
-          hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (c + half) * S + s0))));
-        } else {
-          decode8(static_cast<const uint8_t*>(codes_) + c * S + s0, lo, hi);
-        }
-        for (int64_t r = 0; r < R; ++r) {
-          alo[r] = _mm256_fmadd_ps(_mm256_set1_ps(qf[r * 2 * n + j]), lo, alo[r]);
-          ahi[r] = _mm256_fmadd_ps(_mm256_set1_ps(qf[r * 2 * n + n + j]), hi, ahi[r]);
-        }
-      }
-      if (int8_keys)  // (one scale a slot: the two halves' sums add first)
-        for (int64_t r = 0; r < R; ++r) res[r] = _mm256_fmadd_ps(_mm256_add_ps(alo[r], ahi[r]), sg[0], res[r]);
-      else
-        for (int64_t r = 0; r < R; ++r) res[r] = _mm256_fmadd_ps(alo[r], sg[gl], _mm256_fmadd_ps(ahi[r], sg[gh], res[r]));
+    __m256 sums[kAcc<RR>], res[kAcc<RR>];
+    for (int64_t r = 0; r < R; ++r) sums[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t c = rows[j];
+      const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c * S + s0))));
+      const __m256 hi =
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (c + half) * S + s0))));
+      for (int64_t r = 0; r < R; ++r)
+        sums[r] = _mm256_fmadd_ps(_mm256_set1_ps(qf[r * 2 * n + j]), lo,
+                                  _mm256_fmadd_ps(_mm256_set1_ps(qf[r * 2 * n + n + j]), hi, sums[r]));
     }
+    const __m256 sg = scales8(scale, s0);
+    for (int64_t r = 0; r < R; ++r) res[r] = _mm256_mul_ps(sums[r], sg);
     _mm256_storeu_ps(top + s0, head_peak<RR>(res, f, bias + s0, R));
   }
-  partial_top_scalar(qi, f, codes_, int8_keys, scale, bias, top, R, d, S, ng, rows, glo, ghi, n, full);  // the last S % 8
+  partial_top_scalar(qi, f, codes, true, scale, bias, top, R, d, S, 1, rows, glo, ghi, n, full);  // the last S % 8
 }
 
 // The rows of a partial ranking of int4 codes in pairs, for partial_top_int4_avx2_r: pairs
@@ -1411,13 +1395,12 @@ inline void partial_top(const float* qm, const void* codes, bool int8_keys, cons
 #ifdef ARMKV_AVX2
   if (vectorised && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && R <= kMaxRep &&
       (int8_keys || ng <= kMaxGroups)) {
-    if (!int8_keys) {
-      w.pairs.build(w.qi.data(), R, n, rows, glo, ghi);
-      ARMKV_BY_HEADS(partial_top_int4_avx2_r, R, w.pairs, w.qi.data(), w.f.data(), static_cast<const uint8_t*>(codes), scale,
-                     bias, top, R, d, S, ng, rows, glo, ghi, n)
-    }
-    ARMKV_BY_HEADS(partial_top_avx2_r, R, w.qi.data(), w.f.data(), codes, int8_keys, scale, bias, top, R, d, S, ng, rows, glo,
-                   ghi, n)
+    if (int8_keys)
+      ARMKV_BY_HEADS(partial_top_int8_avx2_r, R, w.qi.data(), w.f.data(), static_cast<const int8_t*>(codes), scale, bias, top, R,
+                     d, S, rows, glo, ghi, n)
+    w.pairs.build(w.qi.data(), R, n, rows, glo, ghi);
+    ARMKV_BY_HEADS(partial_top_int4_avx2_r, R, w.pairs, w.qi.data(), w.f.data(), static_cast<const uint8_t*>(codes), scale,
+                   bias, top, R, d, S, ng, rows, glo, ghi, n)
   }
 #endif
   partial_top_scalar(w.qi.data(), w.f.data(), codes, int8_keys, scale, bias, top, R, d, S, ng, rows, glo, ghi, n);
