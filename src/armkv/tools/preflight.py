@@ -79,7 +79,7 @@ def option_keys(method: str) -> list[str]:
     if method == "arm":
         from armkv.methods.adapters import RUNTIME_FIELDS
 
-        keys |= set(RUNTIME_FIELDS) | {"layer_weights", "fit_shares_to_length"}
+        keys |= set(RUNTIME_FIELDS) | {"layer_weights"}
     return sorted(keys)
 
 
