@@ -389,7 +389,30 @@ __attribute__((target("avx2,fma"))) inline float affine_max_avx2(float* x, const
   for (; i < n; ++i) peak = std::max(peak, x[i] = x[i] * scaling + bias[i]);
   return peak;
 }
+
+// the largest of x [n], 8 at a time (a maximum is exact: any order gives the same)
+__attribute__((target("avx2"))) inline float max_avx2(const float* x, int64_t n) {
+  __m256 acc = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_max_ps(acc, _mm256_loadu_ps(x + i));
+  alignas(32) float part[8];
+  _mm256_store_ps(part, acc);
+  float peak = part[0];
+  for (int k = 1; k < 8; ++k) peak = std::max(peak, part[k]);
+  for (; i < n; ++i) peak = std::max(peak, x[i]);
+  return peak;
+}
 #endif
+
+template <bool AVX>
+__attribute__((always_inline)) inline float max_of(const float* x, int64_t n) {
+#ifdef ARMKV_AVX2
+  if constexpr (AVX) return max_avx2(x, n);
+#endif
+  float peak = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) peak = std::max(peak, x[i]);
+  return peak;
+}
 
 template <bool AVX>
 __attribute__((always_inline)) inline float affine_max(float* x, const float* bias, int64_t n, float scaling) {
@@ -496,26 +519,21 @@ inline void mix_query(const float* q, const float* mix, int64_t R, int64_t d, fl
   }
 }
 
-// The rest of a group's decode read once its S slots are scored: slot_w [R, S] holds q.k
-// (bias given: each becomes q.k * scaling + bias[s]) or the logits themselves (bias null).
-// One softmax over the slots, the exact entries and the token; values(slot_w, tmp) then puts
+// The rest of a group's decode read once its S slots are scored: slot_w [R, S] holds their
+// logits (q.k * scaling + bias), peaks [R] their largest per head where the caller has them
+// (else null: taken here). One softmax over the slots, the exact entries and the token; values(slot_w, tmp) then puts
 // the slots' weighted values [R, d] in tmp (weighted_values over the S slots' codes, or run by
 // run where they lie in a pool), and those, unmixed (mix_t = Q^T, or null), go into a.out.
 template <bool AVX, class Values>
 __attribute__((always_inline)) inline void decode_tail(const DecodeGroup& a, const float* mix_t, int64_t R, int64_t d,
-                                                     int64_t L, int64_t S, float scaling, const float* bias,
-                                                     float* slot_w, float* exact_w, float* tmp, const Values& values) {
+                                                     int64_t L, int64_t S, float scaling, float* slot_w, const float* peaks,
+                                                     float* exact_w, float* tmp, const Values& values) {
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < R; ++r) {
     float* sw = slot_w + r * S;
     float* ew = exact_w + r * (L + 1);
     const float* qr = a.q + r * d;
-    float peak = ninf;
-    if (bias) {
-      peak = affine_max<AVX>(sw, bias, S, scaling);
-    } else {
-      for (int64_t s = 0; s < S; ++s) peak = std::max(peak, sw[s]);
-    }
+    float peak = peaks ? peaks[r] : max_of<AVX>(sw, S);
     for (int64_t l = 0; l <= L; ++l) {
       const float* k = l < L ? a.exact_k + l * d : a.own_k;
       const bool ok = l < L ? a.exact_ok[l] : a.own_ok;
@@ -561,38 +579,6 @@ __attribute__((always_inline)) inline void decode_tail(const DecodeGroup& a, con
     if (a.own_ok && ew[L] != 0.0f)
       for (int64_t j = 0; j < d; ++j) a.out[r * d + j] += ew[L] * a.own_v[j];
   }
-}
-
-template <bool AVX>
-__attribute__((always_inline)) inline void decode_group_body(const DecodeGroup& a, const float* mix, const float* mix_t,
-                                                           bool int8_keys, int64_t R, int64_t d, int64_t L, int64_t S,
-                                                           int64_t ngk, int64_t ngv, float scaling, float* qm, float* slot_w,
-                                                           float* exact_w, float* tmp) {
-  thread_local std::vector<float> kbuf, vbuf;
-  mix_query(a.q, mix, R, d, qm);
-  const float* ks = a.key_scale.rows(0, S, kbuf);
-  if (int8_keys)
-    int8_key_scores(qm, static_cast<const int8_t*>(a.key_codes), ks, slot_w, R, d, S, a.value_codes, d / 2);
-  else
-    key_scores(qm, static_cast<const uint8_t*>(a.key_codes), ks, slot_w, R, d, S, ngk, a.value_codes, d / 2);
-  decode_tail<AVX>(a, mix_t, R, d, L, S, scaling, a.bias, slot_w, exact_w, tmp, [&](const float* w, float* out) {
-    weighted_values(w, a.value_codes, a.value_scale.rows(0, S, vbuf), out, R, d, S, ngv);
-  });
-}
-
-#define ARMKV_DECODE_ARGS                                                                                            \
-  const DecodeGroup &a, const float *mix, const float *mix_t, bool int8_keys, int64_t R, int64_t d, int64_t L,     \
-      int64_t S, int64_t ngk, int64_t ngv, float scaling, float *qm, float *slot_w, float *exact_w, float *tmp
-#define ARMKV_DECODE_CALL a, mix, mix_t, int8_keys, R, d, L, S, ngk, ngv, scaling, qm, slot_w, exact_w, tmp
-#ifdef ARMKV_AVX2
-__attribute__((target("avx2,fma"))) void decode_group_avx2(ARMKV_DECODE_ARGS) { decode_group_body<true>(ARMKV_DECODE_CALL); }
-#endif
-void decode_group_baseline(ARMKV_DECODE_ARGS) { decode_group_body<false>(ARMKV_DECODE_CALL); }
-inline void decode_group(ARMKV_DECODE_ARGS, bool vectorised) {
-#ifdef ARMKV_AVX2
-  if (vectorised && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return decode_group_avx2(ARMKV_DECODE_CALL);
-#endif
-  decode_group_baseline(ARMKV_DECODE_CALL);
 }
 
 // ---------------------------------------------------------------- the write's passes over the pool
@@ -977,15 +963,17 @@ inline void run_values(const float* w, const uint8_t* codes, const Scales& scale
 }
 
 // slot_w [R, W] = the logits q.k * scaling + bias[s] of the slots of the runs of a pool (S
-// slots; key codes channel-major, rows S apart, int4 or int8), read where they lie, run by run
+// slots; key codes channel-major, rows S apart, int4 or int8), read where they lie, run by
+// run; peaks [R]: each head's largest
 template <bool AVX>
 __attribute__((always_inline)) inline void run_logits(const float* qm, const void* key_codes, bool int8_keys,
                                                     const Scales& key_scale, const float* bias, const uint8_t* value_codes,
                                                     float* slot_w, int64_t R, int64_t d, int64_t S, int64_t W, int64_t ngk,
                                                     float scaling, const std::vector<int64_t>& start,
-                                                    const std::vector<int64_t>& len) {
+                                                    const std::vector<int64_t>& len, float* peaks) {
   thread_local std::vector<float> buf;
   const int64_t half = d / 2;
+  std::fill(peaks, peaks + R, -std::numeric_limits<float>::infinity());
   for (size_t k = 0, at = 0; k < start.size(); at += len[k], ++k) {
     const int64_t s0 = start[k], n = len[k];
     const uint8_t* then = value_codes + s0 * half;  // (the run's values, read next)
@@ -994,7 +982,7 @@ __attribute__((always_inline)) inline void run_logits(const float* qm, const voi
       int8_key_scores(qm, static_cast<const int8_t*>(key_codes) + s0, ks, slot_w + at, R, d, n, then, half, S, W);
     else
       key_scores(qm, static_cast<const uint8_t*>(key_codes) + s0, ks, slot_w + at, R, d, n, ngk, then, half, S, W);
-    for (int64_t r = 0; r < R; ++r) affine_max<AVX>(slot_w + r * W + at, bias + s0, n, scaling);
+    for (int64_t r = 0; r < R; ++r) peaks[r] = std::max(peaks[r], affine_max<AVX>(slot_w + r * W + at, bias + s0, n, scaling));
   }
 }
 
@@ -1006,9 +994,11 @@ __attribute__((always_inline)) inline void runs_group_body(const DecodeGroup& a,
                                                          int64_t ngk, int64_t ngv, float scaling,
                                                          const std::vector<int64_t>& start, const std::vector<int64_t>& len,
                                                          int64_t W, float* qm, float* slot_w, float* exact_w, float* tmp) {
+  float peaks[kMaxRep];
   mix_query(a.q, mix, R, d, qm);
-  run_logits<AVX>(qm, a.key_codes, int8_keys, a.key_scale, a.bias, a.value_codes, slot_w, R, d, S, W, ngk, scaling, start, len);
-  decode_tail<AVX>(a, mix_t, R, d, L, W, scaling, nullptr, slot_w, exact_w, tmp, [&](const float* w, float* out) {
+  run_logits<AVX>(qm, a.key_codes, int8_keys, a.key_scale, a.bias, a.value_codes, slot_w, R, d, S, W, ngk, scaling, start, len,
+                  peaks);
+  decode_tail<AVX>(a, mix_t, R, d, L, W, scaling, slot_w, peaks, exact_w, tmp, [&](const float* w, float* out) {
     run_values(w, a.value_codes, a.value_scale, out, R, d, W, ngv, start, len);
   });
 }
@@ -1029,18 +1019,6 @@ inline void runs_group(ARMKV_RUNS_ARGS, bool vectorised) {
   runs_group_baseline(ARMKV_RUNS_CALL);
 }
 
-// the largest of x [n], 8 at a time (a maximum is exact: any order gives the same)
-__attribute__((target("avx2"))) inline float max_avx2(const float* x, int64_t n) {
-  __m256 acc = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_max_ps(acc, _mm256_loadu_ps(x + i));
-  alignas(32) float part[8];
-  _mm256_store_ps(part, acc);
-  float peak = part[0];
-  for (int k = 1; k < 8; ++k) peak = std::max(peak, part[k]);
-  for (; i < n; ++i) peak = std::max(peak, x[i]);
-  return peak;
-}
 #endif
 
 // Each bucket's best logit from top [S] (each slot's largest logit over the heads), over the
@@ -1115,7 +1093,7 @@ __attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a,
     const int64_t s0 = w.run_start[k], n = w.run_len[k];
     for (int64_t r = 0; r < R; ++r) std::copy(sw + r * S + s0, sw + r * S + s0 + n, w.cw.data() + r * W + at);
   }
-  decode_tail<AVX>(a, mix_t, R, d, L, W, scaling, nullptr, w.cw.data(), w.exact_w.data(), w.tmp.data(),
+  decode_tail<AVX>(a, mix_t, R, d, L, W, scaling, w.cw.data(), nullptr, w.exact_w.data(), w.tmp.data(),
                    [&](const float* wt, float* out) { run_values(wt, a.value_codes, a.value_scale, out, R, d, W, ngv, w.run_start, w.run_len); });
 }
 
@@ -1671,10 +1649,11 @@ torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::T
   auto out = torch::empty({G, R, d}, in.q.options());
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     std::vector<float> qm(R * d), slot_w(R * std::max<int64_t>(S, 1)), exact_w(R * (L + 1)), tmp(R * d);
-    for (int64_t g = g0; g < g1; ++g) {
-      armkv::decode_group(in.group(g, out.data_ptr<float>() + g * R * d), in.MX, in.MXT, in.int8_keys, R, d, L, S, in.ngk,
-                          in.ngv, static_cast<float>(scaling), qm.data(), slot_w.data(), exact_w.data(), tmp.data(), vectorised);
-    }
+    const std::vector<int64_t> start(S ? 1 : 0, 0), len(S ? 1 : 0, S);  // every slot: one run
+    for (int64_t g = g0; g < g1; ++g)
+      armkv::runs_group(in.group(g, out.data_ptr<float>() + g * R * d), in.MX, in.MXT, in.int8_keys, R, d, L, S, in.ngk, in.ngv,
+                        static_cast<float>(scaling), start, len, S, qm.data(), slot_w.data(), exact_w.data(), tmp.data(),
+                        vectorised);
   });
   return out;
 }
