@@ -48,6 +48,12 @@ def test_result_schema(result):
             assert set(result[key][method]) == set(LENGTHS)
             for value in result[key][method].values():
                 assert value > 0 and math.isfinite(value)
+    for method in METHODS:  # every method here is an armkv cache: its attention timed apart
+        assert all(v > 0 and math.isfinite(v) for v in result["attention_ms_per_token"][method].values())
+    # the default policy reads every bucket: ARM's reads touch every occupied slot; the others have none
+    assert set(result["read_share"]["arm"].values()) == {1.0}
+    assert all(v is None for m in METHODS if m != "arm" for v in result["read_share"][m].values())
+    assert "Share of ARM's occupied slots" in markdown(result)
     assert result["threads"] == torch.get_num_threads()
     assert result["device"] == "cpu"
     assert set(result["gen"]["cache_bytes"]["arm"]) == set(GEN)
@@ -187,6 +193,16 @@ def test_options_reach_the_method(one_thread):
     assert 'arm options: {"slot_format": "model"}' in markdown(fp32)
     with pytest.raises(ArmkvError, match="no_such_option"):
         run_bench(model, small_bench(methods=["arm"], lengths=[128], options={"arm": {"no_such_option": 1}}), progress=False)
+
+
+def test_sparse_reads_touch_a_share_of_the_memory(one_thread):
+    """At M = 1/8 of the buckets ARM's decode reads touch part of its slots; the figure is
+    there for each prompt length, and transformers' own cache has none."""
+    model = tiny_model("llama")
+    options = {"arm": {"top_m": "fixed", "m_fixed": "1/8", "read_rank": "partial", "slot_mixing": False}}
+    res = run_bench(model, small_bench(methods=["arm", "native"], lengths=[256], options=options), progress=False)
+    assert 0 < res["read_share"]["arm"][256] < 1
+    assert res["read_share"]["native"][256] is None and res["attention_ms_per_token"]["native"][256] is None
 
 
 def test_bad_config_in_python():

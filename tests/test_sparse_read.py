@@ -218,6 +218,29 @@ def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overri
     assert index.width(3) <= layer._readable().slots
 
 
+@pytest.mark.parametrize("read_rank", ["best", "partial", "tree"])
+def test_read_tally_counts_the_slots_a_decode_read_touches(read_rank):
+    """The fused read counts its buckets' sizes, the eager one the slots it gathers: the same
+    count, part of the occupied slots; the dense read counts them all."""
+    model, layer = _layer_with_memory(torch.float32, _rank(read_rank))
+    query, key, value, valid, positions = _chunk(model, layer, torch.float32, 1, padded=0)
+    exact = layer._exact()
+    layer.m, layer._route_k = torch.tensor([3, 2]), 3
+    tallies = []
+    for fused in (True, False):
+        layer.read_tally = [0, 0]
+        with torch.no_grad():
+            layer._sparse_read(query, key, value, valid, positions, 0.3, *exact, fused=fused)
+        tallies.append(layer.read_tally)
+    occupied = int((layer._readable().count > 0).sum())
+    assert tallies[0] == tallies[1]
+    assert tallies[0][1] == occupied and 0 < tallies[0][0] < occupied
+    layer.read_tally = [0, 0]
+    with torch.no_grad():
+        layer._decode_read(query, key, value, valid, 0.3, *exact)
+    assert layer.read_tally == [occupied, occupied]
+
+
 @pytest.mark.parametrize("read_rank", ["best", "partial"])
 def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch, read_rank):
     """Whole model, prefill in chunks then decoding (writes between the reads): the logits

@@ -103,6 +103,9 @@ class ARMLayer(CacheLayer):
         self.waiting_steps = 0
         self._route_k = 0  # buckets routed (and gathered by a sparse read) per query: the largest M, +1 for the training mix
         self._partial_rows = partial_row_count(config.partial_share, info.head_dim)  # read_rank="partial"'s key-code rows
+        # [slots read, slots occupied], summed over the decode reads and their KV heads while
+        # it is a list (``armkv bench decode`` sets it): what share of the memory a read touches
+        self.read_tally: list[int] | None = None
 
     @property
     def state(self) -> MemoryState | None:
@@ -252,6 +255,9 @@ class ARMLayer(CacheLayer):
         H = key.shape[1]
         st = self._readable()
         S, R = st.slots, Hq // H
+        if self.read_tally is not None:
+            occupied = int((st.count > 0).sum())
+            self._tally(occupied, occupied)
         mix = self.mixing.to(query.dtype) if st.mixed else None
         bias = self._decode_bias()
         kernel = kernels.fused_read(query, st.value) if fused and st.key_scale is not None else None
@@ -523,6 +529,11 @@ class ARMLayer(CacheLayer):
         self._index_for = (self.state, index)
         return index
 
+    def _tally(self, read: int, occupied: int) -> None:
+        """Add one read of ``read`` of the ``occupied`` slots to ``read_tally``."""
+        self.read_tally[0] += read
+        self.read_tally[1] += occupied
+
     def _sparse_read(self, query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, fused: bool = True) -> torch.Tensor:
         """:meth:`_chunk_read` at M < N_b with each query's slots gathered: the slots of its
         KV head's top-M buckets (``read.slots_of_buckets``), read from their stored codes
@@ -538,23 +549,30 @@ class ARMLayer(CacheLayer):
         if kernel is not None:  # one query on a CPU: ranked and read in one call (best), or routed, then read (tree)
             mix = self.mixing.to(query.dtype) if st.mixed else None
             m = min(M, self.memory.router.num_buckets)
+            take = self.m.clamp_max(m).repeat_interleave(H)
             if self.config.read_rank == "best":  # every slot scored once: the ranking's logits are the read's
-                return fused_best_decode_read(
+                out, buckets = fused_best_decode_read(
                     kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
-                    m, self.m.clamp_max(m).repeat_interleave(H),
-                )[0]
-            if self.config.read_rank == "partial":  # a few rows of every key to rank, the chosen buckets' keys whole
-                return fused_partial_decode_read(
+                    m, take,
+                )
+            elif self.config.read_rank == "partial":  # a few rows of every key to rank, the chosen buckets' keys whole
+                out, buckets = fused_partial_decode_read(
                     kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
-                    m, self.m.clamp_max(m).repeat_interleave(H), self._partial_rows,
-                )[0]
-            buckets = self.memory.router.fused_group_topm(kernel, query, positions, self.rotary, M)
-            if buckets is None:
-                buckets = self._group_buckets(M, self.rotary.unrotate(query, positions.unsqueeze(1))).reshape(G, -1)
-            return fused_sparse_decode_read(
-                kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
-                buckets, self.m.clamp_max(buckets.shape[-1]).repeat_interleave(H),
-            )
+                    m, take, self._partial_rows,
+                )
+            else:
+                buckets = self.memory.router.fused_group_topm(kernel, query, positions, self.rotary, M)
+                if buckets is None:
+                    buckets = self._group_buckets(M, self.rotary.unrotate(query, positions.unsqueeze(1))).reshape(G, -1)
+                take = self.m.clamp_max(buckets.shape[-1]).repeat_interleave(H)
+                out = fused_sparse_decode_read(
+                    kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
+                    buckets, take,
+                )
+            if self.read_tally is not None:
+                chosen = torch.arange(buckets.shape[-1], device=buckets.device) < take.unsqueeze(1)
+                self._tally(int((index.size.gather(1, buckets).long() * chosen).sum()), int(index.size.sum()))
+            return out
         q_pre = self.rotary.unrotate(query, positions.unsqueeze(1))
         buckets = self._group_buckets(M, q_pre, self._bucket_scores(query, scaling))  # [B, H, T, M]
         M = buckets.shape[-1]
@@ -564,6 +582,8 @@ class ARMLayer(CacheLayer):
         eager_cpu = query.device.type == "cpu" and not torch.compiler.is_compiling()
         ids, used = slots_of_buckets(index, buckets.reshape(G, T, M), None if eager_cpu else index.width(M), take.reshape(G, T, M))
         W = ids.shape[-1]
+        if self.read_tally is not None:
+            self._tally(int(used.sum()) // T, int(index.size.sum()))
         bias = self._decode_bias().reshape(G, st.slots).gather(1, ids.view(G, T * W)).view(B, H, T, W)
         bias = bias.masked_fill(~used.view(B, H, T, W), -torch.inf)
         return gathered_read(
