@@ -169,6 +169,8 @@ def test_merge_runs(one_thread, tmp_path, capsys):
         (["--methods", "swa", "--budget", "0"], "--budget 0 must be"),
         (["--methods", "swa", "--option", "kivi.bits=2"], "'kivi' is not among --methods swa"),
         (["--methods", "arm", "--option", "sync=32"], "expected METHOD.KEY=VALUE"),
+        (["--methods", "swa", "--prompt-file", "no/such.txt"], "--prompt-file no/such.txt: no such file"),
+        (["--methods", "swa", "--prompt-file", __file__], "needs the model's tokenizer"),  # (the tiny model has none)
     ],
 )
 def test_bad_input_is_one_line(model_dir, capsys, extra, message):
@@ -203,6 +205,29 @@ def test_sparse_reads_touch_a_share_of_the_memory(one_thread):
     res = run_bench(model, small_bench(methods=["arm", "native"], lengths=[256], options=options), progress=False)
     assert 0 < res["read_share"]["arm"][256] < 1
     assert res["read_share"]["native"][256] is None and res["attention_ms_per_token"]["native"][256] is None
+
+
+def test_prompts_from_a_text(tiny_model_dir, tmp_path, capsys, one_thread):
+    """--prompt-file: the prompts are the text's tokens under the model's tokenizer, repeated
+    to each length, recorded in the settings; a file with no text is refused before timing."""
+    from armkv.bench.decode import Session, prompt_tokens
+
+    text = tmp_path / "text.txt"
+    text.write_text("The grass is green. The sky is blue.")
+    ids = prompt_tokens(str(text), str(tiny_model_dir))
+    assert 3 < len(ids) < 40
+    bench = small_bench(methods=["arm"], lengths=[96], prompt_ids=ids, prompt_name="text.txt")
+    prompt = Session(tiny_model("llama"), bench).prompt(2 * len(ids) + 1)
+    assert prompt[0].tolist() == ids + ids + ids[:1]
+    argv = ["bench", "decode", "--model", str(tiny_model_dir), "--methods", "arm", "--lengths", "96", "--gen-lengths", "8",
+            "--budget", "64", "--chunk", "32", "--repeats", "2", "--warmup", "1", "--prompt-file", str(text), "--json",
+            "--no-progress"]
+    assert cli_main(argv) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["settings"]["prompt"] == "text.txt" and res["read_share"]["arm"]["96"] == 1.0
+    (tmp_path / "empty.txt").write_text("")
+    assert cli_main([*argv[:-4], "--prompt-file", str(tmp_path / "empty.txt"), "--no-progress"]) == 2
+    assert "no tokens in it" in capsys.readouterr().err
 
 
 def test_bad_config_in_python():

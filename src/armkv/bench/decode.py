@@ -4,9 +4,9 @@ For every method at one budget, on one model:
 
 (a) cache bytes and per-token decode latency against generation length (one decode from a
     few-token prompt, read at each ``--gen-lengths`` point);
-(b) per-token decode latency after a prompt of each ``--lengths`` (random token ids: beyond
-    the model's trained positions only the cost matters, so the position limit is raised
-    for the run and put back after);
+(b) per-token decode latency after a prompt of each ``--lengths`` (random token ids, or a
+    text's with ``--prompt-file``: beyond the model's trained positions only the cost
+    matters, so the position limit is raised for the run and put back after);
 (c) prefill throughput over that prompt under the budgeted chunked prefill (the prompt goes
     to the model ``chunk`` tokens per forward, so activations and cache stay bounded);
 (d) the floor: decode latency of the same model with a context of a few tokens, where the
@@ -76,6 +76,8 @@ class DecodeBench:
     options: dict[str, dict] = field(default_factory=dict)  # method -> its make_cache options (--option arm.sync=32)
     batch: int = 1  # sequences decoded together (every step feeds one token of each)
     compile: bool = False  # bounded methods decode through their torch.compile'd step (make_cache(compile=True))
+    prompt_ids: list[int] | None = None  # the prompts' tokens (a text's, repeated to length); None: random ids
+    prompt_name: str = "random ids"  # what they are, for the settings
 
     def __post_init__(self) -> None:
         from armkv.methods.base import get_method
@@ -117,6 +119,8 @@ class DecodeBench:
             raise ArmkvError(f"--clock {self.clock!r} is not one of wall, process")
         if self.floor_context < 1:
             raise ArmkvError(f"--floor-context {self.floor_context} must be >= 1")
+        if self.prompt_ids is not None and not self.prompt_ids:
+            raise ArmkvError(f"--prompt-file {self.prompt_name}: no tokens in it; give a file of text")
         if self.max_full_length is not None and self.max_full_length < 1:
             raise ArmkvError(f"--max-full-length {self.max_full_length} must be >= 1")
         self.lengths = sorted(set(self.lengths))
@@ -300,9 +304,19 @@ class Session:
         out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].argmax(-1, keepdim=True)
 
+    def prompt(self, n: int) -> torch.Tensor:
+        """[batch, n] prompt ids on the device: random ids, or the first n of the prompt
+        text's tokens (repeated from its start where it is shorter)."""
+        if self.bench.prompt_ids is None:
+            return self.random_ids(n)
+        text = torch.tensor(self.bench.prompt_ids, dtype=torch.long)
+        ids = text.repeat(-(-n // len(text)))[:n]
+        return ids.expand(self.bench.batch, n).to(self.device)
+
     def prefill(self, cache, length: int, progress=None, chunk: int | None = None) -> tuple[torch.Tensor, float]:
-        """Feed ``length`` random tokens in chunks of ``chunk`` (default P). Returns (next token [B, 1], seconds)."""
-        ids = self.random_ids(length)
+        """Feed a prompt of ``length`` tokens (:meth:`prompt`) in chunks of ``chunk`` (default
+        P). Returns (next token [B, 1], seconds)."""
+        ids = self.prompt(length)
         positions = torch.arange(length, device=self.device)[None]
         chunk = chunk or self.bench.chunk
         start = self.clock()
@@ -490,6 +504,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
             "native_chunk": bench.native_option("chunk") if NATIVE in bench.methods else None,
             "torch": torch.__version__,
             "cpu_count": os.cpu_count(),
+            "prompt": bench.prompt_name,
         },
     }
     try:
@@ -619,7 +634,8 @@ def markdown(result: dict) -> str:
     s = result["settings"]
     out.append(
         f"model {s['model']} ({s['dtype']}), budget {s['budget']}, chunk {s['chunk']}, device {result['device']}, "
-        f"{result['threads']} torch threads; medians of {s['repeats']} steps after {s['warmup']} warm-up steps, "
+        f"{result['threads']} torch threads; prompts: {s.get('prompt', 'random ids')}; "
+        f"medians of {s['repeats']} steps after {s['warmup']} warm-up steps, "
         f"{s.get('clock', 'wall')} clock" + (f"; int4 slot read: {result['int4_read']}" if result.get("int4_read") else "")
         + "".join(f"; {m} options: {json.dumps(o)}" for m, o in (s.get("options") or {}).items())
         + (f"; batch {s['batch']} (ms per step of all sequences)" if s.get("batch", 1) > 1 else "")
@@ -829,6 +845,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=("wall", "process"), default="wall",
                         help="wall time, or the process's CPU time (on a CPU shared with other jobs)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--prompt-file", default=None, metavar="TXT",
+                        help="prompts from this text's tokens (the model's tokenizer; repeated to each length) instead "
+                             "of random ids: what a sparse read (M < N_b) touches depends on the text")  # fmt: skip
     parser.add_argument("--adapter", default=None,
                         help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default) or 'random'")  # fmt: skip
     parser.add_argument("--option", action="append", metavar="METHOD.KEY=VALUE",
@@ -845,6 +864,13 @@ def bench_from_args(args) -> DecodeBench:
     from armkv.options import parse_options, with_adapter  # the evals' --option syntax, METHOD.KEY=VALUE
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    prompt = {}
+    if getattr(args, "prompt_file", None) is not None:
+        if args.model_config is not None:
+            raise ArmkvError("--prompt-file needs a model with a tokenizer: give --model (or neither), not --model-config")
+        if not Path(args.prompt_file).is_file():
+            raise ArmkvError(f"--prompt-file {args.prompt_file}: no such file")
+        prompt = {"prompt_ids": prompt_tokens(args.prompt_file, args.model), "prompt_name": Path(args.prompt_file).name}
 
     return DecodeBench(
         methods=methods,
@@ -862,7 +888,22 @@ def bench_from_args(args) -> DecodeBench:
         options=with_adapter(parse_options(args.option), getattr(args, "adapter", None), methods),
         batch=args.batch,
         compile=args.compile,
+        **prompt,
     )
+
+
+def prompt_tokens(path: str, model_dir: str | None) -> list[int]:
+    """The tokens of the text at ``path`` under the tokenizer of the model folder (default:
+    the packaged model's)."""
+    from armkv.hf.compat import transformers
+    from armkv.hf.model import default_model_dir
+
+    folder = default_model_dir() if model_dir is None else Path(model_dir)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ArmkvError(f"--prompt-file needs the model's tokenizer, and {folder} has none ({type(e).__name__})") from None
+    return tokenizer(Path(path).read_text(errors="replace"), add_special_tokens=False).input_ids
 
 
 def load_bench_model(model_dir: str | None, device: str, dtype: str):
