@@ -226,6 +226,30 @@ def test_bounded_methods_stay_within_budget_at_every_step(method, dtype, device,
     assert max(sizes[-50:]) <= max(sizes[-100:-50]), "a bounded method must not grow while decoding"
 
 
+SPARSE_ARM = [
+    {"read_rank": "best"},
+    {"read_rank": "partial", "slot_mixing": False},
+    {"read_rank": "partial", "slot_mixing": False, "read_pages": True},
+    {"read_rank": "tree", "slot_ladder": "int8,k8v4"},
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("options", SPARSE_ARM, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_arm_reading_fewer_buckets_stays_within_budget(dtype, options):
+    """At a fixed M < N_b the layer keeps its bucket index (and pages) between writes: the
+    slots give way to it, and the budget holds at every step."""
+    info_, batch, budget = info(dtype=dtype), 3, 96
+    layer = get_method("arm").make_layer(0, info_, rotary(), budget, 16, top_m="fixed", m_fixed="1/8", **options)
+    bound = info_.budget_bytes(budget) * batch
+    g = torch.Generator().manual_seed(1)
+    built = False
+    for _ in run_layer(layer, 120, batch, info_, g, 300):
+        assert layer.state_bytes() <= bound
+        built |= layer._index_for is not None
+    assert built and layer.peak_bytes <= bound
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_arm_inference_keeps_no_autograd_graph_without_kernels(dtype, monkeypatch):
     """With gradients left on (a caller outside torch.no_grad) and the fused CPU kernels off

@@ -10,8 +10,11 @@ import torch
 
 import armkv.methods.arm as arm_method
 from armkv.config import ARMConfig
+from armkv.errors import ArmkvError
 from armkv.hf.attach import make_cache
-from armkv.memory.read import bucket_best, bucket_index, gather_slots, run_breaks, slots_of_buckets, sort_by_bucket
+from armkv.memory.read import (
+    bucket_best, bucket_index, gather_slots, paged_index, run_breaks, slot_pages, slots_of_buckets, sort_by_bucket,
+)
 from armkv.memory.route import Router
 from armkv.memory.state import MemoryState
 from armkv.methods.arm import resolve_arm
@@ -138,8 +141,9 @@ def test_group_routing_is_the_mean_path_probability_of_the_group(depth, m):
 
 
 def _rank(read_rank: str) -> dict:
-    """The overrides that select a ranking ("partial" needs unmixed slots)."""
-    return {"read_rank": read_rank, **({"slot_mixing": False} if read_rank == "partial" else {})}
+    """The overrides that select a ranking ("partial" needs unmixed slots; "-pages" reads pages)."""
+    rank, _, pages = read_rank.partition("-")
+    return {"read_rank": rank, **({"slot_mixing": False} if rank == "partial" else {}), **({"read_pages": True} if pages else {})}
 
 
 def _layer_with_memory(dtype, overrides, seed=1):
@@ -241,7 +245,7 @@ def test_read_tally_counts_the_slots_a_decode_read_touches(read_rank):
     assert layer.read_tally == [occupied, occupied]
 
 
-@pytest.mark.parametrize("read_rank", ["best", "partial"])
+@pytest.mark.parametrize("read_rank", ["best", "partial", "partial-pages"])
 def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch, read_rank):
     """Whole model, prefill in chunks then decoding (writes between the reads): the logits
     with the gathered reads equal those with every read masked over the whole pool."""
@@ -280,6 +284,74 @@ def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch, read_
     monkeypatch.setattr(arm_method.ARMLayer, "_sparse_read", masked)
     dense, _ = run()
     torch.testing.assert_close(sparse, dense, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("G,S,nb,laid", [(3, 50, 8, False), (2, 97, 16, True), (1, 5, 4, False), (2, 64, 4, True)])
+def test_paged_index_cuts_each_bucket_into_pages_of_the_mean_size(G, S, nb, laid):
+    """Every occupied slot is in exactly one page, a page lies within one bucket and holds at
+    most ceil(occupied / N_b) slots, and slot_pages names the page that lists each slot."""
+    g = torch.Generator().manual_seed(S)
+    slot_bucket = torch.randint(0, nb, (G, S), generator=g)
+    slot_bucket[0, : S // 2] = 1  # one crowded bucket
+    occupied = torch.rand(G, S, generator=g) > 0.2
+    index = bucket_index(slot_bucket, occupied, nb)
+    if laid:  # the pool laid bucket by bucket: order is the identity
+        order = torch.sort(torch.where(occupied, slot_bucket, nb), dim=1, stable=True).indices
+        slot_bucket, occupied = slot_bucket.gather(1, order), occupied.gather(1, order)
+        index = bucket_index(slot_bucket, occupied, nb)
+        index = type(index)(order=torch.arange(S, dtype=torch.int32).expand(G, S), start=index.start, size=index.size, laid=True)
+    pages = paged_index(index, nb)
+    page_of = slot_pages(pages)
+    assert pages.size.shape == (G, 2 * nb) and pages.laid == laid
+    for row in range(G):
+        occ = int(occupied[row].sum())
+        assert int(pages.size[row].sum()) == occ and int(pages.size[row].max()) <= -(-occ // nb)
+        assert torch.equal(page_of[row] >= 0, occupied[row])
+        for u in range(2 * nb):
+            listed = pages.order[row, pages.start[row, u] : pages.start[row, u] + pages.size[row, u]].long()
+            assert (page_of[row, listed] == u).all()
+            assert slot_bucket[row, listed].unique().numel() <= 1
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("read_rank", ["best", "partial"])
+def test_paged_reads_equal_the_masked_read_and_touch_at_most_m_pages(dtype, tol, T, read_rank, monkeypatch):
+    """read_pages: every read path ranks and takes the same pages (the fused and the eager
+    decode reads, the compiled one's fixed width, the ranked chunk read, all against the
+    masked read of the whole pool), and a decode read of m pages touches at most m / N_b of
+    the occupied slots."""
+    model, layer = _layer_with_memory(dtype, {**_rank(read_rank), "read_pages": True})
+    query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=1)
+    layer._read_units()  # (the first paged index may re-lay the pool)
+    exact = layer._exact()
+    nb = layer.memory.router.num_buckets
+    for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):
+        layer.m, layer._route_k = m, int(m.max())
+        with torch.no_grad():
+            ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
+            fast = layer._read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
+            outs = [fast]
+            if T == 1:
+                outs.append(layer._sparse_read(query, key, value, valid, positions, 0.3, *exact, fused=False))
+                with monkeypatch.context() as patch:
+                    patch.setattr(torch.compiler, "is_compiling", lambda: True)
+                    outs.append(layer._sparse_read(query, key, value, valid, positions, 0.3, *exact))
+        for out in outs:
+            torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+        if T == 1:
+            layer.read_tally = [0, 0]
+            with torch.no_grad():
+                layer._sparse_read(query, key, value, valid, positions, 0.3, *exact)
+            read, occupied = layer.read_tally
+            per_group = (layer._readable().count > 0).sum(1)
+            assert 0 < read <= int(sum(int(k) * -(-int(n) // nb) for k, n in zip(m.repeat_interleave(2), per_group)))
+            layer.read_tally = None
+
+
+def test_paged_reads_need_a_logit_ranking():
+    with pytest.raises(ArmkvError, match="read_pages=true ranks pages"):
+        ARMConfig(read_pages=True, read_rank="tree")
 
 
 def test_sort_by_bucket_lays_the_same_slots_bucket_by_bucket():

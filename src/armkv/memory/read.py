@@ -207,6 +207,42 @@ def bucket_index(slot_bucket: torch.Tensor, occupied: torch.Tensor, num_buckets:
     return BucketIndex(order=order.int(), start=(size.cumsum(1) - size).int(), size=size.int())
 
 
+def paged_index(index: BucketIndex, num_buckets: int) -> BucketIndex:
+    """``index``'s buckets cut into pages, for reads that take pages instead of buckets
+    (``ARMConfig.read_pages``): each group's bucket lists, in their order, cut every
+    ceil(occupied / num_buckets) slots (the mean bucket's size), so that a read of any m pages
+    touches at most m / num_buckets of the occupied slots, however unevenly the tree fills
+    its buckets. A group has at most 2 * num_buckets pages (its buckets' sizes over the
+    page's, rounded up); pages are numbered bucket by bucket, the unused ones empty. Returns
+    the pages' index, [G, 2 * num_buckets], like a bucket index over the same ``order``."""
+    G, S = index.order.shape
+    U = 2 * num_buckets
+    size, start = index.size.long(), index.start.long()
+    page = ((size.sum(1, keepdim=True) + num_buckets - 1) // num_buckets).clamp_min(1)  # [G, 1]
+    pages = (size + page - 1) // page  # [G, N_b]
+    first = pages.cumsum(1) - pages  # each bucket's first page id
+    j = torch.arange(max(int(pages.max()), 1) if pages.numel() else 1, device=size.device)
+    used = j < pages.unsqueeze(-1)  # [G, N_b, J]
+    ids = torch.where(used, first.unsqueeze(-1) + j, U).reshape(G, -1)
+    p_start = (start.unsqueeze(-1) + j * page.unsqueeze(-1)).reshape(G, -1)
+    p_size = (size.unsqueeze(-1) - j * page.unsqueeze(-1)).clamp(min=0).minimum(page.unsqueeze(-1)).reshape(G, -1)
+    out_start = torch.zeros(G, U + 1, dtype=torch.long, device=size.device).scatter_(1, ids, p_start)[:, :U]
+    out_size = torch.zeros(G, U + 1, dtype=torch.long, device=size.device).scatter_(1, ids, p_size)[:, :U]
+    return BucketIndex(order=index.order, start=out_start.int(), size=out_size.int(), laid=index.laid)
+
+
+def slot_pages(pages: BucketIndex) -> torch.Tensor:
+    """The page of each slot under :func:`paged_index`'s pages: [G, S] int64, -1 for a free slot."""
+    G, S = pages.order.shape
+    size, start = pages.size.long(), pages.start.long()
+    # pages lie in id order along `order`: a mark where each begins, counted along it
+    marks = torch.zeros(G, S + 1, dtype=torch.long, device=size.device)
+    marks.scatter_add_(1, torch.where(size > 0, start, S), (size > 0).long())
+    at = marks[:, :S].cumsum(1) - 1
+    at = torch.where(torch.arange(S, device=size.device) < size.sum(1, keepdim=True), at, -1)
+    return torch.full((G, S), -1, dtype=torch.long, device=size.device).scatter_(1, pages.order.long(), at)
+
+
 def slots_of_buckets(
     index: BucketIndex, buckets: torch.Tensor, width: int | None = None, take: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from armkv.config import ARMConfig
+from armkv.config import ARMConfig, slot_bytes
 from armkv.errors import ArmkvError
 from armkv.memory.module import ARMModel
 from armkv.methods.base import ModelInfo
@@ -26,7 +26,7 @@ from armkv.methods.base import ModelInfo
 # a parameter's shape (the tree, scorer, gate and policy come with the adapter).
 RUNTIME_FIELDS = {
     "sinks", "window", "sync", "slots", "pool", "chunk", "position_mode", "write", "empty_slot_rule",
-    "log_count_bias", "demote_scope", "protect_recent", "lazy_merge", "slot_format", "slot_ladder", "slot_mixing", "tau", "top_m", "m_fixed", "read_rank", "partial_share", "epsilon",
+    "log_count_bias", "demote_scope", "protect_recent", "lazy_merge", "slot_format", "slot_ladder", "slot_mixing", "tau", "top_m", "m_fixed", "read_rank", "partial_share", "read_pages", "epsilon",
 }  # fmt: skip
 
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
@@ -157,7 +157,32 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
     }  # fmt: skip
     fields.setdefault("chunk", min(tree.chunk, int(slots)))
     runtime = dataclasses.replace(runtime, **fields)
+    if runtime.top_m == "fixed" and runtime.fixed_m < runtime.num_buckets:
+        runtime = _with_index_bytes(runtime, info, budget)
     return arm, runtime
+
+
+# bytes a read of fewer buckets than all keeps beside the slots between writes (read.BucketIndex):
+# its order, per slot, and each bucket's start and size; read_pages' pages another start and size
+# for each of their 2 N_b
+INDEX_SLOT_BYTES, INDEX_BUCKET_BYTES, PAGES_BUCKET_BYTES = 4, 8, 16
+
+
+def _with_index_bytes(runtime: ARMConfig, info: ModelInfo, budget: int) -> ARMConfig:
+    """``runtime`` with fewer slots, so that the bucket index a fixed M < N_b keeps fits the
+    budget with them, on every rung of its slot ladder (the index grows with the rung that
+    holds the most slots)."""
+    d, db = info.head_dim, info.dtype_bytes
+    own = slot_bytes(runtime.slot_format, d, db)
+    smallest = min(slot_bytes(f, d, db) for f in [*runtime.ladder, runtime.slot_format])
+    per_bucket = INDEX_BUCKET_BYTES + (PAGES_BUCKET_BYTES if runtime.read_pages else 0)
+    left = (runtime.pool_slots * own - runtime.num_buckets * per_bucket) * smallest // (smallest + INDEX_SLOT_BYTES)
+    slots = left // own
+    if runtime.pool == "paper":
+        slots = (slots // runtime.num_buckets) * runtime.num_buckets
+    if slots < 1:
+        raise ArmkvError(f"budget {budget} is too small for arm reading fewer buckets than all: raise --budget")
+    return dataclasses.replace(runtime, slots=int(slots), chunk=min(runtime.chunk, int(slots)))
 
 
 __all__ = ["DEFAULT_ADAPTER_ORDER", "RUNTIME_FIELDS", "SHIPPED_ADAPTERS", "arm_on_device", "resolve_arm", "shipped_adapter"]

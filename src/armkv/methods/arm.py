@@ -35,7 +35,7 @@ from armkv.memory import kernels
 from armkv.memory.module import ARMModel
 from armkv.memory.pool import SlotPool
 from armkv.memory.read import (
-    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, fused_best_decode_read, fused_decode_read, fused_partial_decode_read, fused_sparse_decode_read, gather_slots, gathered_read,
+    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, paged_index, slot_pages, fused_best_decode_read, fused_decode_read, fused_partial_decode_read, fused_sparse_decode_read, gather_slots, gathered_read,
     partial_row_count, partial_rows, ranked_chunk_read, run_breaks, slots_of_buckets, sort_by_bucket,
 )
 from armkv.memory.rope import Rotary
@@ -92,6 +92,7 @@ class ARMLayer(CacheLayer):
         self.m: torch.Tensor | None = None  # [B] buckets each row reads
         self._reads_all = False  # every row reads every bucket (no routing, no per-query mask)
         self._index_for = None  # (state, its BucketIndex) for the sparse read
+        self._pages_for = None  # (that BucketIndex, its pages' index): read_pages
         self.mix: torch.Tensor | None = None  # [B] soft-cascade weight of Top(M + 1) (training)
         self.aux: dict[str, torch.Tensor] = {}
         self.generator: torch.Generator | None = None
@@ -181,7 +182,11 @@ class ARMLayer(CacheLayer):
         waiting = 0 if self.pending is None else self.pending[0].nbytes + self.pending[1].nbytes
         if self.waiting is not None:  # (compiled decoding: the fixed buffer, at most `sync` tokens)
             waiting = max(waiting, self.waiting[0].nbytes + self.waiting[1].nbytes)
-        index = self._index_for[1].nbytes() if self._index_for is not None and self._index_for[0] is self.state else 0
+        index = 0
+        if self._index_for is not None and self._index_for[0] is self.state:
+            index = self._index_for[1].nbytes()
+            if self._pages_for is not None and self._pages_for[0] is self._index_for[1]:
+                index += self._pages_for[1].start.nbytes + self._pages_for[1].size.nbytes
         return self.buffer.state_bytes() + self.pool.nbytes() + waiting + index
 
     # ------------------------------------------------------------------ attention
@@ -304,6 +309,8 @@ class ARMLayer(CacheLayer):
         B, Hq, T, d = query.shape
         H = key.shape[1]
         rep = Hq // H
+        if not reads_all:
+            self._read_units()  # (a first paged index may re-lay the pool: before the slots are read)
         pos = positions.unsqueeze(1)
         q_pre = None if reads_all and c.position_mode == "stored" else self.rotary.unrotate(query, pos)
         # each bucket's rank, as the sparse read ranks it (the same buckets, ties included)
@@ -400,11 +407,11 @@ class ARMLayer(CacheLayer):
         mem = self.memory
         B, Hq = q_pre.shape[:2]
         buckets = self._group_buckets(self._route_k, q_pre, best).repeat_interleave(rep, 1)
-        readable = self._readable()
-        slot_bucket = readable.bucket.long().reshape(B, -1, readable.slots).repeat_interleave(rep, 1)
+        slot_unit, units, _ = self._read_units()
+        slot_unit = slot_unit.long().reshape(B, -1, slot_unit.shape[-1]).repeat_interleave(rep, 1)
         occ = occupied.repeat_interleave(rep, 1).unsqueeze(2)
         ms = [self.m] if self.mix is None else [self.m, (self.m + 1).clamp_max(mem.router.num_buckets)]
-        return [bucket_slot_mask(buckets, m, slot_bucket, mem.router.num_buckets) & occ for m in ms]
+        return [bucket_slot_mask(buckets, m, slot_unit, units) & occ for m in ms]
 
     # ------------------------------------------------------------------ sparse read
     def _group_buckets(self, m: int, q_pre: torch.Tensor, best: torch.Tensor | None = None) -> torch.Tensor:
@@ -431,6 +438,7 @@ class ARMLayer(CacheLayer):
         -> [B, H, T, N_b], -inf for an empty bucket."""
         if self.config.read_rank == "tree":
             return None
+        slot_bucket, num_buckets, _ = self._read_units()  # (pages under read_pages)
         st = self._readable()
         B, Hq, T, d = query.shape
         H = self.info.num_kv_heads
@@ -439,8 +447,6 @@ class ARMLayer(CacheLayer):
         if keys is None and st.mixed:
             q = q @ self.mixing.float()
         bias = self._decode_bias().reshape(G, S)
-        slot_bucket = st.bucket.reshape(G, S)
-        num_buckets = self.memory.router.num_buckets
         if keys is None and T == 1:  # a decoded token: the products from the codes (the fused kernel on a CPU)
             q = q.view(G, R, d)  # ("partial": a few rows of them)
             partial = self.config.read_rank == "partial"
@@ -485,21 +491,22 @@ class ARMLayer(CacheLayer):
         B, Hq, T, d = query.shape
         H, L = key.shape[1], exact_k.shape[2]
         G, R = B * H, Hq // H
+        slot_unit, num_units, _ = self._read_units()  # buckets, or their pages (read_pages)
         st = self._readable()
-        S, num_buckets = st.slots, self.memory.router.num_buckets
+        S = st.slots
         slot_k, slot_v = st.kv(torch.float32, unmix=False)
         mix = self.mixing.float() if st.mixed else None
 
         def mixed(t: torch.Tensor) -> torch.Tensor:  # the slots' basis: (q Q).(k Q) = q.k
             return t.float() if mix is None else t.float() @ mix
 
-        slot_bucket = st.bucket.reshape(G, S).long()
+        slot_unit = slot_unit.long()
         occupied = (st.count.reshape(G, S) > 0).view(B, H, 1, S)
 
         def pick(logits: torch.Tensor) -> torch.Tensor:  # [G, T', S] -> the slots of each query's buckets
-            best = bucket_best(logits, slot_bucket, num_buckets).view(B, H, -1, num_buckets)
+            best = bucket_best(logits, slot_unit, num_units).view(B, H, -1, num_units)
             buckets = self._group_buckets(self._route_k, None, best)
-            return (bucket_slot_mask(buckets, self.m, slot_bucket.view(B, H, S), num_buckets) & occupied).view(G, -1, S)
+            return (bucket_slot_mask(buckets, self.m, slot_unit.view(B, H, S), num_units) & occupied).view(G, -1, S)
 
         out = ranked_chunk_read(
             mixed(query).reshape(G, R, T, d), mixed(key).reshape(G, T, d), mixed(value).reshape(G, T, d),
@@ -529,6 +536,22 @@ class ARMLayer(CacheLayer):
         self._index_for = (self.state, index)
         return index
 
+    def _read_units(self) -> tuple[torch.Tensor, int, "BucketIndex | None"]:
+        """What a read at M < N_b ranks and takes: the tree's buckets, or with ``read_pages``
+        their pages (``read.paged_index``: their index built once per state with the bucket
+        index, whose first build may re-lay the pool, so a read calls this before it looks at
+        the slots; each slot's page made again per read, not kept) -> (the unit of each slot
+        [G, S], -1 for a free one; how many units; the pages' index, None for buckets)."""
+        num_buckets = self.memory.router.num_buckets
+        if not self.config.read_pages:
+            st = self._readable()
+            return st.bucket.reshape(-1, st.slots), num_buckets, None
+        index = self._bucket_index()
+        if self._pages_for is None or self._pages_for[0] is not index:
+            self._pages_for = (index, paged_index(index, num_buckets))
+        pages = self._pages_for[1]
+        return slot_pages(pages), 2 * num_buckets, pages
+
     def _tally(self, read: int, occupied: int) -> None:
         """Add one read of ``read`` of the ``occupied`` slots to ``read_tally``."""
         self.read_tally[0] += read
@@ -544,6 +567,8 @@ class ARMLayer(CacheLayer):
         H, M = key.shape[1], self._route_k
         G = B * H
         index = self._bucket_index()
+        pages = self._read_units()[2]
+        index = index if pages is None else pages  # what it ranks and reads: buckets, or their pages
         st = self._readable()
         kernel = kernels.fused_read(query, st.value) if fused and T == 1 and st.key_scale is not None else None
         if kernel is not None:  # one query on a CPU: ranked and read in one call (best), or routed, then read (tree)

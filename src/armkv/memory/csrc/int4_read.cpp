@@ -1291,17 +1291,18 @@ struct RowPairs {
   }
 };
 
-// int16 lanes [16] -> floats of the first (high = false) or last 8, less c
-__attribute__((target("avx2"))) inline __m256 widen(__m256i x, __m256i c, bool high) {
+// int16 lanes [16] -> floats of the first (high = false) or last 8
+__attribute__((target("avx2"))) inline __m256 widen(__m256i x, bool high) {
   const __m128i part = high ? _mm256_extracti128_si256(x, 1) : _mm256_castsi256_si128(x);
-  return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepi16_epi32(part), c));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(part));
 }
 
-// int4 codes in int16 lanes, 16 slots a block: a pair of rows' nibbles, made unsigned (+8) and
-// interleaved byte by byte, meet the pair's query codes in one maddubs (both rows' products
-// summed for 16 slots; |a pair's sum| <= 2 x 127 x 15, so a chunk of 8 pairs fits an int16
-// lane); each chunk's sums, less the +8's, in int32, then floats times its scales. The same
-// integer sums as the float loops: a third of their instructions a row.
+// int4 codes in int16 lanes, 16 slots a block: a pair of rows' bytes interleaved (one unpack
+// each way), made unsigned (+8 a nibble) and split into their low and high nibbles, meet the
+// pair's query codes in one maddubs each (both rows' products summed for 16 slots; |a pair's
+// sum| <= 2 x 127 x 15, so a chunk of 8 pairs fits an int16 lane); each chunk's sums, less the
+// +8's (in int16: the true sum fits, and int16 adds wrap), then floats times its scales. The
+// same integer sums as the float loops: a third of their instructions a row.
 template <int RR>
 __attribute__((target("avx2,fma"))) void partial_top_int4_avx2_r(const RowPairs& p, const int8_t* qi, const float* f,
                                                                 const uint8_t* codes, const Scales& scale, const float* bias,
@@ -1309,7 +1310,7 @@ __attribute__((target("avx2,fma"))) void partial_top_int4_avx2_r(const RowPairs&
                                                                 const int64_t* rows, const int64_t* glo, const int64_t* ghi,
                                                                 int64_t n) {
   const int64_t R = heads<RR>(R_), full = S / 16 * 16, P = static_cast<int64_t>(p.row.size());
-  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x88)), low = _mm_set1_epi8(0x0F);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x88)), low = _mm256_set1_epi8(0x0F);
   for (int64_t s0 = 0; s0 < full; s0 += 16) {
     if (s0 % 64 == 0 && s0 + kPrefetchAhead < S)
       for (int64_t k = 0; k < P; ++k) {
@@ -1325,12 +1326,11 @@ __attribute__((target("avx2,fma"))) void partial_top_int4_avx2_r(const RowPairs&
       for (int64_t r = 0; r < R; ++r) alo[r] = ahi[r] = _mm256_setzero_si256();
       const int64_t k0 = p.chunk_start[ch], k1 = k0 + p.chunk_pairs[ch];
       for (int64_t k = k0; k < k1; ++k) {
-        const __m128i a = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p.row[k] * S + s0)), flip);
-        const __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p.row2[k] * S + s0)), flip);
-        const __m256i lo = _mm256_or_si256(_mm256_cvtepu8_epi16(_mm_and_si128(a, low)),
-                                           _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(b, low)), 8));
-        const __m256i hi = _mm256_or_si256(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(a, 4), low)),
-                                           _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low)), 8));
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p.row[k] * S + s0));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p.row2[k] * S + s0));
+        // 16-bit lanes (a_s, b_s), slots in order; +8 on every nibble
+        const __m256i x = _mm256_xor_si256(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)), flip);
+        const __m256i lo = _mm256_and_si256(x, low), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
         const uint32_t* w = p.words.data() + k * 2 * R;
         for (int64_t r = 0; r < R; ++r) {
           alo[r] = _mm256_add_epi16(alo[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(static_cast<int>(w[r]))));
@@ -1340,9 +1340,10 @@ __attribute__((target("avx2,fma"))) void partial_top_int4_avx2_r(const RowPairs&
       const int64_t gl = p.chunk_lo[ch], gh = p.chunk_hi[ch];
       const int32_t* corr = p.corr.data() + ch * 2 * R;
       for (int64_t r = 0; r < R; ++r) {
-        const __m256i cl = _mm256_set1_epi32(corr[r]), chi = _mm256_set1_epi32(corr[R + r]);
-        res0[r] = _mm256_fmadd_ps(widen(alo[r], cl, false), sg0[gl], _mm256_fmadd_ps(widen(ahi[r], chi, false), sg0[gh], res0[r]));
-        res1[r] = _mm256_fmadd_ps(widen(alo[r], cl, true), sg1[gl], _mm256_fmadd_ps(widen(ahi[r], chi, true), sg1[gh], res1[r]));
+        const __m256i l = _mm256_sub_epi16(alo[r], _mm256_set1_epi16(static_cast<int16_t>(corr[r])));
+        const __m256i h = _mm256_sub_epi16(ahi[r], _mm256_set1_epi16(static_cast<int16_t>(corr[R + r])));
+        res0[r] = _mm256_fmadd_ps(widen(l, false), sg0[gl], _mm256_fmadd_ps(widen(h, false), sg0[gh], res0[r]));
+        res1[r] = _mm256_fmadd_ps(widen(l, true), sg1[gl], _mm256_fmadd_ps(widen(h, true), sg1[gh], res1[r]));
       }
     }
     _mm256_storeu_ps(top + s0, head_peak<RR>(res0, f, bias + s0, R));
