@@ -323,7 +323,7 @@ def test_paged_reads_equal_the_masked_read_and_touch_at_most_m_pages(dtype, tol,
     the occupied slots."""
     model, layer = _layer_with_memory(dtype, {**_rank(read_rank), "read_pages": True})
     query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=1)
-    layer._read_units()  # (the first paged index may re-lay the pool)
+    layer._page_index()  # (the first paged index may re-lay the pool)
     exact = layer._exact()
     nb = layer.memory.router.num_buckets
     for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):

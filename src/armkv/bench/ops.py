@@ -15,7 +15,8 @@
   (``read_rank``): the layer's read of the top-M buckets' slots (``ARMLayer._read``: ranking
   included; for one query on a CPU fused calls of ``armkv.memory.kernels``; for a chunk the
   gathered PyTorch read, or with ``best`` and ``partial`` the ranked read that reuses its
-  logits; ``partial`` on unmixed slots, as it requires) against
+  logits; ``partial`` on unmixed slots, as it requires; a ranking with ``-pages``, e.g.
+  ``partial-pages``, takes pages of the buckets instead of whole ones, ``read_pages``) against
   the dense read of every slot (the decode step's
   ``ARMLayer._decode_read``) and the masked read of the whole pool at the same M
   (``ARMLayer._chunk_read``, the sparse read's reference), for one query and for chunks of
@@ -57,7 +58,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--int4-slots", default="2706,8295",
                         help="pool sizes for the int4 read timing (2706: budget 512, d = 64; 8295: the largest calibrated share)")
     parser.add_argument("--sparse-budgets", default="2048,4096,8192", help="budgets for the sparse read timing (full pools)")
-    parser.add_argument("--sparse-ranks", default="best,partial,tree", help="bucket rankings (read_rank) for the sparse read timing")
+    parser.add_argument("--sparse-ranks", default="best,partial,tree,partial-pages",
+                        help="bucket rankings (read_rank; with -pages: read_pages) for the sparse read timing")
     parser.add_argument("--sparse-fraction", type=int, default=8, help="the sparse read's M = N_b / this")
     parser.add_argument("--sparse-queries", default="1,16,64", help="tokens per read for the sparse read timing")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point")
@@ -211,8 +213,9 @@ def bench_int4_read(slots: list[int], kv_heads: int, head_dim: int, repeats: int
 
 def _full_arm_layer(budget: int, fraction: int, seed: int = 0, read_rank: str = "best"):
     """Layer 0 of the arm cache on the default model's shape at ``budget`` (even shares),
-    its pool full of slots: keys drawn near the tree's leaf centroids (every bucket used, as
-    calibrated routing of text spreads them) plus noise, each filed where the tree routes it."""
+    its pool full of slots: keys drawn near the tree's leaf centroids plus noise, each filed
+    where the tree routes it (unevenly, as on text: some buckets empty, the largest four times
+    the mean). ``read_rank`` may end in ``-pages`` (``read_pages``)."""
     from armkv.memory.rope import Rotary
     from armkv.memory.state import MemoryState
     from armkv.methods.arm import make_arm
@@ -222,8 +225,9 @@ def _full_arm_layer(budget: int, fraction: int, seed: int = 0, read_rank: str = 
     rotary = Rotary(1.0 / 100000 ** (torch.arange(0, 64, 2).float() / 64))
     probe = make_arm(0, info, rotary, budget, 256, layer_weights="even")
     nb = probe.memory.router.num_buckets
+    rank, pages = read_rank.removesuffix("-pages"), read_rank.endswith("-pages")
     layer = make_arm(0, info, rotary, budget, 256, layer_weights="even", top_m="fixed", m_fixed=max(1, nb // fraction),
-                     read_rank=read_rank, slot_mixing=read_rank != "partial")
+                     read_rank=rank, slot_mixing=rank != "partial", read_pages=pages)
     g = torch.Generator().manual_seed(seed)
     H, d = info.num_kv_heads, info.head_dim
     with torch.no_grad():
@@ -261,6 +265,7 @@ def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], rep
         build = time.perf_counter() - t0
         t0 = time.perf_counter()
         index = layer._bucket_index()  # the synthetic pool lies in random order: re-laid by bucket here
+        index = layer._page_index() or index  # (read_pages: the pages' index)
         relay = time.perf_counter() - t0
         width = index.width(M)
         row = {"slots": layer.state.slots, "buckets": nb, "m": M, "fixed_width": width, "fixed_width_share": width / layer.state.slots,
@@ -330,7 +335,7 @@ def main(args) -> int:
     from armkv.errors import ArmkvError
 
     ranks = tuple(r for r in args.sparse_ranks.split(",") if r)
-    unknown = [r for r in ranks if r not in CHOICES["read_rank"]]
+    unknown = [r for r in ranks if r.removesuffix("-pages") not in CHOICES["read_rank"] or r == "tree-pages"]
     if unknown:
         raise ArmkvError(f"--sparse-ranks {','.join(unknown)}: not a read_rank; use any of {', '.join(CHOICES['read_rank'])}")
     _clock = CLOCK[args.clock]

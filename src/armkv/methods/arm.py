@@ -310,7 +310,7 @@ class ARMLayer(CacheLayer):
         H = key.shape[1]
         rep = Hq // H
         if not reads_all:
-            self._read_units()  # (a first paged index may re-lay the pool: before the slots are read)
+            self._page_index()  # (a first paged index may re-lay the pool: before the slots are read)
         pos = positions.unsqueeze(1)
         q_pre = None if reads_all and c.position_mode == "stored" else self.rotary.unrotate(query, pos)
         # each bucket's rank, as the sparse read ranks it (the same buckets, ties included)
@@ -407,7 +407,7 @@ class ARMLayer(CacheLayer):
         mem = self.memory
         B, Hq = q_pre.shape[:2]
         buckets = self._group_buckets(self._route_k, q_pre, best).repeat_interleave(rep, 1)
-        slot_unit, units, _ = self._read_units()
+        slot_unit, units = self._read_units()
         slot_unit = slot_unit.long().reshape(B, -1, slot_unit.shape[-1]).repeat_interleave(rep, 1)
         occ = occupied.repeat_interleave(rep, 1).unsqueeze(2)
         ms = [self.m] if self.mix is None else [self.m, (self.m + 1).clamp_max(mem.router.num_buckets)]
@@ -435,10 +435,11 @@ class ARMLayer(CacheLayer):
         every read path picks the same buckets; for ``"partial"`` and one decoded token, q.k
         over the key-code rows of ``read.partial_rows`` only. query [B, Hq, T, d] post-RoPE
         (or, with ``keys`` [B, H, S, d] given, whatever the read scores those keys with)
-        -> [B, H, T, N_b], -inf for an empty bucket."""
+        -> [B, H, T, N_b], -inf for an empty bucket (with ``read_pages``, [B, H, T, 2 N_b]:
+        each page's best logit)."""
         if self.config.read_rank == "tree":
             return None
-        slot_bucket, num_buckets, _ = self._read_units()  # (pages under read_pages)
+        slot_bucket, num_buckets = self._read_units()  # (pages under read_pages)
         st = self._readable()
         B, Hq, T, d = query.shape
         H = self.info.num_kv_heads
@@ -491,7 +492,7 @@ class ARMLayer(CacheLayer):
         B, Hq, T, d = query.shape
         H, L = key.shape[1], exact_k.shape[2]
         G, R = B * H, Hq // H
-        slot_unit, num_units, _ = self._read_units()  # buckets, or their pages (read_pages)
+        slot_unit, num_units = self._read_units()  # buckets, or their pages (read_pages)
         st = self._readable()
         S = st.slots
         slot_k, slot_v = st.kv(torch.float32, unmix=False)
@@ -536,21 +537,26 @@ class ARMLayer(CacheLayer):
         self._index_for = (self.state, index)
         return index
 
-    def _read_units(self) -> tuple[torch.Tensor, int, "BucketIndex | None"]:
-        """What a read at M < N_b ranks and takes: the tree's buckets, or with ``read_pages``
-        their pages (``read.paged_index``: their index built once per state with the bucket
-        index, whose first build may re-lay the pool, so a read calls this before it looks at
-        the slots; each slot's page made again per read, not kept) -> (the unit of each slot
-        [G, S], -1 for a free one; how many units; the pages' index, None for buckets)."""
-        num_buckets = self.memory.router.num_buckets
-        if not self.config.read_pages:
+    def _read_units(self) -> tuple[torch.Tensor, int]:
+        """What a read at M < N_b ranks and takes, slot by slot: the tree's buckets, or with
+        ``read_pages`` their pages (made again per call, not kept) -> (the unit of each slot
+        [G, S], -1 for a free one; how many units)."""
+        pages = self._page_index()
+        if pages is None:
             st = self._readable()
-            return st.bucket.reshape(-1, st.slots), num_buckets, None
+            return st.bucket.reshape(-1, st.slots), self.memory.router.num_buckets
+        return slot_pages(pages), pages.size.shape[1]
+
+    def _page_index(self) -> "BucketIndex | None":
+        """With ``read_pages``, the index of the buckets' pages (``read.paged_index``), built
+        once per state with the bucket index, whose first build may re-lay the pool: a read
+        calls this before it looks at the slots. None without ``read_pages``."""
+        if not self.config.read_pages:
+            return None
         index = self._bucket_index()
         if self._pages_for is None or self._pages_for[0] is not index:
-            self._pages_for = (index, paged_index(index, num_buckets))
-        pages = self._pages_for[1]
-        return slot_pages(pages), 2 * num_buckets, pages
+            self._pages_for = (index, paged_index(index, self.memory.router.num_buckets))
+        return self._pages_for[1]
 
     def _tally(self, read: int, occupied: int) -> None:
         """Add one read of ``read`` of the ``occupied`` slots to ``read_tally``."""
@@ -567,7 +573,7 @@ class ARMLayer(CacheLayer):
         H, M = key.shape[1], self._route_k
         G = B * H
         index = self._bucket_index()
-        pages = self._read_units()[2]
+        pages = self._page_index()
         index = index if pages is None else pages  # what it ranks and reads: buckets, or their pages
         st = self._readable()
         kernel = kernels.fused_read(query, st.value) if fused and T == 1 and st.key_scale is not None else None
