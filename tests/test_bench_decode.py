@@ -275,7 +275,7 @@ def test_bench_ops_times_the_int4_read_against_pytorch(capsys, one_thread):
         assert set(int4) == {"37", "8"}
         assert all(r["max_abs_diff"] < 1e-3 and r["fused_us"] > 0 for r in int4.values())
     sparse = result["sparse_read_us_per_layer"]["256"]
-    assert set(sparse) == {"best", "partial", "tree"}  # every ranking timed, each read equal to its masked reference
+    assert set(sparse) == {"best", "partial", "tree", "partial-pages"}  # every ranking timed, each equal to its masked reference
     assert all(row[t]["max_abs_diff"] < 1e-4 and row[t]["sparse_us"] > 0 for row in sparse.values() for t in ("T1", "T3"))
     chunk = result["chunk_read_ms_per_layer"]
     assert set(chunk) == {"37", "8"}  # this torch has the CPU flash op (test_methods checks the split form)
@@ -286,4 +286,6 @@ def test_bench_ops_refuses_an_unknown_ranking_before_timing(capsys):
     """A misspelt --sparse-ranks fails at once with the rankings there are, not after the scan timing."""
     assert cli_main(["bench", "ops", "--sparse-ranks", "best,partal"]) == 2
     err = capsys.readouterr().err
-    assert "--sparse-ranks partal" in err and "best, partial, tree" in err and "scan of" not in err
+    assert "--sparse-ranks partal" in err and "best, partial, tree, best-pages, partial-pages" in err and "scan of" not in err
+    assert cli_main(["bench", "ops", "--sparse-ranks", "tree-pages"]) == 2  # the tree ranks whole buckets
+    assert "--sparse-ranks tree-pages" in capsys.readouterr().err

@@ -337,7 +337,8 @@ def main(args) -> int:
     ranks = tuple(r for r in args.sparse_ranks.split(",") if r)
     unknown = [r for r in ranks if r.removesuffix("-pages") not in CHOICES["read_rank"] or r == "tree-pages"]
     if unknown:
-        raise ArmkvError(f"--sparse-ranks {','.join(unknown)}: not a read_rank; use any of {', '.join(CHOICES['read_rank'])}")
+        raise ArmkvError(f"--sparse-ranks {','.join(unknown)}: not a read_rank; use any of {', '.join(CHOICES['read_rank'])}, "
+                         "best-pages, partial-pages")
     _clock = CLOCK[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
