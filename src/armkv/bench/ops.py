@@ -264,8 +264,8 @@ def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], rep
         bucket_index(st.bucket, st.count > 0, nb)
         build = time.perf_counter() - t0
         t0 = time.perf_counter()
-        index = layer._bucket_index()  # the synthetic pool lies in random order: re-laid by bucket here
-        index = layer._page_index() or index  # (read_pages: the pages' index)
+        # the synthetic pool lies in random order: re-laid by bucket here (read_pages: then cut into pages)
+        index = layer._page_index() or layer._bucket_index()
         relay = time.perf_counter() - t0
         width = index.width(M)
         row = {"slots": layer.state.slots, "buckets": nb, "m": M, "fixed_width": width, "fixed_width_share": width / layer.state.slots,

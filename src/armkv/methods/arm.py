@@ -572,9 +572,7 @@ class ARMLayer(CacheLayer):
         B, Hq, T, d = query.shape
         H, M = key.shape[1], self._route_k
         G = B * H
-        index = self._bucket_index()
-        pages = self._page_index()
-        index = index if pages is None else pages  # what it ranks and reads: buckets, or their pages
+        index = self._page_index() or self._bucket_index()  # what it ranks and reads: pages (read_pages) or buckets
         st = self._readable()
         kernel = kernels.fused_read(query, st.value) if fused and T == 1 and st.key_scale is not None else None
         if kernel is not None:  # one query on a CPU: ranked and read in one call (best), or routed, then read (tree)
@@ -595,7 +593,6 @@ class ARMLayer(CacheLayer):
                 buckets = self.memory.router.fused_group_topm(kernel, query, positions, self.rotary, M)
                 if buckets is None:
                     buckets = self._group_buckets(M, self.rotary.unrotate(query, positions.unsqueeze(1))).reshape(G, -1)
-                take = self.m.clamp_max(buckets.shape[-1]).repeat_interleave(H)
                 out = fused_sparse_decode_read(
                     kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
                     buckets, take,
