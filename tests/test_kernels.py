@@ -437,6 +437,45 @@ def test_fused_reads_take_float32_scales_as_bfloat16_ones(kernel, rank):
         torch.testing.assert_close(read(wide), read(st), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
+@pytest.mark.parametrize("rank", ["dense", "sparse", "best", "partial"])
+@pytest.mark.parametrize("vectorised", [True, False])
+def test_fused_reads_take_a_pools_first_slots_in_place(kernel, fmt, rank, vectorised):
+    """A pool that is not full is read over its first ``reach`` slots (SlotPool.readable):
+    views whose rows lie further apart than their slots. The kernels read them where they
+    lie; the read equals the read of a contiguous copy of the same slots, bit for bit."""
+    from dataclasses import replace
+
+    from armkv.memory.read import (
+        bucket_index, fused_best_decode_read, fused_decode_read, fused_partial_decode_read, fused_sparse_decode_read,
+    )
+
+    c = _ranked_case(fmt, 64, 203, 3, 64, 8, False, False, 13)
+    query, key, value, valid, exact_k, exact_v, exact_valid, big, _, mix, scaling = c["read"]
+    S = 157  # of 203
+    view = big.first(S)
+    assert not view.key.is_contiguous() and not view.value.is_contiguous() and not view.key_scale.is_contiguous()
+    copy = replace(view, key=view.key.contiguous(), value=view.value.contiguous(), key_scale=view.key_scale.contiguous(),
+                   value_scale=view.value_scale.contiguous())
+    bias = torch.where(view.count > 0, view.count.clamp_min(1).log(), -torch.inf)
+    index = bucket_index(view.bucket, view.count > 0, 64)
+    buckets = torch.arange(8).expand(big.key.shape[0], 8)
+    k = _Vectorised(kernel, vectorised)
+
+    def read(state):
+        args = (query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling)
+        if rank == "dense":
+            return fused_decode_read(k, *args)
+        if rank == "sparse":
+            return fused_sparse_decode_read(k, *args, index, buckets, c["take"])
+        if rank == "best":
+            return torch.cat([t.float().flatten() for t in fused_best_decode_read(k, *args, index, 8, c["take"])])
+        return torch.cat([t.float().flatten() for t in fused_partial_decode_read(k, *args, index, 8, c["take"], 8)])
+
+    with torch.no_grad():
+        torch.testing.assert_close(read(view), read(copy), rtol=0, atol=0)
+
+
 def test_partial_rows_are_where_the_query_group_is_largest():
     """read.partial_rows: row c scores q_c^2 + q_{c+d/2}^2 summed over the group's heads; the n
     largest, ties to the lower row, returned in increasing order."""
@@ -465,6 +504,9 @@ class _Vectorised:
 
     def arm_partial_decode_read(self, *args):
         return self.module.arm_partial_decode_read(*args, vectorised=self.vectorised)
+
+    def arm_decode_read(self, *args):
+        return self.module.arm_decode_read(*args, vectorised=self.vectorised)
 
 
 @pytest.mark.parametrize("depth,branching,rep,m", [(3, 4, 3, 8), (2, 4, 1, 3), (2, 3, 5, 9), (3, 2, 4, 3), (1, 8, 2, 8)])

@@ -125,8 +125,11 @@ template <int RR>
 __attribute__((target("avx2,fma"))) void key_scores_avx2_r(const float* q, const uint8_t* codes, const float* scale,
                                                           float* out, int64_t R, int64_t d, int64_t S, int64_t ng,
                                                           const uint8_t* then, int64_t then_row, int64_t ld, int64_t ldo) {
-  const int64_t full = S / 8 * 8, half = d / 2;
-  for (int64_t s0 = 0; s0 < full; s0 += 8) {
+  // blocks of 8 slots; the last S % 8 (S >= 8) in a block that ends at S, whose slots before
+  // them are scored again, to the same values (a lane's sums do not depend on the block)
+  const int64_t last = S - 8, half = d / 2;
+  for (int64_t i = 0; i < S && last >= 0; i += 8) {
+    const int64_t s0 = std::min(i, last);
     // the codes are channel-major: a block reads 8 bytes from each of d/2 rows S bytes apart,
     // more streams than the hardware prefetcher follows, and at decode time they come from
     // memory (the weights' matmuls between two layers' reads evict them): ask for each row's
@@ -138,7 +141,7 @@ __attribute__((target("avx2,fma"))) void key_scores_avx2_r(const float* q, const
       for (int64_t b = 0; b < 8 * then_row; b += 64) _mm_prefetch(reinterpret_cast<const char*>(then + s0 * then_row + b), _MM_HINT_T0);
     key_scores_block8<RR>(q, codes, scale, out, R, d, ld, ldo, ng, s0);
   }
-  key_scores_scalar(q, codes, scale, out, R, d, S, ng, full, ld, ldo);  // the last S % 8 slots
+  if (last < 0) key_scores_scalar(q, codes, scale, out, R, d, S, ng, 0, ld, ldo);  // fewer than 8 slots
 }
 
 // weighted values, channels in blocks of 8 bytes (16 channels), accumulators in registers
@@ -256,8 +259,10 @@ template <int RR>
 __attribute__((target("avx2,fma"))) void int8_key_scores_avx2_r(const float* q, const int8_t* codes, const float* scale,
                                                                float* out, int64_t R_, int64_t d, int64_t S,
                                                                const uint8_t* then, int64_t then_row, int64_t ld, int64_t ldo) {
-  const int64_t R = heads<RR>(R_), full = S / 16 * 16;
-  for (int64_t s0 = 0; s0 < full; s0 += 16) {
+  // the last S % 16 (S >= 16) in a block that ends at S, as key_scores_avx2_r's last 8
+  const int64_t R = heads<RR>(R_), last = S - 16;
+  for (int64_t i = 0; i < S && last >= 0; i += 16) {
+    const int64_t s0 = std::min(i, last);
     // prefetches as in key_scores_avx2_r: each channel row's line ahead, and the rows read next
     if (s0 % 64 == 0 && s0 + kPrefetchAhead < S)
       for (int64_t c = 0; c < d; ++c) _mm_prefetch(reinterpret_cast<const char*>(codes + c * ld + s0 + kPrefetchAhead), _MM_HINT_T0);
@@ -281,7 +286,7 @@ __attribute__((target("avx2,fma"))) void int8_key_scores_avx2_r(const float* q, 
       _mm256_storeu_ps(out + r * ldo + s0 + 8, _mm256_mul_ps(hi[r], s_hi));
     }
   }
-  int8_key_scores_scalar(q, codes, scale, out, R, d, S, full, ld, ldo);  // the last S % 16 slots
+  if (last < 0) int8_key_scores_scalar(q, codes, scale, out, R, d, S, 0, ld, ldo);  // fewer than 16 slots
 }
 
 inline void int8_key_scores_avx2(const float* q, const int8_t* codes, const float* scale, float* out, int64_t R, int64_t d,
@@ -402,6 +407,35 @@ __attribute__((target("avx2"))) inline float max_avx2(const float* x, int64_t n)
   for (; i < n; ++i) peak = std::max(peak, x[i]);
   return peak;
 }
+
+// the largest of x[idx[0]], ..., x[idx[n - 1]], 8 gathered at a time (a scalar loop is one
+// dependent max per element); bad is set where an index lies outside [0, S) (those are not read)
+__attribute__((target("avx2"))) inline float gathered_max_avx2(const float* x, const int32_t* idx, int64_t n, int64_t S,
+                                                              bool& bad) {
+  __m256 acc = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i zero = _mm256_setzero_si256(), last = _mm256_set1_epi32(static_cast<int>(S - 1));
+  __m256i outside = zero;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i at = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i));
+    const __m256i off = _mm256_or_si256(_mm256_cmpgt_epi32(zero, at), _mm256_cmpgt_epi32(at, last));
+    outside = _mm256_or_si256(outside, off);
+    acc = _mm256_max_ps(acc, _mm256_i32gather_ps(x, _mm256_andnot_si256(off, at), 4));
+  }
+  alignas(32) float part[8];
+  _mm256_store_ps(part, acc);
+  float peak = part[0];
+  for (int k = 1; k < 8; ++k) peak = std::max(peak, part[k]);
+  for (; i < n; ++i) {
+    if (idx[i] < 0 || idx[i] >= S) {
+      bad = true;
+      continue;
+    }
+    peak = std::max(peak, x[idx[i]]);
+  }
+  if (!_mm256_testz_si256(outside, outside)) bad = true;
+  return peak;
+}
 #endif
 
 template <bool AVX>
@@ -483,7 +517,8 @@ struct DecodeGroup {  // one group's inputs and outputs (pointers into contiguou
   const float* exact_k;   // [L, d]
   const float* exact_v;   // [L, d]
   const bool* exact_ok;   // [L]
-  const void* key_codes;  // uint8 [d/2, S] or int8 [d, S]
+  const void* key_codes;  // uint8 [d/2, S] or int8 [d, S], rows ld apart
+  int64_t ld;             // the key codes' row stride (>= S: a pool's first S slots are a view)
   Scales key_scale;       // [S, ngk]
   const uint8_t* value_codes;  // [S, d/2]
   Scales value_scale;     // [S, ngv]
@@ -968,7 +1003,7 @@ inline void run_values(const float* w, const uint8_t* codes, const Scales& scale
 template <bool AVX>
 __attribute__((always_inline)) inline void run_logits(const float* qm, const void* key_codes, bool int8_keys,
                                                     const Scales& key_scale, const float* bias, const uint8_t* value_codes,
-                                                    float* slot_w, int64_t R, int64_t d, int64_t S, int64_t W, int64_t ngk,
+                                                    float* slot_w, int64_t R, int64_t d, int64_t ld, int64_t W, int64_t ngk,
                                                     float scaling, const std::vector<int64_t>& start,
                                                     const std::vector<int64_t>& len, float* peaks) {
   thread_local std::vector<float> buf;
@@ -979,9 +1014,9 @@ __attribute__((always_inline)) inline void run_logits(const float* qm, const voi
     const uint8_t* then = value_codes + s0 * half;  // (the run's values, read next)
     const float* ks = key_scale.rows(s0, n, buf);
     if (int8_keys)
-      int8_key_scores(qm, static_cast<const int8_t*>(key_codes) + s0, ks, slot_w + at, R, d, n, then, half, S, W);
+      int8_key_scores(qm, static_cast<const int8_t*>(key_codes) + s0, ks, slot_w + at, R, d, n, then, half, ld, W);
     else
-      key_scores(qm, static_cast<const uint8_t*>(key_codes) + s0, ks, slot_w + at, R, d, n, ngk, then, half, S, W);
+      key_scores(qm, static_cast<const uint8_t*>(key_codes) + s0, ks, slot_w + at, R, d, n, ngk, then, half, ld, W);
     for (int64_t r = 0; r < R; ++r) peaks[r] = std::max(peaks[r], affine_max<AVX>(slot_w + r * W + at, bias + s0, n, scaling));
   }
 }
@@ -996,7 +1031,7 @@ __attribute__((always_inline)) inline void runs_group_body(const DecodeGroup& a,
                                                          int64_t W, float* qm, float* slot_w, float* exact_w, float* tmp) {
   float peaks[kMaxRep];
   mix_query(a.q, mix, R, d, qm);
-  run_logits<AVX>(qm, a.key_codes, int8_keys, a.key_scale, a.bias, a.value_codes, slot_w, R, d, S, W, ngk, scaling, start, len,
+  run_logits<AVX>(qm, a.key_codes, int8_keys, a.key_scale, a.bias, a.value_codes, slot_w, R, d, a.ld, W, ngk, scaling, start, len,
                   peaks);
   decode_tail<AVX>(a, mix_t, R, d, L, W, scaling, slot_w, peaks, exact_w, tmp, [&](const float* w, float* out) {
     run_values(w, a.value_codes, a.value_scale, out, R, d, W, ngv, start, len);
@@ -1022,16 +1057,21 @@ inline void runs_group(ARMKV_RUNS_ARGS, bool vectorised) {
 #endif
 
 // Each bucket's best logit from top [S] (each slot's largest logit over the heads), over the
-// slots its list holds (as bucket_runs reads them); -inf for a bucket with none. A pool laid
-// bucket by bucket (listed = 0) takes each bucket's run 8 at a time where `vectorised`
+// slots its list holds (as bucket_runs reads them); -inf for a bucket with none. Where
+// `vectorised`, 8 at a time: a pool laid bucket by bucket (listed = 0) reads each bucket's
+// run, a listed one gathers the slots its list names
 inline void bucket_maxima(const float* top, const int32_t* ord, int64_t listed, const int32_t* st, const int32_t* sz,
                           int64_t nb, int64_t S, float* best, const char* name, bool vectorised) {
+#ifdef ARMKV_AVX2
+  const bool avx2 = vectorised && __builtin_cpu_supports("avx2");
+  bool bad = false;
+#endif
   for (int64_t k = 0; k < nb; ++k) {
     const int64_t p0 = st[k], n = sz[k];
     TORCH_CHECK(p0 >= 0 && n >= 0 && p0 + n <= (listed ? listed : S), name, ": a bucket's list runs past order");
 #ifdef ARMKV_AVX2
-    if (!listed && vectorised && __builtin_cpu_supports("avx2")) {
-      best[k] = max_avx2(top + p0, n);
+    if (avx2) {
+      best[k] = listed ? gathered_max_avx2(top, ord + p0, n, S, bad) : max_avx2(top + p0, n);
       continue;
     }
 #endif
@@ -1043,6 +1083,9 @@ inline void bucket_maxima(const float* top, const int32_t* ord, int64_t listed, 
     }
     best[k] = v;
   }
+#ifdef ARMKV_AVX2
+  TORCH_CHECK(!bad, name, ": a slot id outside the pool");
+#endif
 }
 
 // the m largest of best [nb] into idx (best first, ties to the lower id)
@@ -1075,9 +1118,9 @@ __attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a,
   float* sw = w.sw.data();
   const float* ks = a.key_scale.rows(0, S, kbuf);
   if (int8_keys)
-    int8_key_scores(w.qm.data(), static_cast<const int8_t*>(a.key_codes), ks, sw, R, d, S);
+    int8_key_scores(w.qm.data(), static_cast<const int8_t*>(a.key_codes), ks, sw, R, d, S, nullptr, 0, a.ld);
   else
-    key_scores(w.qm.data(), static_cast<const uint8_t*>(a.key_codes), ks, sw, R, d, S, ngk);
+    key_scores(w.qm.data(), static_cast<const uint8_t*>(a.key_codes), ks, sw, R, d, S, ngk, nullptr, 0, a.ld);
   for (int64_t r = 0; r < R; ++r) affine_max<AVX>(sw + r * S, a.bias, S, scaling);
   float* top = w.top.data();
   std::copy(sw, sw + S, top);
@@ -1144,7 +1187,7 @@ inline void partial_query(const float* qm, int64_t R, int64_t d, const int64_t* 
 // slot): what read_rank="partial" ranks buckets by. glo, ghi [n]: the scale group of each
 // row's two channels, c and c + d/2
 inline void partial_top_scalar(const int8_t* qi, const float* f, const void* codes_, bool int8_keys, const Scales& scale,
-                               const float* bias, float* top, int64_t R, int64_t d, int64_t S, int64_t ng,
+                               const float* bias, float* top, int64_t R, int64_t d, int64_t S, int64_t ld, int64_t ng,
                                const int64_t* rows, const int64_t* glo, const int64_t* ghi, int64_t n, int64_t first = 0) {
   const int64_t half = d / 2, groups = int8_keys ? 1 : ng;
   std::vector<int32_t> part(groups);
@@ -1158,9 +1201,9 @@ inline void partial_top_scalar(const int8_t* qi, const float* f, const void* cod
         int32_t lo, hi;
         if (int8_keys) {
           const auto* codes = static_cast<const int8_t*>(codes_);
-          lo = codes[c * S + s], hi = codes[(c + half) * S + s];
+          lo = codes[c * ld + s], hi = codes[(c + half) * ld + s];
         } else {
-          const uint8_t b = static_cast<const uint8_t*>(codes_)[c * S + s];
+          const uint8_t b = static_cast<const uint8_t*>(codes_)[c * ld + s];
           lo = static_cast<int32_t>(low_nibble(b)), hi = static_cast<int32_t>(high_nibble(b));
         }
         part[int8_keys ? 0 : glo[j]] += q[j] * lo;
@@ -1217,7 +1260,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 head_peak(const
 template <int RR>
 __attribute__((target("avx2,fma"))) void partial_top_int8_avx2_r(const int8_t* qi, const float* f, const int8_t* codes,
                                                                 const Scales& scale, const float* bias, float* top,
-                                                                int64_t R_, int64_t d, int64_t S, const int64_t* rows,
+                                                                int64_t R_, int64_t d, int64_t S, int64_t ld, const int64_t* rows,
                                                                 const int64_t* glo, const int64_t* ghi, int64_t n) {
   const int64_t R = heads<RR>(R_), half = d / 2, full = S / 8 * 8;
   std::vector<float> qf(R * 2 * n);  // the rounded query as floats
@@ -1226,16 +1269,16 @@ __attribute__((target("avx2,fma"))) void partial_top_int8_avx2_r(const int8_t* q
     // the chosen rows' lines kPrefetchAhead bytes ahead, once per line (as key_scores_avx2_r)
     if (s0 % 64 == 0 && s0 + kPrefetchAhead < S)
       for (int64_t j = 0; j < n; ++j) {
-        _mm_prefetch(reinterpret_cast<const char*>(codes + rows[j] * S + s0 + kPrefetchAhead), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(codes + (rows[j] + half) * S + s0 + kPrefetchAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(codes + rows[j] * ld + s0 + kPrefetchAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(codes + (rows[j] + half) * ld + s0 + kPrefetchAhead), _MM_HINT_T0);
       }
     __m256 sums[kAcc<RR>], res[kAcc<RR>];
     for (int64_t r = 0; r < R; ++r) sums[r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
       const int64_t c = rows[j];
-      const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c * S + s0))));
+      const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c * ld + s0))));
       const __m256 hi =
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (c + half) * S + s0))));
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + (c + half) * ld + s0))));
       for (int64_t r = 0; r < R; ++r)
         sums[r] = _mm256_fmadd_ps(_mm256_set1_ps(qf[r * 2 * n + j]), lo,
                                   _mm256_fmadd_ps(_mm256_set1_ps(qf[r * 2 * n + n + j]), hi, sums[r]));
@@ -1244,7 +1287,7 @@ __attribute__((target("avx2,fma"))) void partial_top_int8_avx2_r(const int8_t* q
     for (int64_t r = 0; r < R; ++r) res[r] = _mm256_mul_ps(sums[r], sg);
     _mm256_storeu_ps(top + s0, head_peak<RR>(res, f, bias + s0, R));
   }
-  partial_top_scalar(qi, f, codes, true, scale, bias, top, R, d, S, 1, rows, glo, ghi, n, full);  // the last S % 8
+  partial_top_scalar(qi, f, codes, true, scale, bias, top, R, d, S, ld, 1, rows, glo, ghi, n, full);  // the last S % 8
 }
 
 // The rows of a partial ranking of int4 codes in pairs, for partial_top_int4_avx2_r: pairs
@@ -1306,16 +1349,16 @@ __attribute__((target("avx2"))) inline __m256 widen(__m256i x, bool high) {
 template <int RR>
 __attribute__((target("avx2,fma"))) void partial_top_int4_avx2_r(const RowPairs& p, const int8_t* qi, const float* f,
                                                                 const uint8_t* codes, const Scales& scale, const float* bias,
-                                                                float* top, int64_t R_, int64_t d, int64_t S, int64_t ng,
-                                                                const int64_t* rows, const int64_t* glo, const int64_t* ghi,
-                                                                int64_t n) {
+                                                                float* top, int64_t R_, int64_t d, int64_t S, int64_t ld,
+                                                                int64_t ng, const int64_t* rows, const int64_t* glo,
+                                                                const int64_t* ghi, int64_t n) {
   const int64_t R = heads<RR>(R_), full = S / 16 * 16, P = static_cast<int64_t>(p.row.size());
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x88)), low = _mm256_set1_epi8(0x0F);
   for (int64_t s0 = 0; s0 < full; s0 += 16) {
     if (s0 % 64 == 0 && s0 + kPrefetchAhead < S)
       for (int64_t k = 0; k < P; ++k) {
-        _mm_prefetch(reinterpret_cast<const char*>(codes + p.row[k] * S + s0 + kPrefetchAhead), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(codes + p.row2[k] * S + s0 + kPrefetchAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(codes + p.row[k] * ld + s0 + kPrefetchAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(codes + p.row2[k] * ld + s0 + kPrefetchAhead), _MM_HINT_T0);
       }
     __m256 res0[kAcc<RR>], res1[kAcc<RR>], sg0[kMaxGroups], sg1[kMaxGroups];
     for (int64_t r = 0; r < R; ++r) res0[r] = res1[r] = _mm256_setzero_ps();
@@ -1326,8 +1369,8 @@ __attribute__((target("avx2,fma"))) void partial_top_int4_avx2_r(const RowPairs&
       for (int64_t r = 0; r < R; ++r) alo[r] = ahi[r] = _mm256_setzero_si256();
       const int64_t k0 = p.chunk_start[ch], k1 = k0 + p.chunk_pairs[ch];
       for (int64_t k = k0; k < k1; ++k) {
-        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p.row[k] * S + s0));
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p.row2[k] * S + s0));
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p.row[k] * ld + s0));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p.row2[k] * ld + s0));
         // 16-bit lanes (a_s, b_s), slots in order; +8 on every nibble
         const __m256i x = _mm256_xor_si256(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)), flip);
         const __m256i lo = _mm256_and_si256(x, low), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
@@ -1349,7 +1392,7 @@ __attribute__((target("avx2,fma"))) void partial_top_int4_avx2_r(const RowPairs&
     _mm256_storeu_ps(top + s0, head_peak<RR>(res0, f, bias + s0, R));
     _mm256_storeu_ps(top + s0 + 8, head_peak<RR>(res1, f, bias + s0 + 8, R));
   }
-  partial_top_scalar(qi, f, codes, false, scale, bias, top, R, d, S, ng, rows, glo, ghi, n, full);  // the last S % 16
+  partial_top_scalar(qi, f, codes, false, scale, bias, top, R, d, S, ld, ng, rows, glo, ghi, n, full);  // the last S % 16
 }
 #endif
 
@@ -1361,9 +1404,9 @@ struct PartialScratch {
   RowPairs pairs;
 };
 
-// top [S] (partial_top_scalar) for the query qm [R, d] in the slots' basis and its n rows
+// top [S] (partial_top_scalar) for the query qm [R, d] in the slots' basis and its n rows (codes' rows ld apart)
 inline void partial_top(const float* qm, const void* codes, bool int8_keys, const Scales& scale, const float* bias,
-                        float scaling, float* top, int64_t R, int64_t d, int64_t S, int64_t ng, const int64_t* rows,
+                        float scaling, float* top, int64_t R, int64_t d, int64_t S, int64_t ld, int64_t ng, const int64_t* rows,
                         int64_t n, PartialScratch& w, bool vectorised) {
   const int64_t gs = int8_keys ? d : d / ng, half = d / 2;
   w.groups.resize(2 * n), w.qi.resize(R * 2 * n), w.qs.resize(R), w.f.resize(R);
@@ -1376,13 +1419,13 @@ inline void partial_top(const float* qm, const void* codes, bool int8_keys, cons
       (int8_keys || ng <= kMaxGroups)) {
     if (int8_keys)
       ARMKV_BY_HEADS(partial_top_int8_avx2_r, R, w.qi.data(), w.f.data(), static_cast<const int8_t*>(codes), scale, bias, top, R,
-                     d, S, rows, glo, ghi, n)
+                     d, S, ld, rows, glo, ghi, n)
     w.pairs.build(w.qi.data(), R, n, rows, glo, ghi);
     ARMKV_BY_HEADS(partial_top_int4_avx2_r, R, w.pairs, w.qi.data(), w.f.data(), static_cast<const uint8_t*>(codes), scale,
-                   bias, top, R, d, S, ng, rows, glo, ghi, n)
+                   bias, top, R, d, S, ld, ng, rows, glo, ghi, n)
   }
 #endif
-  partial_top_scalar(w.qi.data(), w.f.data(), codes, int8_keys, scale, bias, top, R, d, S, ng, rows, glo, ghi, n);
+  partial_top_scalar(w.qi.data(), w.f.data(), codes, int8_keys, scale, bias, top, R, d, S, ld, ng, rows, glo, ghi, n);
 }
 
 #define ARMKV_BEST_ARGS                                                                                             \
@@ -1580,8 +1623,8 @@ struct DecodeInputs {
     own_ok = own_ok_.to(torch::kBool).contiguous();
     kk = own_k.contiguous(), vv = own_v.contiguous(), ek = exact_k.contiguous(), ev = exact_v.contiguous();
     eok = exact_ok.to(torch::kBool).contiguous();
-    kc = key_codes.contiguous(), vc = value_codes.contiguous();
-    ks = as_stored(key_scale), vs = as_stored(value_scale);
+    kc = rows_apart(key_codes, 0), vc = rows_apart(value_codes, value_codes.size(-1));
+    ks = rows_apart(as_stored(key_scale), key_scale.size(-1)), vs = rows_apart(as_stored(value_scale), value_scale.size(-1));
     b = bias.to(torch::kFloat32).contiguous();
     mx = mix.numel() ? mix.to(torch::kFloat32).contiguous() : mix;
     TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kk.scalar_type() == torch::kFloat32 && ek.scalar_type() == torch::kFloat32,
@@ -1607,17 +1650,25 @@ struct DecodeInputs {
   // scales float32 or bfloat16 as they are (each read converts the rows it reads), others float32
   static torch::Tensor as_stored(const torch::Tensor& x) {
     const auto t = x.scalar_type();
-    return (t == torch::kFloat32 || t == torch::kBFloat16 ? x : x.to(torch::kFloat32)).contiguous();
+    return t == torch::kFloat32 || t == torch::kBFloat16 ? x : x.to(torch::kFloat32);
   }
 
-  // rows from `row` on of a [G * S, ng] table of scales
-  static armkv::Scales scales(const torch::Tensor& x, int64_t row, int64_t ng) {
+  // x [G, rows, cols] as it lies where its last dimension is contiguous and, unless row is 0,
+  // its rows are `row` elements apart, else a contiguous copy: a pool's first S slots (a view
+  // of a larger pool, SlotPool.readable) are read in place, not copied at every read
+  static torch::Tensor rows_apart(const torch::Tensor& x, int64_t row) {
+    const bool fits = x.dim() == 3 && x.stride(2) == 1 && x.stride(1) >= x.size(2) && (row == 0 || x.stride(1) == row);
+    return fits ? x : x.contiguous();
+  }
+
+  // group g's [S, ng] table of scales
+  static armkv::Scales scales(const torch::Tensor& x, int64_t g, int64_t ng) {
     armkv::Scales out;
     out.ng = ng;
     if (x.scalar_type() == torch::kFloat32)
-      out.f32 = x.data_ptr<float>() + row * ng;
+      out.f32 = x.data_ptr<float>() + g * x.stride(0);
     else
-      out.bf16 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + row * ng;
+      out.bf16 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + g * x.stride(0);
     return out;
   }
 
@@ -1627,9 +1678,9 @@ struct DecodeInputs {
         q.data_ptr<float>() + g * R * d, kk.data_ptr<float>() + g * d, vv.data_ptr<float>() + g * d,
         own_ok.data_ptr<bool>()[g], ek.data_ptr<float>() + g * L * d, ev.data_ptr<float>() + g * L * d,
         eok.data_ptr<bool>() + g * L,
-        int8_keys ? static_cast<const void*>(kc.data_ptr<int8_t>() + g * d * S)
-                  : static_cast<const void*>(kc.data_ptr<uint8_t>() + g * (d / 2) * S),
-        scales(ks, g * S, ngk), vc.data_ptr<uint8_t>() + g * S * (d / 2), scales(vs, g * S, ngv),
+        int8_keys ? static_cast<const void*>(kc.data_ptr<int8_t>() + g * kc.stride(0))
+                  : static_cast<const void*>(kc.data_ptr<uint8_t>() + g * kc.stride(0)),
+        kc.stride(1), scales(ks, g, ngk), vc.data_ptr<uint8_t>() + g * vc.stride(0), scales(vs, g, ngv),
         b.data_ptr<float>() + g * S, out};
   }
 };
@@ -1639,7 +1690,8 @@ struct DecodeInputs {
 // exact_ok [G, L]; the slots' key codes (uint8 [G, d/2, S] int4 or int8 [G, d, S]) and
 // scales [G, S, ngk], value codes uint8 [G, S, d/2] and scales [G, S, ngv]; bias [G, S]
 // (-inf: free); mix [d, d] (empty: unmixed slots); vectorised=false: the portable loops
-// (tests) -> [G, R, d]
+// (tests) -> [G, R, d]. Codes and scales may be views whose rows lie further apart (a pool's
+// first S slots: SlotPool.readable): they are read where they lie, not copied.
 torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::Tensor own_v, torch::Tensor own_ok,
                               torch::Tensor exact_k, torch::Tensor exact_v, torch::Tensor exact_ok, torch::Tensor key_codes,
                               torch::Tensor key_scale, torch::Tensor value_codes, torch::Tensor value_scale,
@@ -1649,7 +1701,8 @@ torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::T
   const int64_t G = in.G, R = in.R, d = in.d, L = in.L, S = in.S;
   auto out = torch::empty({G, R, d}, in.q.options());
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> qm(R * d), slot_w(R * std::max<int64_t>(S, 1)), exact_w(R * (L + 1)), tmp(R * d);
+    thread_local std::vector<float> qm, slot_w, exact_w, tmp;  // (kept from call to call: no allocation a read)
+    qm.resize(R * d), slot_w.resize(R * std::max<int64_t>(S, 1)), exact_w.resize(R * (L + 1)), tmp.resize(R * d);
     const std::vector<int64_t> start(S ? 1 : 0, 0), len(S ? 1 : 0, S);  // every slot: one run
     for (int64_t g = g0; g < g1; ++g)
       armkv::runs_group(in.group(g, out.data_ptr<float>() + g * R * d), in.MX, in.MXT, in.int8_keys, R, d, L, S, in.ngk, in.ngv,
@@ -1709,7 +1762,7 @@ torch::Tensor arm_sparse_decode_read(torch::Tensor query, torch::Tensor own_k, t
   const int64_t *BK = bk.data_ptr<int64_t>(), *TK = tk.data_ptr<int64_t>();
   auto out = torch::empty({G, R, d}, in.q.options());
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    SparseScratch w;
+    thread_local SparseScratch w;  // (kept from call to call: no allocation a read)
     for (int64_t g = g0; g < g1; ++g)
       sparse_group(in, g, out.data_ptr<float>() + g * R * d, ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, BK + g * M,
                    std::min(TK[g], M), scaling, vectorised, w, "arm_sparse_decode_read");
@@ -1747,7 +1800,7 @@ std::vector<torch::Tensor> arm_partial_decode_read(torch::Tensor query, torch::T
   auto buckets = torch::empty({G, m}, in.q.options().dtype(torch::kInt64));
   const float* B = in.b.data_ptr<float>();
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    SparseScratch w;
+    thread_local SparseScratch w;  // (kept from call to call: no allocation a read)
     w.qm.resize(R * d), w.top.resize(std::max<int64_t>(S, 1)), w.best.resize(nb);
     for (int64_t g = g0; g < g1; ++g) {
       const armkv::DecodeGroup a = in.group(g, nullptr);
@@ -1755,7 +1808,7 @@ std::vector<torch::Tensor> arm_partial_decode_read(torch::Tensor query, torch::T
       armkv::partial_rows(w.qm.data(), R, d, n, w.energy, w.rows);
       float* top = w.top.data();
       armkv::partial_top(w.qm.data(), a.key_codes, in.int8_keys, a.key_scale, B + g * S, static_cast<float>(scaling), top, R, d,
-                         S, in.ngk, w.rows.data(), n, w.partial, vectorised);
+                         S, a.ld, in.ngk, w.rows.data(), n, w.partial, vectorised);
       armkv::bucket_maxima(top, ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, S, w.best.data(),
                            "arm_partial_decode_read", vectorised);
       armkv::top_buckets(w.best.data(), nb, m, w.idx);
@@ -1881,7 +1934,7 @@ std::vector<torch::Tensor> arm_best_decode_read(torch::Tensor query, torch::Tens
   auto out = torch::empty({G, R, d}, in.q.options());
   auto buckets = torch::empty({G, m}, in.q.options().dtype(torch::kInt64));
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    armkv::BestScratch w;
+    thread_local armkv::BestScratch w;  // (kept from call to call: no allocation a read)
     w.qm.resize(R * d), w.sw.resize(R * std::max<int64_t>(S, 1)), w.top.resize(std::max<int64_t>(S, 1)), w.best.resize(nb);
     w.exact_w.resize(R * (L + 1)), w.tmp.resize(R * d);
     for (int64_t g = g0; g < g1; ++g)
