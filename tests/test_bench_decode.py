@@ -50,6 +50,11 @@ def test_result_schema(result):
                 assert value > 0 and math.isfinite(value)
     for method in METHODS:  # every method here is an armkv cache: its attention timed apart
         assert all(v > 0 and math.isfinite(v) for v in result["attention_ms_per_token"][method].values())
+    # within it ARM's reads of its memory, timed apart (the window's update and the writes outside)
+    for length, attention in result["attention_ms_per_token"]["arm"].items():
+        assert 0 < result["read_ms_per_token"]["arm"][length] < attention
+    assert all(v is None for m in METHODS if m != "arm" for v in result["read_ms_per_token"][m].values())
+    assert "ARM's reads of its memory" in markdown(result)
     # the default policy reads every bucket: ARM's reads touch every occupied slot; the others have none
     assert set(result["read_share"]["arm"].values()) == {1.0}
     assert all(v is None for m in METHODS if m != "arm" for v in result["read_share"][m].values())
@@ -204,7 +209,9 @@ def test_sparse_reads_touch_a_share_of_the_memory(one_thread):
     options = {"arm": {"top_m": "fixed", "m_fixed": "1/8", "read_rank": "partial", "slot_mixing": False}}
     res = run_bench(model, small_bench(methods=["arm", "native"], lengths=[256], options=options), progress=False)
     assert 0 < res["read_share"]["arm"][256] < 1
+    assert 0 < res["read_ms_per_token"]["arm"][256] < res["attention_ms_per_token"]["arm"][256]
     assert res["read_share"]["native"][256] is None and res["attention_ms_per_token"]["native"][256] is None
+    assert res["read_ms_per_token"]["native"][256] is None
 
 
 def test_prompts_from_a_text(tiny_model_dir, tmp_path, capsys, one_thread):

@@ -13,8 +13,9 @@ For every method at one budget, on one model:
     weights, not the cache, bound the step;
 (e) for armkv's caches, after the timed steps of (b), ``repeats`` more steps with each layer's
     attention timed apart (the read of its state and, on the steps that write, the write),
-    and for ARM the share of its occupied slots those reads touched: what a sparse read
-    (M < N_b) saves, without the rest of the model's step around it.
+    within it ARM's reads of its memory alone, and for ARM, over ``repeats`` steps more, the
+    share of its occupied slots the reads touched: what a sparse read (M < N_b) saves,
+    without the rest of the model's step around it.
 
 The ``native`` row is the baseline a user has without armkv: the same model with transformers'
 own cache (``DynamicCache``, or ``StaticCache`` with ``--option native.cache=static``), timed
@@ -147,7 +148,7 @@ class DecodeBench:
         return opts.get(key)
 
     def positions_needed(self) -> int:
-        decode = self.warmup + self.repeats
+        decode = self.warmup + 3 * self.repeats  # timed, attention timed apart, reads counted
         return max(max(self.lengths) + decode, self.floor_context + max(max(self.gen_lengths), decode)) + 1
 
 
@@ -370,51 +371,65 @@ class Session:
     def attention(self, cache, token: torch.Tensor, start: int, steps: int, progress=None):
         """``steps`` more decode steps with the cache's attention timed apart: each layer's
         ``attend`` (the read of its state, and on the steps that write, the write) on the
-        session's clock, summed over the layers. On an armkv cache only (None for
-        transformers' own). Returns (the median seconds a step spends there, the share of
-        their occupied slots that ARM's reads touched or None, the next token [B, 1])."""
+        session's clock, summed over the layers; and within it, ARM's read of its memory
+        alone (``ARMLayer._decode_read`` or ``_read``: the slots, the exact entries and their
+        one softmax), without the window's update or the write. On an armkv cache only (None
+        for transformers' own). Returns (the median seconds a step spends in attention, the
+        median in ARM's reads or None, the share of their occupied slots that ARM's reads
+        touched or None, the next token [B, 1]). The share is counted over ``steps`` steps more,
+        untimed (counting costs host work a read does not do)."""
         from armkv.hf.cache import ArmkvCache
 
         layers = getattr(cache, "layers", None)
         if not isinstance(cache, ArmkvCache) or not layers:
-            return None, None, token
-        spent = [0.0]
+            return None, None, None, token
+        spent = [0.0, 0.0]  # attention, ARM's reads
 
-        def timed(attend):
+        def timed(fn, k):
             def run(*args, **kwargs):
                 t0 = self.clock()
-                out = attend(*args, **kwargs)
-                spent[0] += self.clock() - t0
+                out = fn(*args, **kwargs)
+                spent[k] += self.clock() - t0
                 return out
 
             return run
 
-        tallied = [layer for layer in layers if hasattr(layer, "read_tally")]
-        for layer in layers:
-            layer.attend = timed(layer.attend)  # (an instance attribute over the class's method)
-        for layer in tallied:
-            layer.read_tally = [0, 0]
-        per_step = []
-        positions = torch.arange(start, start + steps, device=self.device)[None]
+        tallied = [layer for layer in layers if hasattr(layer, "read_tally")]  # ARM's layers
+        wrapped = [(layer, name, k) for layer in layers for name, k in (("attend", 0), ("_decode_read", 1), ("_read", 1))
+                   if name == "attend" or layer in tallied]  # fmt: skip
+        per_step, read_step = [], []
+        positions = torch.arange(start, start + 2 * steps, device=self.device)[None]
         try:
+            for layer, name, k in wrapped:
+                setattr(layer, name, timed(getattr(layer, name), k))  # (instance attributes over the class's methods)
             for i in range(steps):
-                spent[0] = 0.0
+                spent[0] = spent[1] = 0.0
                 token = self.forward(token, positions[:, i : i + 1], cache)
                 per_step.append(spent[0])
+                read_step.append(spent[1])
+                if progress is not None:
+                    progress(1)
+            for layer in tallied:
+                layer.read_tally = [0, 0]
+            for i in range(steps, 2 * steps):
+                token = self.forward(token, positions[:, i : i + 1], cache)
                 if progress is not None:
                     progress(1)
             read, occupied = (sum(layer.read_tally[k] for layer in tallied) for k in (0, 1))
         finally:
-            for layer in layers:
-                del layer.attend
+            for layer, name, _ in wrapped:
+                if name in vars(layer):
+                    delattr(layer, name)
             for layer in tallied:
                 layer.read_tally = None
-        return statistics.median(per_step), (read / occupied if occupied else None), token
+        reads = statistics.median(read_step) if tallied else None
+        return statistics.median(per_step), reads, (read / occupied if occupied else None), token
 
 
 # the per-prompt-length entries of the result: {method: {length: value or None}}
 POINT_KEYS = ("decode_ms_per_token", "decode_mean_ms_per_token", "decode_tokens_per_s", "cache_bytes",
-              "peak_cache_bytes", "prefill_tokens_per_s", "attention_ms_per_token", "read_share")  # fmt: skip
+              "peak_cache_bytes", "prefill_tokens_per_s", "attention_ms_per_token", "read_ms_per_token",
+              "read_share")  # fmt: skip
 
 
 def _median_ms(seconds: list[float]) -> float:
@@ -463,7 +478,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
     runs = [(m, n) for m in bench.methods for n in bench.lengths]
     work = bench.floor_context + decode_steps
     work += len(bench.methods) * (bench.floor_context + max(bench.gen_lengths))
-    work += sum(n + decode_steps + bench.repeats for m, n in runs if not bench.skips(m, n))
+    work += sum(n + decode_steps + 2 * bench.repeats for m, n in runs if not bench.skips(m, n))
     bar = tqdm(total=work, unit="tok", desc="bench decode", disable=not progress, file=sys.stderr, dynamic_ncols=True)
 
     empty = lambda: {m: {} for m in bench.methods}  # noqa: E731
@@ -477,8 +492,10 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
         "peak_cache_bytes": empty(),  # the largest the cache was during prefill and decode
         "prefill_tokens_per_s": empty(),
         # further steps with each layer's attention timed apart (Session.attention): its median
-        # ms a step, summed over the layers, and the share of the memory ARM's reads touched
+        # ms a step, summed over the layers, within it ARM's reads of its memory, and the share
+        # of the memory those reads touched
         "attention_ms_per_token": empty(),
+        "read_ms_per_token": empty(),
         "read_share": empty(),
         "threads": torch.get_num_threads(),
         "device": str(session.device),
@@ -568,8 +585,9 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
                 result["decode_mean_ms_per_token"][method][length] = statistics.mean(times[bench.warmup :]) * 1e3
                 result["decode_tokens_per_s"][method][length] = bench.batch * 1e3 / median_ms
                 result["peak_cache_bytes"][method][length] = cache_peak_bytes(cache)
-                attention, share, token = session.attention(cache, token, length + decode_steps, bench.repeats, bar.update)
+                attention, reads, share, token = session.attention(cache, token, length + decode_steps, bench.repeats, bar.update)
                 result["attention_ms_per_token"][method][length] = None if attention is None else attention * 1e3
+                result["read_ms_per_token"][method][length] = None if reads is None else reads * 1e3
                 result["read_share"][method][length] = share
                 result["peak"]["rss_bytes"][method][length] = _peak_rss()
                 if result["peak"]["cuda_allocated_bytes"] is not None:
@@ -667,6 +685,8 @@ def markdown(result: dict) -> str:
     if any(v is not None for row in result.get("attention_ms_per_token", {}).values() for v in row.values()):
         table("Attention inside the cache, all layers, further steps timed apart", result["attention_ms_per_token"], 1.0, 1,
               "ms/token")
+    if any(v is not None for row in result.get("read_ms_per_token", {}).values() for v in row.values()):
+        table("ARM's reads of its memory, within that attention", result["read_ms_per_token"], 1.0, 1, "ms/token")
     if any(v is not None for row in result.get("read_share", {}).values() for v in row.values()):
         table("Share of ARM's occupied slots a decode read touches", result["read_share"], 0.01, 1, "%")
     table("Cache bytes after the prompt", result["cache_bytes"], 2**20, 2, "MiB")
