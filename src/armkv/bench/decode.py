@@ -395,8 +395,8 @@ class Session:
             return run
 
         tallied = [layer for layer in layers if hasattr(layer, "read_tally")]  # ARM's layers
-        wrapped = [(layer, name, k) for layer in layers for name, k in (("attend", 0), ("_decode_read", 1), ("_read", 1))
-                   if name == "attend" or layer in tallied]  # fmt: skip
+        wrapped = [(layer, "attend", 0) for layer in layers]
+        wrapped += [(layer, name, 1) for layer in tallied for name in ("_decode_read", "_read")]
         per_step, read_step = [], []
         positions = torch.arange(start, start + 2 * steps, device=self.device)[None]
         try:

@@ -1021,12 +1021,12 @@ __attribute__((always_inline)) inline void run_logits(const float* qm, const voi
   }
 }
 
-// One group's decode read of the slots of the runs of its pool (a: the pool's, S slots), read
-// where they lie: no copy of their codes. qm, slot_w [R, W], exact_w, tmp: scratch.
+// One group's decode read of the slots of the runs of its pool (a: the pool's), read where
+// they lie: no copy of their codes. qm, slot_w [R, W], exact_w, tmp: scratch.
 template <bool AVX>
 __attribute__((always_inline)) inline void runs_group_body(const DecodeGroup& a, const float* mix, const float* mix_t,
-                                                         bool int8_keys, int64_t R, int64_t d, int64_t L, int64_t S,
-                                                         int64_t ngk, int64_t ngv, float scaling,
+                                                         bool int8_keys, int64_t R, int64_t d, int64_t L, int64_t ngk,
+                                                         int64_t ngv, float scaling,
                                                          const std::vector<int64_t>& start, const std::vector<int64_t>& len,
                                                          int64_t W, float* qm, float* slot_w, float* exact_w, float* tmp) {
   float peaks[kMaxRep];
@@ -1040,9 +1040,9 @@ __attribute__((always_inline)) inline void runs_group_body(const DecodeGroup& a,
 
 #define ARMKV_RUNS_ARGS                                                                                             \
   const DecodeGroup &a, const float *mix, const float *mix_t, bool int8_keys, int64_t R, int64_t d, int64_t L,     \
-      int64_t S, int64_t ngk, int64_t ngv, float scaling, const std::vector<int64_t> &start,                         \
+      int64_t ngk, int64_t ngv, float scaling, const std::vector<int64_t> &start,                                    \
       const std::vector<int64_t> &len, int64_t W, float *qm, float *slot_w, float *exact_w, float *tmp
-#define ARMKV_RUNS_CALL a, mix, mix_t, int8_keys, R, d, L, S, ngk, ngv, scaling, start, len, W, qm, slot_w, exact_w, tmp
+#define ARMKV_RUNS_CALL a, mix, mix_t, int8_keys, R, d, L, ngk, ngv, scaling, start, len, W, qm, slot_w, exact_w, tmp
 #ifdef ARMKV_AVX2
 __attribute__((target("avx2,fma"))) void runs_group_avx2(ARMKV_RUNS_ARGS) { runs_group_body<true>(ARMKV_RUNS_CALL); }
 #endif
@@ -1705,7 +1705,7 @@ torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::T
     qm.resize(R * d), slot_w.resize(R * std::max<int64_t>(S, 1)), exact_w.resize(R * (L + 1)), tmp.resize(R * d);
     const std::vector<int64_t> start(S ? 1 : 0, 0), len(S ? 1 : 0, S);  // every slot: one run
     for (int64_t g = g0; g < g1; ++g)
-      armkv::runs_group(in.group(g, out.data_ptr<float>() + g * R * d), in.MX, in.MXT, in.int8_keys, R, d, L, S, in.ngk, in.ngv,
+      armkv::runs_group(in.group(g, out.data_ptr<float>() + g * R * d), in.MX, in.MXT, in.int8_keys, R, d, L, in.ngk, in.ngv,
                         static_cast<float>(scaling), start, len, S, qm.data(), slot_w.data(), exact_w.data(), tmp.data(),
                         vectorised);
   });
@@ -1728,7 +1728,7 @@ void sparse_group(DecodeInputs& in, int64_t g, float* out, const int32_t* ORD, i
   const int64_t W = armkv::bucket_runs(ORD, listed, ST, SZ, nb, chosen, count, S, w.run_start, w.run_len, name);
   w.slot_w.resize(R * std::max<int64_t>(W, 1));
   w.qm.resize(R * d), w.exact_w.resize(R * (L + 1)), w.tmp.resize(R * d);
-  armkv::runs_group(in.group(g, out), in.MX, in.MXT, in.int8_keys, R, d, L, S, in.ngk, in.ngv, static_cast<float>(scaling),
+  armkv::runs_group(in.group(g, out), in.MX, in.MXT, in.int8_keys, R, d, L, in.ngk, in.ngv, static_cast<float>(scaling),
                     w.run_start, w.run_len, W, w.qm.data(), w.slot_w.data(), w.exact_w.data(), w.tmp.data(), vectorised);
 }
 
