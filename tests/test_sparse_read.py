@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import armkv.methods.arm as arm_method
+from armkv.memory import kernels
 from armkv.config import ARMConfig
 from armkv.errors import ArmkvError
 from armkv.hf.attach import make_cache
@@ -354,6 +355,27 @@ def test_paged_reads_need_a_logit_ranking():
         ARMConfig(read_pages=True, read_rank="tree")
 
 
+@pytest.mark.parametrize("G,S,nb,share", [(1, 1, 1, 1.0), (2, 53, 6, 0.8), (3, 700, 64, 0.5), (2, 37, 8, 0.0), (1, 300, 5, 1.0)])
+def test_the_kernels_bucket_lists_equal_the_stable_sort(G, S, nb, share):
+    """``bucket_index`` on a CPU (the kernel's counting sort) lists the same slots in the same
+    order as the stable sort by bucket, and counts the same run breaks; empty pools, free
+    slots scattered, a pool laid bucket by bucket."""
+    if kernels.int4_read() is None:
+        pytest.skip("no kernel")
+    g = torch.Generator().manual_seed(S)
+    occupied = torch.rand(G, S, generator=g) < share
+    bucket = torch.where(occupied, torch.randint(0, nb, (G, S), generator=g), -1)
+    for slot_bucket in (bucket, bucket.sort(1).values.where(occupied.sort(1, descending=True).values, -1)):
+        occ = slot_bucket >= 0
+        fast, ref = bucket_index(slot_bucket.int(), occ, nb), bucket_index(slot_bucket, occ, nb, fused=False)
+        assert fast.breaks is not None and ref.breaks is None
+        for a, b in ((fast.order, ref.order), (fast.start, ref.start), (fast.size, ref.size)):
+            assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b)
+        assert run_breaks(fast) == run_breaks(ref)
+    with pytest.raises(RuntimeError, match="outside"):
+        kernels.int4_read().bucket_lists(torch.full((1, 3), nb), torch.ones(1, 3, dtype=torch.bool), nb)
+
+
 def test_sort_by_bucket_lays_the_same_slots_bucket_by_bucket():
     g = torch.Generator().manual_seed(5)
     G, S, d, nb, reach = 2, 53, 32, 6, 41
@@ -377,27 +399,47 @@ def test_sort_by_bucket_lays_the_same_slots_bucket_by_bucket():
         assert rows(a) == rows(b)
 
 
+class _Loops:
+    """The kernel module with its chunk read's ``vectorised`` fixed (the portable loops)."""
+
+    def __init__(self, module, vectorised: bool):
+        self.module, self.vectorised = module, vectorised
+
+    def ranked_slot_read(self, *args):
+        return self.module.ranked_slot_read(*args, vectorised=self.vectorised)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("overrides", FORMATS)
 @pytest.mark.parametrize("T", [1, 37, 70])
-def test_ranked_chunk_read_equals_the_masked_read(dtype, tol, overrides, T):
+@pytest.mark.parametrize("pages", [False, True])
+def test_ranked_chunk_read_equals_the_masked_read(dtype, tol, overrides, T, pages, monkeypatch):
     """A chunk's read with each logit computed once (ranking and softmax) reads the same
-    slots as the masked read of the whole pool, in blocks of queries that do not divide T.
-    Tolerances as for the gathered read: the ranked read works in float32, the masked one's
-    products and softmax in the model's dtype."""
-    model, layer = _layer_with_memory(dtype, {**overrides, "read_rank": "best"})
+    slots as the masked read of the whole pool, in blocks of queries that do not divide T:
+    its PyTorch ops, and on a CPU the kernel (``ranked_slot_read``, its vector and portable
+    loops), ranking buckets or their pages. Tolerances as for the gathered read: the ranked
+    read works in float32, the masked one's products and softmax in the model's dtype."""
+    model, layer = _layer_with_memory(dtype, {**overrides, "read_rank": "best", "read_pages": pages})
     query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=max(1, T // 3))
     exact = layer._exact()
+    module = kernels.int4_read()
     for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):
         layer.m, layer._route_k = m, int(m.max())
         assert layer._reads_ranked(reads_all=False)
         with torch.no_grad():
             ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
-            ranked = layer._ranked_chunk_read(query, key, value, valid, 0.3, *exact)
             every = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
-        assert ranked.dtype == ref.dtype and ranked.shape == ref.shape
-        torch.testing.assert_close(ranked, ref, rtol=tol, atol=tol)
-        assert (every.float() - ref.float()).abs().max() > 4 * (ranked.float() - ref.float()).abs().max()
+            reads = [layer._ranked_chunk_read(query, key, value, valid, 0.3, *exact, fused=False)]
+            for vectorised in ([True, False] if module is not None else []):
+                monkeypatch.setattr(kernels, "fused_cpu", lambda x, v=vectorised: _Loops(module, v))
+                reads.append(layer._ranked_chunk_read(query, key, value, valid, 0.3, *exact))
+        for ranked in reads:
+            assert ranked.dtype == ref.dtype and ranked.shape == ref.shape
+            torch.testing.assert_close(ranked, ref, rtol=tol, atol=tol)
+            assert (every.float() - ref.float()).abs().max() > 4 * (ranked.float() - ref.float()).abs().max()
+        close = 2e-5 if dtype == torch.float32 else tol / 4  # (both read in float32; then rounded to the model's dtype)
+        for ranked in reads[1:]:
+            torch.testing.assert_close(ranked, reads[0], rtol=close, atol=close)
 
 
 def test_prefill_with_ranked_chunk_reads_equals_the_masked_reads(monkeypatch):

@@ -110,6 +110,7 @@ def ranked_chunk_read(
     slot_bias: torch.Tensor,
     pick,
     block: int = 32,
+    fused=None,
 ) -> torch.Tensor:
     """A chunk's read of the slots its queries' top buckets hold, with every slot's logit
     computed once: the same logits rank the buckets (``pick``) and enter the softmax. The
@@ -123,6 +124,13 @@ def ranked_chunk_read(
     (-inf where a slot is free); pick(logits [G, T', S]: the largest over the R heads,
     biased) -> [G, T', S] bool, the slots each query reads. Entries holding no token must be
     zero (as the layer keeps them). -> [G, R, T, d] float32.
+
+    ``fused`` = (kernel module, the units' :class:`BucketIndex`, m [G] long): ``pick`` ranks
+    the units of that index and takes each group's first m, and the kernel's
+    ``ranked_slot_read`` does it from the logits in one pass per query (bias, ranking, and the
+    softmax over the chosen slots with their values), where the PyTorch ops make a mask the
+    size of the logits and read every slot's value; the exact entries and the chunk join its
+    softmax here. ``tests/test_kernels.py`` checks the two against each other.
     """
     G, R, T, d = query.shape
     f32 = torch.float32
@@ -134,17 +142,31 @@ def ranked_chunk_read(
     causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril() & chunk_ok.unsqueeze(1)  # [G, T, T]
     exact_blocked = ~exact_ok.view(G, 1, 1, -1)
     S, L = slot_k.shape[1], exact_k.shape[1]
+    if fused is not None:
+        slot_bias, rest_v = slot_bias.to(f32).contiguous(), torch.cat([exact_v, chunk_v], 1)
     out = []
     for t0 in range(0, T, block):
         qb = q[:, :, t0 : t0 + block]
         tb = qb.shape[2]
         flat = qb.reshape(G, R * tb, d)
-        slots = torch.bmm(flat, slot_k_t).view(G, R, tb, S).add_(bias)
-        # (the mask as an additive -inf: a broadcast add is several times cheaper than masked_fill_)
-        slots.add_(torch.where(pick(slots.amax(1)), 0.0, float("-inf")).unsqueeze(1))
+        slots = torch.bmm(flat, slot_k_t).view(G, R, tb, S)
         exact = torch.bmm(flat, exact_k_t).view(G, R, tb, L).masked_fill_(exact_blocked, float("-inf"))
         chunk = torch.bmm(flat, key_t).view(G, R, tb, T)
         chunk.masked_fill_(~causal[:, None, t0 : t0 + tb], float("-inf"))
+        if fused is not None:  # the slots' part of the softmax from the kernel, joined with the rest's
+            kernel, index, m = fused
+            acc, peak, den = kernel.ranked_slot_read(slots, slot_bias, slot_v, index.kernel_order(), index.start, index.size, m)
+            rest = torch.cat([exact, chunk], -1)  # [G, R, tb, L + T]
+            top = torch.maximum(peak, rest.amax(-1)).nan_to_num_(0.0, 0.0, 0.0)  # (-inf: the query reads nothing)
+            e = torch.exp(rest - top.unsqueeze(-1))
+            kept = torch.exp(peak - top)
+            total = (den * kept + e.sum(-1)).unsqueeze(-1)
+            o = acc * kept.unsqueeze(-1) + torch.bmm(e.view(G, R * tb, -1), rest_v).view(G, R, tb, d)
+            out.append(o.div_(total).nan_to_num_(0.0))
+            continue
+        slots.add_(bias)
+        # (the mask as an additive -inf: a broadcast add is several times cheaper than masked_fill_)
+        slots.add_(torch.where(pick(slots.amax(1)), 0.0, float("-inf")).unsqueeze(1))
         w = torch.softmax(torch.cat([slots, exact, chunk], -1), dim=-1).nan_to_num_(0.0).view(G, R * tb, -1)
         o = torch.bmm(w[..., :S], slot_v) + torch.bmm(w[..., S : S + L], exact_v) + torch.bmm(w[..., S + L :], chunk_v)
         out.append(o.view(G, R, tb, d))
@@ -173,6 +195,7 @@ class BucketIndex:
     start: torch.Tensor
     size: torch.Tensor
     laid: bool = False
+    breaks: torch.Tensor | None = None  # [G] each group's run breaks (run_breaks), where the build counted them
     _widths: dict = field(default_factory=dict)
 
     def width(self, m: int) -> int:
@@ -196,9 +219,15 @@ class BucketIndex:
         return held + self.start.nbytes + self.size.nbytes
 
 
-def bucket_index(slot_bucket: torch.Tensor, occupied: torch.Tensor, num_buckets: int) -> BucketIndex:
+def bucket_index(slot_bucket: torch.Tensor, occupied: torch.Tensor, num_buckets: int, fused: bool = True) -> BucketIndex:
     """slot_bucket [G, S] bucket of each slot, occupied [G, S] bool -> :class:`BucketIndex`.
-    Free slots (in the paper's pool they keep their bucket) are listed under no bucket."""
+    Free slots (in the paper's pool they keep their bucket) are listed under no bucket. On a
+    CPU the kernel's counting sort builds it (``bucket_lists``, which counts the run breaks
+    too) unless ``fused=False``; the PyTorch form is a stable sort of the slots by bucket."""
+    kernel = kernels.int4_read() if fused and slot_bucket.device.type == "cpu" else None
+    if kernel is not None:
+        order, start, size, breaks = kernel.bucket_lists(slot_bucket, occupied, num_buckets)
+        return BucketIndex(order=order, start=start, size=size, breaks=breaks)
     key = torch.where(occupied, slot_bucket.long(), num_buckets)
     order = torch.sort(key, dim=1, stable=True).indices
     size = torch.zeros(key.shape[0], num_buckets + 1, dtype=torch.long, device=key.device)
@@ -315,6 +344,8 @@ def run_breaks(index: BucketIndex) -> int:
     pool sorted by bucket has one per bucket). A gather from channel-major codes costs a
     cache line per channel for each slot that starts a run, so a read of a pool with few
     breaks streams (one host sync)."""
+    if index.breaks is not None:  # (counted where the index was built)
+        return int(index.breaks.max()) if index.breaks.numel() else 0
     total = index.size.sum(1, keepdim=True, dtype=torch.long)  # [G, 1] occupied slots
     j = torch.arange(index.order.shape[1] - 1, device=index.order.device)
     step = (index.order[:, 1:] - index.order[:, :-1] != 1) & (j < total - 1)

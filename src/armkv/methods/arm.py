@@ -93,6 +93,7 @@ class ARMLayer(CacheLayer):
         self._reads_all = False  # every row reads every bucket (no routing, no per-query mask)
         self._index_for = None  # (state, its BucketIndex) for the sparse read
         self._pages_for = None  # (that BucketIndex, its pages' index): read_pages
+        self._take_for = None  # (m, (cap, H), buckets each group reads): _take
         self.mix: torch.Tensor | None = None  # [B] soft-cascade weight of Top(M + 1) (training)
         self.aux: dict[str, torch.Tensor] = {}
         self.generator: torch.Generator | None = None
@@ -482,17 +483,24 @@ class ARMLayer(CacheLayer):
         ``"best"``)."""
         return self._reads_top_m(reads_all) and self.config.read_rank != "tree"
 
-    def _ranked_chunk_read(self, query, key, value, valid, scaling, exact_k, exact_v, exact_valid) -> torch.Tensor:
+    def _ranked_chunk_read(self, query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused: bool = True) -> torch.Tensor:
         """:meth:`_chunk_read` at M < N_b with ``read_rank="best"``, each slot's logit computed
         once for both the ranking and the softmax (``read.ranked_chunk_read``, in float32, a
         block of queries at a time) instead of once to rank and again under a mask of
         [queries, state + chunk]. It reads the same slots: the buckets are ranked from the same
         float32 logits of the dequantised codes as :meth:`_bucket_scores`, chosen by
-        :meth:`_group_buckets` and masked by ``bucket_slot_mask``. Returns [B, T, Hq, d]."""
+        :meth:`_group_buckets` and masked by ``bucket_slot_mask``; on a CPU the fused kernel
+        ranks and reads them (``ranked_slot_read``) unless ``fused=False``. Returns [B, T, Hq, d]."""
         B, Hq, T, d = query.shape
         H, L = key.shape[1], exact_k.shape[2]
         G, R = B * H, Hq // H
-        slot_unit, num_units = self._read_units()  # buckets, or their pages (read_pages)
+        kernel = kernels.fused_cpu(query.float()) if fused else None  # (the read is in float32 whatever the model's dtype)
+        # what it ranks: buckets, or their pages (read_pages); either's first build may re-lay the pool, so before the slots are read
+        if kernel is not None:  # the kernel takes the units' index
+            by_kernel = (kernel, self._page_index() or self._bucket_index(), self._take(self.memory.router.num_buckets, H))
+        else:
+            by_kernel = None
+            slot_unit, num_units = self._read_units()
         st = self._readable()
         S = st.slots
         slot_k, slot_v = st.kv(torch.float32, unmix=False)
@@ -501,19 +509,21 @@ class ARMLayer(CacheLayer):
         def mixed(t: torch.Tensor) -> torch.Tensor:  # the slots' basis: (q Q).(k Q) = q.k
             return t.float() if mix is None else t.float() @ mix
 
-        slot_unit = slot_unit.long()
-        occupied = (st.count.reshape(G, S) > 0).view(B, H, 1, S)
+        pick = None
+        if by_kernel is None:
+            slot_unit = slot_unit.long()
+            occupied = (st.count.reshape(G, S) > 0).view(B, H, 1, S)
 
-        def pick(logits: torch.Tensor) -> torch.Tensor:  # [G, T', S] -> the slots of each query's buckets
-            best = bucket_best(logits, slot_unit, num_units).view(B, H, -1, num_units)
-            buckets = self._group_buckets(self._route_k, None, best)
-            return (bucket_slot_mask(buckets, self.m, slot_unit.view(B, H, S), num_units) & occupied).view(G, -1, S)
+            def pick(logits: torch.Tensor) -> torch.Tensor:  # [G, T', S] -> the slots of each query's buckets
+                best = bucket_best(logits, slot_unit, num_units).view(B, H, -1, num_units)
+                buckets = self._group_buckets(self._route_k, None, best)
+                return (bucket_slot_mask(buckets, self.m, slot_unit.view(B, H, S), num_units) & occupied).view(G, -1, S)
 
         out = ranked_chunk_read(
             mixed(query).reshape(G, R, T, d), mixed(key).reshape(G, T, d), mixed(value).reshape(G, T, d),
             valid[:, None].expand(B, H, T).reshape(G, T), scaling,
             mixed(exact_k).reshape(G, L, d), mixed(exact_v).reshape(G, L, d), exact_valid[:, None].expand(B, H, L).reshape(G, L),
-            slot_k.reshape(G, S, d), slot_v.reshape(G, S, d), self._decode_bias().reshape(G, S), pick,
+            slot_k.reshape(G, S, d), slot_v.reshape(G, S, d), self._decode_bias().reshape(G, S), pick, fused=by_kernel,
         )
         if mix is not None:
             out = out @ mix.T
@@ -578,7 +588,7 @@ class ARMLayer(CacheLayer):
         if kernel is not None:  # one query on a CPU: ranked and read in one call (best), or routed, then read (tree)
             mix = self.mixing.to(query.dtype) if st.mixed else None
             m = min(M, self.memory.router.num_buckets)
-            take = self.m.clamp_max(m).repeat_interleave(H)
+            take = self._take(m, H)
             if self.config.read_rank == "best":  # every slot scored once: the ranking's logits are the read's
                 out, buckets = fused_best_decode_read(
                     kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
@@ -617,6 +627,13 @@ class ARMLayer(CacheLayer):
         return gathered_read(
             query, key, value, valid, scaling, exact_k, exact_v, exact_valid, gather_slots(st, ids, for_reading=True), bias, fused=fused
         )
+
+    def _take(self, m: int, H: int) -> torch.Tensor:
+        """How many buckets each group reads, M of its row capped at m: [B * H] long, kept
+        while M and m stay (a decode step reads it in every layer)."""
+        if self._take_for is None or self._take_for[0] is not self.m or self._take_for[1] != (m, H):
+            self._take_for = (self.m, (m, H), self.m.clamp_max(m).repeat_interleave(H))
+        return self._take_for[2]
 
     def _decide_m(self, k_pre: torch.Tensor, valid: torch.Tensor) -> None:
         """The policy's state: the mean of the first l valid tokens' pre-RoPE keys."""

@@ -1140,6 +1140,78 @@ __attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a,
                    [&](const float* wt, float* out) { run_values(wt, a.value_codes, a.value_scale, out, R, d, W, ngv, w.run_start, w.run_len); });
 }
 
+// ---------------------------------------------------------------- a chunk's ranked read
+// Per-thread buffers of ranked_query
+struct RankedScratch {
+  std::vector<float> top, best, w;
+  std::vector<int64_t> idx, run_start, run_len;
+};
+
+// One query of ranked_slot_read: l [R, S] its logits of every slot (heads `hs` apart, q.k
+// scaled, not biased), bias [S] (-inf: free), values [S, d] floats. Each unit ranked by its
+// best biased logit over its slots and the R heads; the slots of the m best (ties to the
+// lower id) read: per head, peak = their largest logit, den = sum exp(logit - peak), acc [d] =
+// sum exp(logit - peak) * value (heads `as` apart; peak and den `ps` apart); -inf, 0, 0 where
+// they hold no slot.
+template <bool AVX>
+__attribute__((always_inline)) inline void ranked_query_body(const float* l, int64_t hs, const float* bias, const float* values,
+                                                           int64_t S, int64_t R, int64_t d, const int32_t* ord, int64_t listed,
+                                                           const int32_t* st, const int32_t* sz, int64_t nb, int64_t m,
+                                                           RankedScratch& w, float* acc, int64_t as, float* peak, float* den,
+                                                           int64_t ps) {
+  float* top = w.top.data();
+  for (int64_t s = 0; s < S; ++s) top[s] = l[s] + bias[s];
+  for (int64_t r = 1; r < R; ++r)
+    for (int64_t s = 0; s < S; ++s) top[s] = std::max(top[s], l[r * hs + s] + bias[s]);
+  bucket_maxima(top, ord, listed, st, sz, nb, S, w.best.data(), "ranked_slot_read", AVX);
+  top_buckets(w.best.data(), nb, m, w.idx);
+  const int64_t W = bucket_runs(ord, listed, st, sz, nb, w.idx.data(), m, S, w.run_start, w.run_len, "ranked_slot_read");
+  w.w.resize(R * std::max<int64_t>(W, 1));
+  float* sw = w.w.data();
+  for (size_t k = 0, at = 0; k < w.run_start.size(); at += w.run_len[k], ++k) {
+    const int64_t s0 = w.run_start[k], n = w.run_len[k];
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < n; ++j) sw[r * W + at + j] = l[r * hs + s0 + j] + bias[s0 + j];
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* a = acc + r * as;
+    std::fill(a, a + d, 0.0f);
+    const float p = max_of<AVX>(sw + r * W, W);
+    peak[r * ps] = p;
+    if (W == 0 || p == -std::numeric_limits<float>::infinity()) {
+      den[r * ps] = 0.0f;
+      continue;
+    }
+#ifdef ARMKV_AVX2
+    if constexpr (AVX) den[r * ps] = exp_shift_sum_avx2(sw + r * W, W, p);
+    else
+#endif
+    den[r * ps] = exp_shift_sum_scalar(sw + r * W, W, p);
+    for (size_t k = 0, at = 0; k < w.run_start.size(); at += w.run_len[k], ++k) {
+      const float* v = values + w.run_start[k] * d;
+      const float* e = sw + r * W + at;
+      for (int64_t j = 0; j < w.run_len[k]; ++j, v += d)
+        for (int64_t c = 0; c < d; ++c) a[c] += e[j] * v[c];
+    }
+  }
+}
+
+#define ARMKV_RANKED_ARGS                                                                                            \
+  const float *l, int64_t hs, const float *bias, const float *values, int64_t S, int64_t R, int64_t d,             \
+      const int32_t *ord, int64_t listed, const int32_t *st, const int32_t *sz, int64_t nb, int64_t m,               \
+      RankedScratch &w, float *acc, int64_t as, float *peak, float *den, int64_t ps
+#define ARMKV_RANKED_CALL l, hs, bias, values, S, R, d, ord, listed, st, sz, nb, m, w, acc, as, peak, den, ps
+#ifdef ARMKV_AVX2
+__attribute__((target("avx2,fma"))) void ranked_query_avx2(ARMKV_RANKED_ARGS) { ranked_query_body<true>(ARMKV_RANKED_CALL); }
+#endif
+void ranked_query_baseline(ARMKV_RANKED_ARGS) { ranked_query_body<false>(ARMKV_RANKED_CALL); }
+inline void ranked_query(ARMKV_RANKED_ARGS, bool vectorised) {
+#ifdef ARMKV_AVX2
+  if (vectorised && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ranked_query_avx2(ARMKV_RANKED_CALL);
+#endif
+  ranked_query_baseline(ARMKV_RANKED_CALL);
+}
+
 // ---------------------------------------------------------------- read_rank="partial"
 // The key-code rows a query ranks by (read.partial_rows): row c holds channels c and c + d/2
 // (one byte a slot of int4 codes, two rows of int8 ones); the n rows with the largest
@@ -1945,6 +2017,92 @@ std::vector<torch::Tensor> arm_best_decode_read(torch::Tensor query, torch::Tens
   return {out, buckets};
 }
 
+// A chunk's read of the slots of each query's top units (read.ranked_chunk_read), from the
+// logits the chunk computed for every slot: logits [G, R, T, S] float32 (q.k * scaling, not
+// biased), bias [G, S] (-inf: free), values [G, S, d] float32, the units' index (order [G,
+// listed], listed 0: a pool laid unit by unit; start, size [G, N_u]), m [G]: units each group's
+// queries read -> (acc [G, R, T, d], peak [G, R, T], den [G, R, T]): the unnormalised softmax
+// over each query's slots (ranked_query), to be joined with the rest of its softmax
+std::vector<torch::Tensor> ranked_slot_read(torch::Tensor logits, torch::Tensor bias, torch::Tensor values,
+                                            torch::Tensor order, torch::Tensor start, torch::Tensor size, torch::Tensor m,
+                                            bool vectorised) {
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32 && bias.scalar_type() == torch::kFloat32 &&
+                  values.scalar_type() == torch::kFloat32 && logits.device().is_cpu(),
+              "ranked_slot_read: float32 logits, bias and values on the CPU");
+  auto lg = logits.contiguous(), bs = bias.contiguous(), vs = values.contiguous();
+  auto ord = order.to(torch::kInt32).contiguous(), st = start.to(torch::kInt32).contiguous();
+  auto sz = size.to(torch::kInt32).contiguous(), mm = m.to(torch::kInt64).contiguous();
+  TORCH_CHECK(lg.dim() == 4 && bs.dim() == 2 && vs.dim() == 3, "ranked_slot_read: logits [G, R, T, S], bias [G, S], values [G, S, d]");
+  const int64_t G = lg.size(0), R = lg.size(1), T = lg.size(2), S = lg.size(3), d = vs.size(2);
+  TORCH_CHECK(bs.size(0) == G && bs.size(1) == S && vs.size(0) == G && vs.size(1) == S && ord.dim() == 2 && ord.size(0) == G &&
+                  ord.size(1) <= S && st.dim() == 2 && st.size(0) == G && sz.sizes() == st.sizes() && mm.dim() == 1 &&
+                  mm.size(0) == G,
+              "ranked_slot_read: bias [G, S], values [G, S, d], order [G, <= S], start and size [G, N_u], m [G]");
+  const int64_t nb = st.size(1), listed = ord.size(1);
+  const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
+  const int64_t* M = mm.data_ptr<int64_t>();
+  const float *LG = lg.data_ptr<float>(), *BS = bs.data_ptr<float>(), *VS = vs.data_ptr<float>();
+  auto acc = torch::empty({G, R, T, d}, lg.options());
+  auto peak = torch::empty({G, R, T}, lg.options()), den = torch::empty({G, R, T}, lg.options());
+  float *ACC = acc.data_ptr<float>(), *PK = peak.data_ptr<float>(), *DN = den.data_ptr<float>();
+  at::parallel_for(0, G * T, 1, [&](int64_t i0, int64_t i1) {
+    thread_local armkv::RankedScratch w;  // (kept from call to call)
+    w.top.resize(std::max<int64_t>(S, 1)), w.best.resize(std::max<int64_t>(nb, 1));
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i / T, t = i % T, head0 = g * R * T + t;
+      const int64_t take = std::max<int64_t>(0, std::min<int64_t>(M[g], nb));
+      armkv::ranked_query(LG + head0 * S, T * S, BS + g * S, VS + g * S * d, S, R, d, ORD + g * listed, listed, ST + g * nb,
+                          SZ + g * nb, nb, take, w, ACC + head0 * d, T * d, PK + head0, DN + head0, T, vectorised);
+    }
+  });
+  return {acc, peak, den};
+}
+
+// The occupied slots of each group listed bucket by bucket (read.bucket_index, a counting
+// sort): slot_bucket [G, S], occupied [G, S] bool -> (order [G, S] int32: slot ids by bucket,
+// in slot order within one, free slots last; start, size [G, nb] int32; breaks [G] int64:
+// where the next listed occupied slot is not the next slot of the pool, read.run_breaks)
+std::vector<torch::Tensor> bucket_lists(torch::Tensor slot_bucket, torch::Tensor occupied, int64_t nb) {
+  auto bk = slot_bucket.to(torch::kInt64).contiguous(), oc = occupied.to(torch::kBool).contiguous();
+  TORCH_CHECK(bk.dim() == 2 && oc.sizes() == bk.sizes() && bk.device().is_cpu() && nb >= 1,
+              "bucket_lists: slot_bucket and occupied [G, S] on the CPU, nb >= 1");
+  const int64_t G = bk.size(0), S = bk.size(1);
+  auto i32 = torch::TensorOptions().dtype(torch::kInt32);
+  auto order = torch::empty({G, S}, i32), start = torch::empty({G, nb}, i32), size = torch::zeros({G, nb}, i32);
+  auto breaks = torch::zeros({G}, torch::TensorOptions().dtype(torch::kInt64));
+  const int64_t* B = bk.data_ptr<int64_t>();
+  const bool* O = oc.data_ptr<bool>();
+  int32_t *ORD = order.data_ptr<int32_t>(), *ST = start.data_ptr<int32_t>(), *SZ = size.data_ptr<int32_t>();
+  int64_t* BR = breaks.data_ptr<int64_t>();
+  bool bad = false;
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t* b = B + g * S;
+      const bool* o = O + g * S;
+      int32_t *ord = ORD + g * S, *st = ST + g * nb, *sz = SZ + g * nb;
+      int64_t listed = 0;
+      for (int64_t s = 0; s < S; ++s) {
+        if (!o[s]) continue;
+        if (b[s] < 0 || b[s] >= nb) { bad = true; continue; }
+        ++sz[b[s]], ++listed;
+      }
+      int64_t at = 0;
+      for (int64_t k = 0; k < nb; ++k) st[k] = static_cast<int32_t>(at), at += sz[k];
+      std::vector<int64_t> next(st, st + nb);
+      int64_t free_at = at;
+      for (int64_t s = 0; s < S; ++s) {
+        if (o[s] && b[s] >= 0 && b[s] < nb) ord[next[b[s]]++] = static_cast<int32_t>(s);
+        else if (!o[s]) ord[free_at++] = static_cast<int32_t>(s);
+      }
+      int64_t n = 0;
+      for (int64_t j = 0; j + 1 < listed; ++j) n += ord[j + 1] - ord[j] != 1;
+      BR[g] = n;
+    }
+  });
+  TORCH_CHECK(!bad, "bucket_lists: an occupied slot's bucket outside [0, nb)");
+  return {order, start, size, breaks};
+}
+
 // cos [G, N, S] float32 (token-slot cosines), slot_bucket [G, S] (-1 or any negative: free),
 // token_bucket [G, N] -> (same [G, N], same_idx [G, N], any [G, N], any_idx [G, N]): each token's
 // best occupied slot of its own bucket and of any bucket (-inf, index 0 where none);
@@ -2102,6 +2260,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("exact_ok"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
         py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("order"), py::arg("start"), py::arg("size"),
         py::arg("m"), py::arg("take"), py::arg("n"), py::arg("vectorised") = true);
+  m.def("ranked_slot_read", &ranked_slot_read,
+        "a chunk's read of the slots of each query's m best units, from its logits of every slot: the softmax's unnormalised part",
+        py::arg("logits"), py::arg("bias"), py::arg("values"), py::arg("order"), py::arg("start"), py::arg("size"), py::arg("m"),
+        py::arg("vectorised") = true);
+  m.def("bucket_lists", &bucket_lists, "the occupied slots of each group listed bucket by bucket (a counting sort), and the runs' breaks",
+        py::arg("slot_bucket"), py::arg("occupied"), py::arg("nb"));
   m.def("group_leaf_topm", &group_leaf_topm, "the top-m buckets of each KV head's query group for one decoded token",
         py::arg("query"), py::arg("pos"), py::arg("inv_freq"), py::arg("rope_scaling"), py::arg("weight"), py::arg("read_bias"),
         py::arg("read_scale"), py::arg("paths"), py::arg("branching"), py::arg("m"));
