@@ -425,21 +425,18 @@ def fused_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_
     """One query's read through the fused CPU kernel (``armkv.memory.kernels.fused_read``):
     slots [G, ..., W] quantised (their codes and scales as stored), slot_bias [B, H, W] or
     [G, W], the rest as :func:`gathered_read` takes them with T = 1. Returns [B, 1, Hq, d]."""
-    B, Hq, _, d = query.shape
-    out = kernel.arm_decode_read(*_decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, slots, slot_bias, mix, scaling))
-    return out.reshape(B, Hq, 1, d).transpose(1, 2)
+    return kernel.arm_decode_read(*_decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, slots, slot_bias, mix, scaling))
+
+
+_NO_MIX = torch.empty(0)  # (the kernels' "unmixed slots")
 
 
 def _decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling) -> tuple:
-    """The arguments the fused decode reads share, flattened to G = B * H groups."""
-    B, Hq, _, d = query.shape
-    H, L = key.shape[1], exact_k.shape[2]
-    G, R = B * H, Hq // H
+    """The arguments the fused decode reads share, in the model's layout (the kernel flattens
+    them to G = B * H groups and returns [B, 1, Hq, d]: one call, no tensor op per argument)."""
     return (
-        query.reshape(G, R, d), key.reshape(G, d), value.reshape(G, d), valid[:, :1].expand(B, H).reshape(G),
-        exact_k.reshape(G, L, d), exact_v.reshape(G, L, d), exact_valid[:, None, :].expand(B, H, L).reshape(G, L),
-        state.key, state.key_scale, state.value, state.value_scale, bias.reshape(G, -1),
-        mix if mix is not None else query.new_empty(0), float(scaling),
+        query, key, value, valid, exact_k, exact_v, exact_valid, state.key, state.key_scale, state.value, state.value_scale, bias,
+        _NO_MIX if mix is None else mix, float(scaling),
     )
 
 
@@ -450,12 +447,10 @@ def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v,
     (bucket by bucket as ``index`` lists them), without gathering them first; ``bias``
     [B, H, S] or [G, S]. The rest as :func:`fused_decode_read`. It equals
     :func:`gathered_read` of :func:`slots_of_buckets`' slots (tests/test_sparse_read.py)."""
-    B, Hq, _, d = query.shape
-    out = kernel.arm_sparse_decode_read(
+    return kernel.arm_sparse_decode_read(
         *_decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling),
         index.kernel_order(), index.start, index.size, buckets, take,
     )
-    return out.reshape(B, Hq, 1, d).transpose(1, 2)
 
 
 def fused_partial_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,
@@ -465,12 +460,10 @@ def fused_partial_decode_read(kernel, query, key, value, valid, exact_k, exact_v
     :func:`partial_rows`, :meth:`MemoryState.partial_key_scores`), then the first ``take`` [G]
     of them read as :func:`fused_sparse_decode_read` reads them. Arguments as
     :func:`fused_best_decode_read`'s. Returns ([B, 1, Hq, d], the m buckets [G, m], best first)."""
-    B, Hq, _, d = query.shape
-    out, buckets = kernel.arm_partial_decode_read(
+    return tuple(kernel.arm_partial_decode_read(
         *_decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling),
         index.kernel_order(), index.start, index.size, m, take, rows,
-    )
-    return out.reshape(B, Hq, 1, d).transpose(1, 2), buckets
+    ))
 
 
 def fused_best_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,
@@ -480,9 +473,7 @@ def fused_best_decode_read(kernel, query, key, value, valid, exact_k, exact_v, e
     first ``take`` [G] of them read with the logits already computed. Arguments as
     :func:`fused_sparse_decode_read`'s. Returns ([B, 1, Hq, d], the m buckets [G, m], best
     first); it equals :func:`fused_sparse_decode_read` of those buckets."""
-    B, Hq, _, d = query.shape
-    out, buckets = kernel.arm_best_decode_read(
+    return tuple(kernel.arm_best_decode_read(
         *_decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling),
         index.kernel_order(), index.start, index.size, m, take,
-    )
-    return out.reshape(B, Hq, 1, d).transpose(1, 2), buckets
+    ))

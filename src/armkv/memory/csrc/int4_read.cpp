@@ -1688,9 +1688,25 @@ struct DecodeInputs {
   const float* MX;
   const float* MXT;
 
+  int64_t batch = 0;  // > 0: the inputs came in the model's layout (the output goes back in it)
+
   DecodeInputs(torch::Tensor query, torch::Tensor own_k, torch::Tensor own_v, torch::Tensor own_ok_, torch::Tensor exact_k,
                torch::Tensor exact_v, torch::Tensor exact_ok, torch::Tensor key_codes, torch::Tensor key_scale,
                torch::Tensor value_codes, torch::Tensor value_scale, torch::Tensor bias, torch::Tensor mix, const char* name) {
+    if (query.dim() == 4) {  // the model's layout, flattened here to G = B * H groups (no Python op per tensor)
+      TORCH_CHECK(query.size(2) == 1 && own_k.dim() == 4 && own_v.dim() == 4 && exact_k.dim() == 4 && exact_v.dim() == 4 &&
+                      own_ok_.dim() == 2 && exact_ok.dim() == 2 && own_k.size(1) > 0 && query.size(1) % own_k.size(1) == 0,
+                  name, ": query [B, Hq, 1, d], the token's key and value [B, H, 1, d], its valid [B, T], exact [B, H, L, d], "
+                  "exact valid [B, L]");
+      const int64_t B = query.size(0), H = own_k.size(1), dd = query.size(3), LL = exact_k.size(2), GG = B * H;
+      batch = B;
+      query = query.reshape({GG, query.size(1) / H, dd});
+      own_k = own_k.reshape({GG, dd}), own_v = own_v.reshape({GG, dd});
+      own_ok_ = own_ok_.narrow(1, 0, 1).expand({B, H}).reshape({GG});
+      exact_k = exact_k.reshape({GG, LL, dd}), exact_v = exact_v.reshape({GG, LL, dd});
+      exact_ok = exact_ok.unsqueeze(1).expand({B, H, LL}).reshape({GG, LL});
+      bias = bias.reshape({GG, -1});
+    }
     q = query.contiguous();
     own_ok = own_ok_.to(torch::kBool).contiguous();
     kk = own_k.contiguous(), vv = own_v.contiguous(), ek = exact_k.contiguous(), ev = exact_v.contiguous();
@@ -1717,6 +1733,11 @@ struct DecodeInputs {
     mxt = mx.numel() ? mx.t().contiguous() : mx;
     MX = mx.numel() ? mx.data_ptr<float>() : nullptr;
     MXT = mx.numel() ? mxt.data_ptr<float>() : nullptr;
+  }
+
+  // the read's output: [G, R, d], or in the model's layout [B, 1, Hq, d] (the same memory)
+  torch::Tensor empty_out() const {
+    return batch ? torch::empty({batch, 1, G / batch * R, d}, q.options()) : torch::empty({G, R, d}, q.options());
   }
 
   // scales float32 or bfloat16 as they are (each read converts the rows it reads), others float32
@@ -1763,7 +1784,10 @@ struct DecodeInputs {
 // scales [G, S, ngk], value codes uint8 [G, S, d/2] and scales [G, S, ngv]; bias [G, S]
 // (-inf: free); mix [d, d] (empty: unmixed slots); vectorised=false: the portable loops
 // (tests) -> [G, R, d]. Codes and scales may be views whose rows lie further apart (a pool's
-// first S slots: SlotPool.readable): they are read where they lie, not copied.
+// first S slots: SlotPool.readable): they are read where they lie, not copied. The per-token
+// inputs may come in the model's layout instead (query [B, Hq, 1, d], own_k and own_v
+// [B, H, 1, d], own_ok [B, T], exact_k and exact_v [B, H, L, d], exact_ok [B, L], bias
+// [B, H, S]): then the output is [B, 1, Hq, d] (DecodeInputs flattens them).
 torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::Tensor own_v, torch::Tensor own_ok,
                               torch::Tensor exact_k, torch::Tensor exact_v, torch::Tensor exact_ok, torch::Tensor key_codes,
                               torch::Tensor key_scale, torch::Tensor value_codes, torch::Tensor value_scale,
@@ -1771,7 +1795,7 @@ torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::T
   DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
                   mix, "arm_decode_read");
   const int64_t G = in.G, R = in.R, d = in.d, L = in.L, S = in.S;
-  auto out = torch::empty({G, R, d}, in.q.options());
+  auto out = in.empty_out();
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     thread_local std::vector<float> qm, slot_w, exact_w, tmp;  // (kept from call to call: no allocation a read)
     qm.resize(R * d), slot_w.resize(R * std::max<int64_t>(S, 1)), exact_w.resize(R * (L + 1)), tmp.resize(R * d);
@@ -1832,7 +1856,7 @@ torch::Tensor arm_sparse_decode_read(torch::Tensor query, torch::Tensor own_k, t
   const int64_t nb = st.size(1), M = bk.size(1), listed = ord.size(1);
   const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
   const int64_t *BK = bk.data_ptr<int64_t>(), *TK = tk.data_ptr<int64_t>();
-  auto out = torch::empty({G, R, d}, in.q.options());
+  auto out = in.empty_out();
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     thread_local SparseScratch w;  // (kept from call to call: no allocation a read)
     for (int64_t g = g0; g < g1; ++g)
@@ -1868,7 +1892,7 @@ std::vector<torch::Tensor> arm_partial_decode_read(torch::Tensor query, torch::T
   const int64_t nb = st.size(1), listed = ord.size(1);
   const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
   const int64_t* TK = tk.data_ptr<int64_t>();
-  auto out = torch::empty({G, R, d}, in.q.options());
+  auto out = in.empty_out();
   auto buckets = torch::empty({G, m}, in.q.options().dtype(torch::kInt64));
   const float* B = in.b.data_ptr<float>();
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
@@ -2003,7 +2027,7 @@ std::vector<torch::Tensor> arm_best_decode_read(torch::Tensor query, torch::Tens
   const int64_t nb = st.size(1), listed = ord.size(1);
   const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
   const int64_t* TK = tk.data_ptr<int64_t>();
-  auto out = torch::empty({G, R, d}, in.q.options());
+  auto out = in.empty_out();
   auto buckets = torch::empty({G, m}, in.q.options().dtype(torch::kInt64));
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     thread_local armkv::BestScratch w;  // (kept from call to call: no allocation a read)
