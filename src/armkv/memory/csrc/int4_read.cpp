@@ -32,6 +32,22 @@ constexpr int kMaxRep = 16;  // query heads per KV head handled by the kernels
 // decode read of cold slots, 256 and 512 alike, 1,024 no better than none
 constexpr int64_t kPrefetchAhead = 256;
 
+// name(ARGS, vectorised): name##_body<true> compiled for AVX2 and FMA where the CPU has them and
+// `vectorised` (false: the portable loops, for tests), else name##_body<false>
+#ifdef ARMKV_AVX2
+#define ARMKV_DISPATCH(name, ARGS, CALL)                                                              \
+  __attribute__((target("avx2,fma"))) void name##_avx2(ARGS) { name##_body<true>(CALL); }           \
+  void name##_baseline(ARGS) { name##_body<false>(CALL); }                                          \
+  inline void name(ARGS, bool vectorised) {                                                         \
+    if (vectorised && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return name##_avx2(CALL); \
+    name##_baseline(CALL);                                                                          \
+  }
+#else
+#define ARMKV_DISPATCH(name, ARGS, CALL)                                                              \
+  void name##_baseline(ARGS) { name##_body<false>(CALL); }                                          \
+  inline void name(ARGS, bool) { name##_baseline(CALL); }
+#endif
+
 inline float low_nibble(uint8_t b) { int v = static_cast<int8_t>(b); return static_cast<float>(((v - ((v >> 4) << 4)) ^ 8) - 8); }
 inline float high_nibble(uint8_t b) { return static_cast<float>(static_cast<int8_t>(b) >> 4); }
 
@@ -1043,16 +1059,7 @@ __attribute__((always_inline)) inline void runs_group_body(const DecodeGroup& a,
       int64_t ngk, int64_t ngv, float scaling, const std::vector<int64_t> &start,                                    \
       const std::vector<int64_t> &len, int64_t W, float *qm, float *slot_w, float *exact_w, float *tmp
 #define ARMKV_RUNS_CALL a, mix, mix_t, int8_keys, R, d, L, ngk, ngv, scaling, start, len, W, qm, slot_w, exact_w, tmp
-#ifdef ARMKV_AVX2
-__attribute__((target("avx2,fma"))) void runs_group_avx2(ARMKV_RUNS_ARGS) { runs_group_body<true>(ARMKV_RUNS_CALL); }
-#endif
-void runs_group_baseline(ARMKV_RUNS_ARGS) { runs_group_body<false>(ARMKV_RUNS_CALL); }
-inline void runs_group(ARMKV_RUNS_ARGS, bool vectorised) {
-#ifdef ARMKV_AVX2
-  if (vectorised && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return runs_group_avx2(ARMKV_RUNS_CALL);
-#endif
-  runs_group_baseline(ARMKV_RUNS_CALL);
-}
+ARMKV_DISPATCH(runs_group, ARMKV_RUNS_ARGS, ARMKV_RUNS_CALL)
 
 #endif
 
@@ -1201,16 +1208,7 @@ __attribute__((always_inline)) inline void ranked_query_body(const float* l, int
       const int32_t *ord, int64_t listed, const int32_t *st, const int32_t *sz, int64_t nb, int64_t m,               \
       RankedScratch &w, float *acc, int64_t as, float *peak, float *den, int64_t ps
 #define ARMKV_RANKED_CALL l, hs, bias, values, S, R, d, ord, listed, st, sz, nb, m, w, acc, as, peak, den, ps
-#ifdef ARMKV_AVX2
-__attribute__((target("avx2,fma"))) void ranked_query_avx2(ARMKV_RANKED_ARGS) { ranked_query_body<true>(ARMKV_RANKED_CALL); }
-#endif
-void ranked_query_baseline(ARMKV_RANKED_ARGS) { ranked_query_body<false>(ARMKV_RANKED_CALL); }
-inline void ranked_query(ARMKV_RANKED_ARGS, bool vectorised) {
-#ifdef ARMKV_AVX2
-  if (vectorised && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ranked_query_avx2(ARMKV_RANKED_CALL);
-#endif
-  ranked_query_baseline(ARMKV_RANKED_CALL);
-}
+ARMKV_DISPATCH(ranked_query, ARMKV_RANKED_ARGS, ARMKV_RANKED_CALL)
 
 // ---------------------------------------------------------------- read_rank="partial"
 // The key-code rows a query ranks by (read.partial_rows): row c holds channels c and c + d/2
@@ -1505,16 +1503,7 @@ inline void partial_top(const float* qm, const void* codes, bool int8_keys, cons
       int64_t S, int64_t ngk, int64_t ngv, float scaling, const int32_t *ord, int64_t listed, const int32_t *st,   \
       const int32_t *sz, int64_t nb, int64_t m, int64_t take, BestScratch &w, int64_t *chosen
 #define ARMKV_BEST_CALL a, mix, mix_t, int8_keys, R, d, L, S, ngk, ngv, scaling, ord, listed, st, sz, nb, m, take, w, chosen
-#ifdef ARMKV_AVX2
-__attribute__((target("avx2,fma"))) void best_group_avx2(ARMKV_BEST_ARGS) { best_group_body<true>(ARMKV_BEST_CALL); }
-#endif
-void best_group_baseline(ARMKV_BEST_ARGS) { best_group_body<false>(ARMKV_BEST_CALL); }
-inline void best_group(ARMKV_BEST_ARGS, bool vectorised) {
-#ifdef ARMKV_AVX2
-  if (vectorised && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return best_group_avx2(ARMKV_BEST_CALL);
-#endif
-  best_group_baseline(ARMKV_BEST_CALL);
-}
+ARMKV_DISPATCH(best_group, ARMKV_BEST_ARGS, ARMKV_BEST_CALL)
 
 }  // namespace armkv
 
