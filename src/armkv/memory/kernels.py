@@ -33,6 +33,13 @@ copied out a row at a time and read as ``arm_decode_read`` reads a pool. Their r
 ``read.bucket_best`` of the PyTorch logits (for ``"partial"``, of
 ``MemoryState.partial_key_scores``), ``Router.group_topm_buckets`` and ``read.gathered_read``.
 
+A prefill chunk at M < N_b (``read_rank="best"`` or ``"partial"``) computes every slot's
+logit for its queries with one batched product; ``ranked_slot_read`` then ranks each query's
+buckets (or pages) from those logits and sums only the chosen slots' values under their
+softmax weights, where the PyTorch form (``read.ranked_chunk_read`` without ``fused``, its
+reference) masks the logits, softmaxes them all and multiplies by every slot's value.
+``bucket_lists`` builds a pool's bucket index (``read.bucket_index``) by a counting sort.
+
 The write (``SlotPool.write``, every ``sync`` decoded tokens) un-packs the whole pool to
 pre-RoPE floats and, once the pool is full, finds each slot's nearest neighbour in a band
 of the bucket order (``write.banded_neighbours``): with PyTorch ops about 30 passes over

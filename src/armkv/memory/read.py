@@ -130,7 +130,7 @@ def ranked_chunk_read(
     ``ranked_slot_read`` does it from the logits in one pass per query (bias, ranking, and the
     softmax over the chosen slots with their values), where the PyTorch ops make a mask the
     size of the logits and read every slot's value; the exact entries and the chunk join its
-    softmax here. ``tests/test_kernels.py`` checks the two against each other.
+    softmax here. ``tests/test_sparse_read.py`` checks the two against each other.
     """
     G, R, T, d = query.shape
     f32 = torch.float32
