@@ -122,3 +122,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class Vectorised:
+    """The fused kernel module with ``vectorised`` fixed on every call (False: the portable
+    loops), for tests that compare them with the vector loops through the library's callers."""
+
+    def __init__(self, module, vectorised: bool):
+        self.module, self.vectorised = module, vectorised
+
+    def __getattr__(self, name):
+        fn = getattr(self.module, name)
+        return lambda *args: fn(*args, vectorised=self.vectorised)

@@ -12,6 +12,7 @@ import torch
 
 from armkv.memory import kernels
 from armkv.memory.state import MemoryState
+from conftest import Vectorised
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +278,7 @@ def test_fused_sparse_decode_read_equals_the_gathered_pytorch_read(kernel, fmt, 
     mix = mixing_matrix(d) if mixed else None
     with torch.no_grad():
         fast = fused_sparse_decode_read(
-            _Vectorised(kernel, vectorised), query, key, value, valid, exact_k, exact_v, exact_valid, st, bias, mix, 0.3, index,
+            Vectorised(kernel, vectorised), query, key, value, valid, exact_k, exact_v, exact_valid, st, bias, mix, 0.3, index,
             picked, take,
         )
         used_of = torch.arange(M).view(1, 1, M) < take.view(G, 1, 1)
@@ -352,7 +353,7 @@ def test_fused_best_read_ranks_as_pytorch_and_reads_as_the_sparse_read(kernel, f
 
     c = _ranked_case(fmt, d, slots, rep, buckets, m, mixed, laid, slots * d + rep + buckets)
     with torch.no_grad():
-        out, got = fused_best_decode_read(_Vectorised(kernel, vectorised), *c["read"], c["index"], m, c["take"])
+        out, got = fused_best_decode_read(Vectorised(kernel, vectorised), *c["read"], c["index"], m, c["take"])
         _assert_ranked_read(c, out, got, c["st"].key_scores(c["q"], fused=False), m, buckets)
 
 
@@ -375,7 +376,7 @@ def test_fused_partial_read_ranks_as_pytorch_and_reads_as_the_sparse_read(kernel
 
     c = _ranked_case(fmt, d, slots, rep, buckets, m, mixed, laid, slots * d + rep + buckets + rows)
     with torch.no_grad():
-        out, got = fused_partial_decode_read(_Vectorised(kernel, vectorised), *c["read"], c["index"], m, c["take"], rows)
+        out, got = fused_partial_decode_read(Vectorised(kernel, vectorised), *c["read"], c["index"], m, c["take"], rows)
         scores = c["st"].partial_key_scores(c["q"], partial_rows(c["q"], rows))
         if rows == d // 2:  # every row: the full scores of the rounded query
             step = c["q"].abs().amax(-1, keepdim=True) / 127
@@ -400,7 +401,7 @@ def test_fused_partial_ranking_holds_the_largest_integer_sums(kernel, vectorised
     c["read"][0].fill_(1.0)
     c["q"].fill_(1.0)
     with torch.no_grad():
-        out, got = fused_partial_decode_read(_Vectorised(kernel, vectorised), *c["read"], c["index"], 8, c["take"], 32)
+        out, got = fused_partial_decode_read(Vectorised(kernel, vectorised), *c["read"], c["index"], 8, c["take"], 32)
         scores = st.partial_key_scores(c["q"], partial_rows(c["q"], 32))
     scale = st.key_scale.float()  # [G, S, 2]: the low 32 channels' group, the high 32's
     torch.testing.assert_close(scores[:, 0, :some], 7 * 32 * scale[:, :some].sum(-1))
@@ -460,7 +461,7 @@ def test_fused_reads_take_a_pools_first_slots_in_place(kernel, fmt, rank, vector
     bias = torch.where(view.count > 0, view.count.clamp_min(1).log(), -torch.inf)
     index = bucket_index(view.bucket, view.count > 0, 64)
     buckets = torch.arange(8).expand(big.key.shape[0], 8)
-    k = _Vectorised(kernel, vectorised)
+    k = Vectorised(kernel, vectorised)
 
     def read(state):
         args = (query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling)
@@ -488,25 +489,6 @@ def test_partial_rows_are_where_the_query_group_is_largest():
     assert partial_rows(q, 2).tolist() == [[1, 2]]
     assert partial_rows(q, 3).tolist() == [[1, 2, 3]]
     assert partial_rows(torch.ones(1, 1, 8), 2).tolist() == [[0, 1]]  # ties: the lower rows
-
-
-class _Vectorised:
-    """The kernel module with ``vectorised`` fixed for its sparse reads (the portable loops in tests)."""
-
-    def __init__(self, module, vectorised: bool):
-        self.module, self.vectorised = module, vectorised
-
-    def arm_sparse_decode_read(self, *args):
-        return self.module.arm_sparse_decode_read(*args, vectorised=self.vectorised)
-
-    def arm_best_decode_read(self, *args):
-        return self.module.arm_best_decode_read(*args, vectorised=self.vectorised)
-
-    def arm_partial_decode_read(self, *args):
-        return self.module.arm_partial_decode_read(*args, vectorised=self.vectorised)
-
-    def arm_decode_read(self, *args):
-        return self.module.arm_decode_read(*args, vectorised=self.vectorised)
 
 
 @pytest.mark.parametrize("depth,branching,rep,m", [(3, 4, 3, 8), (2, 4, 1, 3), (2, 3, 5, 9), (3, 2, 4, 3), (1, 8, 2, 8)])

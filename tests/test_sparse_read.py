@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import armkv.methods.arm as arm_method
-from armkv.memory import kernels
 from armkv.config import ARMConfig
 from armkv.errors import ArmkvError
 from armkv.hf.attach import make_cache
+from armkv.memory import kernels
 from armkv.memory.read import (
     bucket_best, bucket_index, gather_slots, paged_index, run_breaks, slot_pages, slots_of_buckets, sort_by_bucket,
 )
@@ -20,7 +20,7 @@ from armkv.memory.route import Router
 from armkv.memory.state import MemoryState
 from armkv.methods.arm import resolve_arm
 from armkv.methods.base import ModelInfo
-from conftest import tiny_model
+from conftest import Vectorised, tiny_model
 
 
 @pytest.mark.parametrize("G,S,nb,M,Q", [(3, 37, 5, 2, 4), (2, 101, 16, 3, 7), (1, 1, 4, 1, 1), (2, 64, 64, 9, 3)])
@@ -399,16 +399,6 @@ def test_sort_by_bucket_lays_the_same_slots_bucket_by_bucket():
         assert rows(a) == rows(b)
 
 
-class _Loops:
-    """The kernel module with its chunk read's ``vectorised`` fixed (the portable loops)."""
-
-    def __init__(self, module, vectorised: bool):
-        self.module, self.vectorised = module, vectorised
-
-    def ranked_slot_read(self, *args):
-        return self.module.ranked_slot_read(*args, vectorised=self.vectorised)
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("overrides", FORMATS)
 @pytest.mark.parametrize("T", [1, 37, 70])
@@ -431,7 +421,7 @@ def test_ranked_chunk_read_equals_the_masked_read(dtype, tol, overrides, T, page
             every = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
             reads = [layer._ranked_chunk_read(query, key, value, valid, 0.3, *exact, fused=False)]
             for vectorised in ([True, False] if module is not None else []):
-                monkeypatch.setattr(kernels, "fused_cpu", lambda x, v=vectorised: _Loops(module, v))
+                monkeypatch.setattr(kernels, "fused_cpu", lambda x, v=vectorised: Vectorised(module, v))
                 reads.append(layer._ranked_chunk_read(query, key, value, valid, 0.3, *exact))
         for ranked in reads:
             assert ranked.dtype == ref.dtype and ranked.shape == ref.shape

@@ -138,12 +138,13 @@ def ranked_chunk_read(
     slot_k_t, exact_k_t, key_t = (t.to(f32).transpose(1, 2) for t in (slot_k, exact_k, key))
     slot_v, exact_v = slot_v.to(f32), exact_v.to(f32)
     chunk_v = torch.where(chunk_ok.unsqueeze(-1), value.to(f32), torch.zeros((), dtype=f32, device=value.device))
-    bias = slot_bias.to(f32).unsqueeze(1).unsqueeze(1)
     causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril() & chunk_ok.unsqueeze(1)  # [G, T, T]
     exact_blocked = ~exact_ok.view(G, 1, 1, -1)
     S, L = slot_k.shape[1], exact_k.shape[1]
     if fused is not None:
         slot_bias, rest_v = slot_bias.to(f32).contiguous(), torch.cat([exact_v, chunk_v], 1)
+    else:
+        bias = slot_bias.to(f32).unsqueeze(1).unsqueeze(1)
     out = []
     for t0 in range(0, T, block):
         qb = q[:, :, t0 : t0 + block]

@@ -1103,7 +1103,7 @@ inline void top_buckets(const float* best, int64_t nb, int64_t m, std::vector<in
                     [&](int64_t a, int64_t c) { return best[a] > best[c] || (best[a] == best[c] && a < c); });
 }
 
-// Per-thread buffers of best_group
+// Per-thread buffers of best_group and ranked_query
 struct BestScratch {
   std::vector<float> qm, sw, top, best, cw, exact_w, tmp;
   std::vector<int64_t> idx, run_start, run_len;
@@ -1148,12 +1148,6 @@ __attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a,
 }
 
 // ---------------------------------------------------------------- a chunk's ranked read
-// Per-thread buffers of ranked_query
-struct RankedScratch {
-  std::vector<float> top, best, w;
-  std::vector<int64_t> idx, run_start, run_len;
-};
-
 // One query of ranked_slot_read: l [R, S] its logits of every slot (heads `hs` apart, q.k
 // scaled, not biased), bias [S] (-inf: free), values [S, d] floats. Each unit ranked by its
 // best biased logit over its slots and the R heads; the slots of the m best (ties to the
@@ -1164,7 +1158,7 @@ template <bool AVX>
 __attribute__((always_inline)) inline void ranked_query_body(const float* l, int64_t hs, const float* bias, const float* values,
                                                            int64_t S, int64_t R, int64_t d, const int32_t* ord, int64_t listed,
                                                            const int32_t* st, const int32_t* sz, int64_t nb, int64_t m,
-                                                           RankedScratch& w, float* acc, int64_t as, float* peak, float* den,
+                                                           BestScratch& w, float* acc, int64_t as, float* peak, float* den,
                                                            int64_t ps) {
   float* top = w.top.data();
   for (int64_t s = 0; s < S; ++s) top[s] = l[s] + bias[s];
@@ -1173,8 +1167,8 @@ __attribute__((always_inline)) inline void ranked_query_body(const float* l, int
   bucket_maxima(top, ord, listed, st, sz, nb, S, w.best.data(), "ranked_slot_read", AVX);
   top_buckets(w.best.data(), nb, m, w.idx);
   const int64_t W = bucket_runs(ord, listed, st, sz, nb, w.idx.data(), m, S, w.run_start, w.run_len, "ranked_slot_read");
-  w.w.resize(R * std::max<int64_t>(W, 1));
-  float* sw = w.w.data();
+  w.cw.resize(R * std::max<int64_t>(W, 1));
+  float* sw = w.cw.data();
   for (size_t k = 0, at = 0; k < w.run_start.size(); at += w.run_len[k], ++k) {
     const int64_t s0 = w.run_start[k], n = w.run_len[k];
     for (int64_t r = 0; r < R; ++r)
@@ -1206,7 +1200,7 @@ __attribute__((always_inline)) inline void ranked_query_body(const float* l, int
 #define ARMKV_RANKED_ARGS                                                                                            \
   const float *l, int64_t hs, const float *bias, const float *values, int64_t S, int64_t R, int64_t d,             \
       const int32_t *ord, int64_t listed, const int32_t *st, const int32_t *sz, int64_t nb, int64_t m,               \
-      RankedScratch &w, float *acc, int64_t as, float *peak, float *den, int64_t ps
+      BestScratch &w, float *acc, int64_t as, float *peak, float *den, int64_t ps
 #define ARMKV_RANKED_CALL l, hs, bias, values, S, R, d, ord, listed, st, sz, nb, m, w, acc, as, peak, den, ps
 ARMKV_DISPATCH(ranked_query, ARMKV_RANKED_ARGS, ARMKV_RANKED_CALL)
 
@@ -2059,7 +2053,7 @@ std::vector<torch::Tensor> ranked_slot_read(torch::Tensor logits, torch::Tensor 
   auto peak = torch::empty({G, R, T}, lg.options()), den = torch::empty({G, R, T}, lg.options());
   float *ACC = acc.data_ptr<float>(), *PK = peak.data_ptr<float>(), *DN = den.data_ptr<float>();
   at::parallel_for(0, G * T, 1, [&](int64_t i0, int64_t i1) {
-    thread_local armkv::RankedScratch w;  // (kept from call to call)
+    thread_local armkv::BestScratch w;  // (kept from call to call; ranked_query uses top, best, cw and the runs)
     w.top.resize(std::max<int64_t>(S, 1)), w.best.resize(std::max<int64_t>(nb, 1));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t g = i / T, t = i % T, head0 = g * R * T + t;
