@@ -13,9 +13,14 @@ results.partial.json), most wanted first:
   batchB-METHOD    decode tokens/s at batch 8 and 32 after 32k-token prompts, full against arm
                    at the same budget (full at batch 32 x 32k needs 137 GB of KV: its failure
                    is recorded, not fatal)
+  sparse-READ      arm at budget 4096 after a 32k-token prompt on unmixed slots, reading every
+                   bucket (READ = every) or the best pages of M = N_b / 8 (READ = pages): decode
+                   ms/token and, timed apart, ARM's reads; smollm2-sparse-READ the same on the
+                   default model's shape (smollm2-135m) after 16k tokens
 
 in the order eager-arm, eager-full, compiled-native, compiled-full, compiled-arm,
-eager-native, batch8-arm, batch8-full, batch32-arm, batch32-full, eager-sink, compiled-sink.
+eager-native, batch8-arm, batch8-full, batch32-arm, batch32-full, eager-sink, compiled-sink,
+sparse-every, sparse-pages, smollm2-sparse-every, smollm2-sparse-pages.
 The whole plan may take longer than one device call (10 minutes): runs start while
 ``--budget-s`` lasts, the rest are listed as not run, and ``--only`` does them in a second call.
 
@@ -71,6 +76,10 @@ REAL = {
     "batch_repeats": "8",
     "batches": (8, 32),
     "fill_past": "32768",  # compiled native and full: random KV instead of a prefill past this
+    "sparse_budget": "4096",
+    "sparse_length": "32k",
+    "small_config": "smollm2-135m",  # the default model's shape
+    "small_length": "16k",
 }
 DRY = {
     "model_config": None,  # written at run time: llama-3.1-8b's architecture at toy widths
@@ -86,6 +95,10 @@ DRY = {
     "batch_repeats": "2",
     "batches": (2, 3),
     "fill_past": "96",
+    "sparse_budget": "64",
+    "sparse_length": "160",
+    "small_config": None,  # the tiny shape
+    "small_length": "96",
 }
 DRY_SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=256, bos_token_id=1, eos_token_id=2)  # fmt: skip
@@ -99,8 +112,11 @@ DRY_LIMIT = 240
 def plan(p: dict) -> list[tuple[str, list[str]]]:
     """[(run name, bench decode arguments)], in the order they run. The names are the same
     in a dry run (whose batches are smaller)."""
-    common = ["--model-config", p["model_config"], "--dtype", p["dtype"], "--device", p["device"],
-              "--budget", p["budget"], "--chunk", p["chunk"], "--warmup", p["warmup"], "--no-progress"]  # fmt: skip
+    def head(config: str, budget: str) -> list[str]:
+        return ["--model-config", config, "--dtype", p["dtype"], "--device", p["device"],
+                "--budget", budget, "--chunk", p["chunk"], "--warmup", p["warmup"], "--no-progress"]  # fmt: skip
+
+    common = head(p["model_config"], p["budget"])
     length = ["--lengths", p["lengths"], "--gen-lengths", p["gen_lengths"], "--repeats", p["repeats"]]
     fill = ["--max-full-length", p["fill_past"], "--beyond-full", "fill"]
     batch = ["--lengths", p["batch_length"], "--gen-lengths", p["gen_lengths"], "--repeats", p["batch_repeats"]]
@@ -110,11 +126,23 @@ def plan(p: dict) -> list[tuple[str, list[str]]]:
     for name_b, b in zip(REAL["batches"], p["batches"]):
         for m in ("arm", "full"):
             runs[f"batch{name_b}-{m}"] = common + batch + ["--methods", m, "--batch", str(b)]
+    sparse = ["--gen-lengths", p["gen_lengths"], "--repeats", p["repeats"], "--methods", "arm", "--option", "arm.slot_mixing=false"]
+    for prefix, config, length in (("", p["model_config"], p["sparse_length"]),
+                                   ("smollm2-", p["small_config"] or p["model_config"], p["small_length"])):  # fmt: skip
+        args = head(config, p["sparse_budget"]) + sparse + ["--lengths", length]
+        runs[f"{prefix}sparse-every"] = args
+        runs[f"{prefix}sparse-pages"] = args + SPARSE_PAGES
     return [(name, runs[name]) for name in ORDER]
 
 
+# ARM's read of the best pages of M = N_b / 8 buckets (partial ranking; unmixed slots)
+SPARSE_PAGES = ["--option", "arm.top_m=fixed", "--option", "arm.m_fixed=1/8", "--option", "arm.read_rank=partial",
+                "--option", "arm.read_pages=true"]  # fmt: skip
+
+
 ORDER = ["eager-arm", "eager-full", "compiled-native", "compiled-full", "compiled-arm", "eager-native",
-         "batch8-arm", "batch8-full", "batch32-arm", "batch32-full", "eager-sink", "compiled-sink"]  # fmt: skip
+         "batch8-arm", "batch8-full", "batch32-arm", "batch32-full", "eager-sink", "compiled-sink",
+         "sparse-every", "sparse-pages", "smollm2-sparse-every", "smollm2-sparse-pages"]  # fmt: skip
 
 
 def _version(text: str) -> tuple[int, int]:

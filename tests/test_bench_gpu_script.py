@@ -30,12 +30,20 @@ def test_the_plan_is_the_issue_s_matrix():
     gpu = load_script()
     runs = dict(gpu.plan(gpu.REAL | {"model_config": "llama-3.1-8b"}))
     assert sorted(runs) == sorted([f"{kind}-{m}" for kind in ("eager", "compiled") for m in ("native", "full", "sink", "arm")]
-                                  + [f"batch{b}-{m}" for b in (8, 32) for m in ("full", "arm")])  # fmt: skip
+                                  + [f"batch{b}-{m}" for b in (8, 32) for m in ("full", "arm")]
+                                  + [f"{s}sparse-{r}" for s in ("", "smollm2-") for r in ("every", "pages")])  # fmt: skip
     assert list(runs)[:5] == ["eager-arm", "eager-full", "compiled-native", "compiled-full", "compiled-arm"]
     for name, args in runs.items():
+        assert len([a for a in args if a.startswith("--") and a != "--option"]) == len({a for a in args if a.startswith("--")} - {"--option"})
         settings = dict(zip(args, args[1:]))
-        assert settings["--model-config"] == "llama-3.1-8b" and settings["--dtype"] == "bfloat16"
-        assert settings["--device"] == "cuda" and settings["--budget"] == "1024" and settings["--chunk"] == "1024"
+        assert settings["--dtype"] == "bfloat16" and settings["--device"] == "cuda" and settings["--chunk"] == "1024"
+        if "sparse" in name:  # budget 4096, unmixed slots; every bucket, or pages of M = N_b / 8
+            assert settings["--model-config"] == ("smollm2-135m" if name.startswith("smollm2") else "llama-3.1-8b")
+            assert settings["--budget"] == "4096" and settings["--methods"] == "arm" and "arm.slot_mixing=false" in args
+            assert settings["--lengths"] == ("16k" if name.startswith("smollm2") else "32k")
+            assert ("arm.m_fixed=1/8" in args and "arm.read_pages=true" in args) == name.endswith("pages")
+            continue
+        assert settings["--model-config"] == "llama-3.1-8b" and settings["--budget"] == "1024"
         assert settings["--methods"] == name.split("-")[1]
         assert ("--compile" in args) == name.startswith("compiled")
         # past 32k the compiled unbounded methods decode over random KV (their prefill is the eager runs')
@@ -85,7 +93,7 @@ def test_spent_budget_runs_nothing_and_says_so(tmp_path):
     done = run(tmp_path, "--dry-run", "--budget-s", "0", timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     doc = json.loads((tmp_path / "gpu_bench.json").read_text())
-    assert len(doc["runs"]) == 12
+    assert len(doc["runs"]) == 16
     assert all(r["exit_code"] == "not run" and "spent" in r["why"] for r in doc["runs"].values())
 
 

@@ -19,6 +19,7 @@ PUBLISHED = {
     "llama-3.2-1b": ("llama", 16, 2048, 8192, 32, 8, 64, 128256, True, 1_235_814_400),
     "qwen3-8b": ("qwen3", 36, 4096, 12288, 32, 8, 128, 151936, False, 8_190_735_360),
     "mistral-7b": ("mistral", 32, 4096, 14336, 32, 8, 128, 32768, False, 7_248_023_552),
+    "smollm2-135m": ("llama", 30, 576, 1536, 9, 3, 64, 49152, True, 134_515_008),
 }
 # A shipped shape made tiny: its architecture, RoPE kind and norms, at toy widths.
 SHRINK = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -89,7 +90,7 @@ def test_config_file_and_folder(tmp_path):
 
 
 def test_bad_config_is_one_line_error(tmp_path):
-    with pytest.raises(ArmkvError, match="llama-3.1-8b, llama-3.2-1b, mistral-7b, qwen3-8b"):
+    with pytest.raises(ArmkvError, match="llama-3.1-8b, llama-3.2-1b, mistral-7b, qwen3-8b, smollm2-135m"):
         load_model_config("llama-9b")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ArmkvError, match="not a readable JSON"):
@@ -102,7 +103,7 @@ def test_bad_config_is_one_line_error(tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--model-config", "llama-9b"], "neither a shipped name (llama-3.1-8b, llama-3.2-1b, mistral-7b, qwen3-8b)"),
+        (["--model-config", "llama-9b"], "neither a shipped name (llama-3.1-8b, llama-3.2-1b, mistral-7b, qwen3-8b, smollm2-135m)"),
         (["--model-config", "llama-3.2-1b", "--model", "somewhere"], "not both"),
         (["--model-config", "llama-3.2-1b", "--batch", "0"], "--batch 0 must be >= 1"),
         (["--model-config", "llama-3.2-1b", "--option", "native.cache=paged"], "expected one of dynamic, static"),

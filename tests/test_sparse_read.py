@@ -20,7 +20,7 @@ from armkv.memory.route import Router
 from armkv.memory.state import MemoryState
 from armkv.methods.arm import resolve_arm
 from armkv.methods.base import ModelInfo
-from conftest import Vectorised, tiny_model
+from conftest import DEVICES, Vectorised, tiny_model
 
 
 @pytest.mark.parametrize("G,S,nb,M,Q", [(3, 37, 5, 2, 4), (2, 101, 16, 3, 7), (1, 1, 4, 1, 1), (2, 64, 64, 9, 3)])
@@ -147,12 +147,12 @@ def _rank(read_rank: str) -> dict:
     return {"read_rank": rank, **({"slot_mixing": False} if rank == "partial" else {}), **({"read_pages": True} if pages else {})}
 
 
-def _layer_with_memory(dtype, overrides, seed=1):
+def _layer_with_memory(dtype, overrides, seed=1, device="cpu"):
     """Layer 1 of a tiny model's arm cache after a prompt and a few decode steps: merged
     slots, tokens waiting, a left-padded row."""
-    model = tiny_model("llama").to(dtype).eval()
+    model = tiny_model("llama").to(device, dtype).eval()
     torch.manual_seed(seed)
-    ids = torch.randint(0, 100, (2, 301))
+    ids = torch.randint(0, 100, (2, 301)).to(device)
     mask = torch.ones_like(ids)
     mask[1, :120] = 0
     overrides = {"sync": 5, "lazy_merge": False, "top_m": "fixed", "m_fixed": 3, **overrides}
@@ -160,7 +160,7 @@ def _layer_with_memory(dtype, overrides, seed=1):
     arm, _ = resolve_arm(info, 96, "random", overrides=overrides)
     # the ARM parameters in the model's dtype for bf16 (a memory computing in bf16); fp16 keeps
     # them in float32, as the library does (computing in fp16, the merges overflow to NaN)
-    arm = copy.deepcopy(arm).to(dtype if dtype != torch.float16 else torch.float32)
+    arm = copy.deepcopy(arm).to(device, dtype if dtype != torch.float16 else torch.float32)
     cache = make_cache(model, "arm", budget=96, chunk=32, arm=arm, arm_overrides=overrides)
     with torch.no_grad():
         out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
@@ -178,11 +178,12 @@ def _chunk(model, layer, dtype, T: int, padded: int):
     B, H = layer.buffer.sink_k.shape[:2]
     Hq, d = model.config.num_attention_heads, layer.buffer.sink_k.shape[-1]
     g = torch.Generator().manual_seed(T)
-    query = torch.randn(B, Hq, T, d, generator=g).to(dtype)
-    key, value = (torch.randn(B, H, T, d, generator=g).to(dtype) for _ in range(2))
-    valid = torch.ones(B, T, dtype=torch.bool)
+    device = layer.buffer.sink_k.device
+    query = torch.randn(B, Hq, T, d, generator=g).to(device, dtype)
+    key, value = (torch.randn(B, H, T, d, generator=g).to(device, dtype) for _ in range(2))
+    valid = torch.ones(B, T, dtype=torch.bool, device=device)
     valid[1, :padded] = False
-    return query, key, value, valid, torch.arange(400, 400 + T).expand(B, T)
+    return query, key, value, valid, torch.arange(400, 400 + T, device=device).expand(B, T)
 
 
 FORMATS = [{"slot_format": "k4v4"}, {"slot_format": "k8v4", "slot_mixing": False}, {"slot_format": "int8"},
@@ -193,15 +194,16 @@ FORMATS = [{"slot_format": "k4v4"}, {"slot_format": "k8v4", "slot_mixing": False
 @pytest.mark.parametrize("overrides", FORMATS)
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("read_rank", ["best", "partial", "tree"])
-def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overrides, T, read_rank, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overrides, T, read_rank, device, monkeypatch):
     """Tolerances: fp32 2e-5 (the two reads sum the same terms in another order, slots
     dequantised alike); bf16 2e-2 and fp16 2e-3 (products and softmax in the model's dtype,
     rounded at other points). Every ranking picks the same buckets in both reads ("partial"
     one decoded token's from a quarter of the key-code rows, a chunk's as "best")."""
-    model, layer = _layer_with_memory(dtype, {**overrides, **_rank(read_rank)})
+    model, layer = _layer_with_memory(dtype, {**overrides, **_rank(read_rank)}, device=device)
     query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=1)
     exact = layer._exact()
-    for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):  # rows may read fewer buckets than the widest
+    for m in (torch.tensor([3, 3], device=device), torch.tensor([1, 2], device=device)):  # rows may read fewer buckets than the widest
         layer.m, layer._route_k = m, int(m.max())  # as ARMLayer._decide_m sets them
         assert layer._reads_sparse(T, reads_all=False) == (T == 1 or read_rank == "tree")  # (best, partial chunks: the ranked read)
         with torch.no_grad():
@@ -317,17 +319,18 @@ def test_paged_index_cuts_each_bucket_into_pages_of_the_mean_size(G, S, nb, laid
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("read_rank", ["best", "partial"])
-def test_paged_reads_equal_the_masked_read_and_touch_at_most_m_pages(dtype, tol, T, read_rank, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_reads_equal_the_masked_read_and_touch_at_most_m_pages(dtype, tol, T, read_rank, device, monkeypatch):
     """read_pages: every read path ranks and takes the same pages (the fused and the eager
     decode reads, the compiled one's fixed width, the ranked chunk read, all against the
     masked read of the whole pool), and a decode read of m pages touches at most m / N_b of
     the occupied slots."""
-    model, layer = _layer_with_memory(dtype, {**_rank(read_rank), "read_pages": True})
+    model, layer = _layer_with_memory(dtype, {**_rank(read_rank), "read_pages": True}, device=device)
     query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=1)
     layer._page_index()  # (the first paged index may re-lay the pool)
     exact = layer._exact()
     nb = layer.memory.router.num_buckets
-    for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):
+    for m in (torch.tensor([3, 3], device=device), torch.tensor([1, 2], device=device)):
         layer.m, layer._route_k = m, int(m.max())
         with torch.no_grad():
             ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
@@ -403,17 +406,18 @@ def test_sort_by_bucket_lays_the_same_slots_bucket_by_bucket():
 @pytest.mark.parametrize("overrides", FORMATS)
 @pytest.mark.parametrize("T", [1, 37, 70])
 @pytest.mark.parametrize("pages", [False, True])
-def test_ranked_chunk_read_equals_the_masked_read(dtype, tol, overrides, T, pages, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_ranked_chunk_read_equals_the_masked_read(dtype, tol, overrides, T, pages, device, monkeypatch):
     """A chunk's read with each logit computed once (ranking and softmax) reads the same
     slots as the masked read of the whole pool, in blocks of queries that do not divide T:
     its PyTorch ops, and on a CPU the kernel (``ranked_slot_read``, its vector and portable
     loops), ranking buckets or their pages. Tolerances as for the gathered read: the ranked
     read works in float32, the masked one's products and softmax in the model's dtype."""
-    model, layer = _layer_with_memory(dtype, {**overrides, "read_rank": "best", "read_pages": pages})
+    model, layer = _layer_with_memory(dtype, {**overrides, "read_rank": "best", "read_pages": pages}, device=device)
     query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=max(1, T // 3))
     exact = layer._exact()
-    module = kernels.int4_read()
-    for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):
+    module = kernels.int4_read() if device == "cpu" else None  # (the kernels serve CPU tensors)
+    for m in (torch.tensor([3, 3], device=device), torch.tensor([1, 2], device=device)):
         layer.m, layer._route_k = m, int(m.max())
         assert layer._reads_ranked(reads_all=False)
         with torch.no_grad():

@@ -843,7 +843,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a local transformers model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--model-config", default=None, metavar="NAME|CONFIG_JSON",
                         help="instead of --model: a random-weight model of a shipped shape (llama-3.1-8b, llama-3.2-1b, "
-                             "qwen3-8b, mistral-7b) or of a config.json, made on --device in --dtype from --seed")  # fmt: skip
+                             "qwen3-8b, mistral-7b, smollm2-135m: the default model's) or of a config.json, made on --device in --dtype from --seed")  # fmt: skip
     parser.add_argument("--batch", type=int, default=1,
                         help="sequences decoded together; latency is per step, throughput batch/step (default 1)")
     parser.add_argument("--repeats", type=int, default=16,

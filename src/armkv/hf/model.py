@@ -107,7 +107,8 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype = torch.f
 
 # ---------------------------------------------------------------------- models built from a config
 # Published architectures shipped as config.json files (hyper-parameters only, no weights):
-# llama-3.1-8b and llama-3.2-1b (meta-llama), qwen3-8b (Qwen), mistral-7b (Mistral-7B-v0.3).
+# llama-3.1-8b and llama-3.2-1b (meta-llama), qwen3-8b (Qwen), mistral-7b (Mistral-7B-v0.3),
+# smollm2-135m (SmolLM2-135M, the default model's shape).
 MODEL_CONFIGS_PACKAGE_DIR = ("data", "model_configs")
 
 
