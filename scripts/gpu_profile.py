@@ -11,6 +11,8 @@ random tokens, ``--warmup`` untimed steps (a compiled step compiles and records 
 
     python3 scripts/gpu_profile.py --model-config llama-3.1-8b --device cuda --dtype bfloat16
     python scripts/gpu_profile.py --dry-run      # a two-layer toy of the same shape on the CPU
+    python3 scripts/gpu_profile.py --runs arm --budget 4096 --option arm.top_m=fixed --option arm.m_fixed=1/8 \
+        --option arm.read_rank=partial --option arm.slot_mixing=false --option arm.read_pages=true   # sparse reads
 
 Writes ``profile.md`` (per method: the figures, the top operators by device and by host
 time, and for a compiled run torch's log of graph breaks, recompiles and CUDA-graph skips) and ``profile.json`` under ``--out`` (default ``$OUT``, else ``out/gpu_profile``); the
@@ -97,8 +99,11 @@ def profile_run(model, name: str, a) -> tuple[dict, str]:
 
 
 def _profile_run(model, name: str, method: str, compiled: bool, a, lines: Lines) -> tuple[dict, str]:
+    from armkv.options import parse_options
+
+    options = {m: o for m, o in parse_options(a.option).items() if m == method}
     bench = DecodeBench(methods=[method], lengths=[a.prompt], budget=a.budget, chunk=a.chunk, compile=compiled,
-                        clock="wall", repeats=a.steps, warmup=a.warmup)  # fmt: skip
+                        clock="wall", repeats=a.steps, warmup=a.warmup, options=options)  # fmt: skip
     session = Session(model, bench)
     horizon = a.prompt + a.warmup + 2 * a.steps + 1
     cache = session.cache(method, horizon=horizon)
@@ -169,6 +174,8 @@ def main() -> int:
     p.add_argument("--runs", default="native,full,arm,full-compiled,arm-compiled",
                    help="comma-separated METHOD or METHOD-compiled (default native,full,arm,full-compiled,arm-compiled)")  # fmt: skip
     p.add_argument("--rows", type=int, default=20, help="operators per table (default 20)")
+    p.add_argument("--option", action="append", default=[], metavar="METHOD.KEY=VALUE",
+                   help="a cache option of a run's method, as bench decode's --option (repeatable)")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="a two-layer toy of the shape, float32 on the CPU, small sizes")
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "out" / "gpu_profile"))
     a = p.parse_args()

@@ -32,3 +32,15 @@ def test_an_unknown_method_fails_before_the_model_is_built(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
     assert done.returncode != 0 and "--runs nosuch: unknown method 'nosuch'" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "profile.json").exists()
+
+
+def test_options_reach_the_runs_cache(tmp_path):
+    """--option METHOD.KEY=VALUE goes to that method's cache (here a bad value, refused by the
+    cache; the run's failure is recorded) and to the settings; other methods' runs ignore it."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--runs", "full,arm", "--option", "arm.read_rank=nope",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.loads((tmp_path / "profile.json").read_text())
+    assert doc["settings"]["option"] == ["arm.read_rank=nope"]
+    assert doc["runs"]["full"]["decode_ms_median"] > 0
+    assert "read_rank" in doc["runs"]["arm"]["error"] and "nope" in doc["runs"]["arm"]["error"]
