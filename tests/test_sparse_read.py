@@ -4,6 +4,7 @@ best logit, the tree's routing per KV head), and the layer's outputs at decode (
 in short chunks, fp32 and bf16, every slot format."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -463,3 +464,20 @@ def test_prefill_with_ranked_chunk_reads_equals_the_masked_reads(monkeypatch):
     monkeypatch.setattr(arm_method.ARMLayer, "_reads_ranked", lambda self, reads_all: False)
     masked = run()
     torch.testing.assert_close(fast, masked, rtol=1e-4, atol=1e-4)
+
+
+def test_sparse_reads_off_the_cpu_warn_once(monkeypatch):
+    """Reading M < N_b buckets at inference on an accelerator (PyTorch ops, slower there than
+    reading every bucket) warns once a process; the CPU, training and reading every bucket do not."""
+    monkeypatch.setattr(arm_method, "_warned_slow_sparse", False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        arm_method._warn_slow_sparse_reads(8, 64, cpu, False)
+        arm_method._warn_slow_sparse_reads(64, 64, cuda, False)
+        arm_method._warn_slow_sparse_reads(8, 64, cuda, True)
+    with pytest.warns(RuntimeWarning, match="reads 8 of 64 buckets on cuda"):
+        arm_method._warn_slow_sparse_reads(8, 64, cuda, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        arm_method._warn_slow_sparse_reads(8, 64, cuda, False)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 
 import torch
 
@@ -58,6 +59,24 @@ SPARSE_MAX_QUERIES = 64
 RESORT_SHARE = 64
 RESORT_PER_BUCKET = 2
 
+
+_warned_slow_sparse = False
+
+
+def _warn_slow_sparse_reads(m: int, num_buckets: int, device: torch.device, training: bool) -> None:
+    """Once a process: reads of M < N_b buckets at inference off the CPU run as PyTorch ops (the
+    fused kernels are CPU code), slower than reading every bucket (docs/evaluation.md)."""
+    global _warned_slow_sparse
+    if _warned_slow_sparse or training or m >= num_buckets or device.type == "cpu" or torch.compiler.is_compiling():
+        return
+    _warned_slow_sparse = True
+    warnings.warn(
+        f"armkv: ARM reads {m} of {num_buckets} buckets on {device.type} with PyTorch ops (its fused sparse kernels run on "
+        "CPUs only); there this was slower than reading every bucket (2.8-3.8x on an H200, docs/evaluation.md). For speed "
+        "on this device read every bucket (the default: top_m=adaptive with a shipped adapter).",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 class ARMLayer(CacheLayer):
     """One layer of the ARM cache.
@@ -646,6 +665,7 @@ class ARMLayer(CacheLayer):
             self.m = torch.full((k_pre.shape[0],), c.fixed_m, dtype=torch.long, device=k_pre.device)
             self._reads_all = c.fixed_m >= num_buckets
             self._route_k = min(c.fixed_m, num_buckets)
+            _warn_slow_sparse_reads(self._route_k, num_buckets, k_pre.device, self.memory.training)
             return
         m, g, expected = self.memory.policy.decide(pooled.flatten(1), self.memory.training, c.epsilon, self.generator)
         self.m = m.clamp_max(num_buckets)
@@ -655,6 +675,7 @@ class ARMLayer(CacheLayer):
             self.aux["budget"] = expected.mean() / self.memory.router.num_buckets
         # (known here, once per sequence: the decode step's routing then needs no host sync)
         self._route_k = min(int(self.m.max()) + (0 if self.mix is None else 1), num_buckets)
+        _warn_slow_sparse_reads(self._route_k, num_buckets, k_pre.device, self.memory.training)
 
     def diagnostics(self, positions: torch.Tensor | None = None) -> dict:
         """What the memory holds now: slots used, tokens per used slot, and, for the given
