@@ -89,6 +89,20 @@ def test_dry_run_fails_soft(tmp_path):
     assert "## eager-native" in tables and "| native |" in tables and "## compiled-native" in tables
 
 
+
+def test_dry_run_of_a_sparse_run_reads_a_share_of_the_slots(tmp_path):
+    """sparse-pages on the tiny shape: ARM at M = N_b / 8 reading pages, its options in the
+    result's settings, and its decode reads touching a share of the occupied slots."""
+    done = run(tmp_path, "--dry-run", "--only", "sparse-pages")
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((tmp_path / "gpu_bench.json").read_text())["runs"]["sparse-pages"]
+    assert record["exit_code"] == 0 and record["result_kind"] == "complete"
+    result = record["result"]
+    assert result["settings"]["options"]["arm"] == {"slot_mixing": False, "top_m": "fixed", "m_fixed": "1/8",
+                                                    "read_rank": "partial", "read_pages": True}  # fmt: skip
+    share = result["read_share"]["arm"]["160"]
+    assert 0 < share < 0.5
+
 def test_spent_budget_runs_nothing_and_says_so(tmp_path):
     done = run(tmp_path, "--dry-run", "--budget-s", "0", timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
