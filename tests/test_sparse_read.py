@@ -275,10 +275,15 @@ def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch, read_
     sorts = []
     relay = arm_method.sort_by_bucket
     monkeypatch.setattr(arm_method, "sort_by_bucket", lambda st, index: sorts.append(1) or relay(st, index))
+    builds = []
+    bind = arm_method.ranked_decode_call
+    monkeypatch.setattr(arm_method, "ranked_decode_call", lambda *a, **k: builds.append(1) or bind(*a, **k))
     sparse, cache = run()
     assert len(sorts) > 10
     assert cache.layers[0]._route_k < cache.layers[0].memory.router.num_buckets
     assert calls.count(1) == 2 * 60  # every decode step of both layers gathered
+    # the fused call is bound again after each write (every 3 steps), and kept between them
+    assert 2 * 60 // 3 <= len(builds) < 2 * 60
     # the reference: every read masked over the whole pool, the pool re-laid by bucket as the
     # sparse run lays it (where slots lie changes no read, but a write's ties may fall otherwise)
     def masked(self, query, key, value, valid, positions, scaling, *exact, fused=True):

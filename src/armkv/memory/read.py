@@ -435,10 +435,13 @@ _NO_MIX = torch.empty(0)  # (the kernels' "unmixed slots")
 def _decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling) -> tuple:
     """The arguments the fused decode reads share, in the model's layout (the kernel flattens
     them to G = B * H groups and returns [B, 1, Hq, d]: one call, no tensor op per argument)."""
-    return (
-        query, key, value, valid, exact_k, exact_v, exact_valid, state.key, state.key_scale, state.value, state.value_scale, bias,
-        _NO_MIX if mix is None else mix, float(scaling),
-    )
+    return (query, key, value, valid, exact_k, exact_v, exact_valid, *_slot_inputs(state, bias, mix), float(scaling))
+
+
+def _slot_inputs(state, bias, mix) -> tuple:
+    """Of :func:`_decode_inputs`, those that stay between writes: the slots' codes and scales,
+    their bias and the mixing (or the kernels' "unmixed")."""
+    return state.key, state.key_scale, state.value, state.value_scale, bias, _NO_MIX if mix is None else mix
 
 
 def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,
@@ -454,6 +457,23 @@ def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v,
     )
 
 
+def ranked_decode_call(kernel, state, bias, mix, index: BucketIndex, m: int, take: torch.Tensor, rows: int | None = None):
+    """The fused ranked decode read with what stays between writes bound (the slots' codes and
+    scales, ``bias``, ``mix``, the ``index``, ``m`` and ``take``): ``read_rank="best"``
+    (:func:`fused_best_decode_read`), or with ``rows`` ``"partial"``
+    (:func:`fused_partial_decode_read`). Returns a callable (query, key, value, valid, exact_k,
+    exact_v, exact_valid, scaling) -> (out [B, 1, Hq, d], the m buckets [G, m]): a decode step
+    keeps it and makes one kernel call a layer, with no other Python work."""
+    fn = kernel.arm_best_decode_read if rows is None else kernel.arm_partial_decode_read
+    held = _slot_inputs(state, bias, mix)
+    tail = (index.kernel_order(), index.start, index.size, m, take) + (() if rows is None else (rows,))
+
+    def call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(fn(query, key, value, valid, exact_k, exact_v, exact_valid, *held, float(scaling), *tail))
+
+    return call
+
+
 def fused_partial_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,
                               index: BucketIndex, m: int, take: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One query's read of ``read_rank="partial"`` in one fused kernel call: each group's m
@@ -461,10 +481,8 @@ def fused_partial_decode_read(kernel, query, key, value, valid, exact_k, exact_v
     :func:`partial_rows`, :meth:`MemoryState.partial_key_scores`), then the first ``take`` [G]
     of them read as :func:`fused_sparse_decode_read` reads them. Arguments as
     :func:`fused_best_decode_read`'s. Returns ([B, 1, Hq, d], the m buckets [G, m], best first)."""
-    return tuple(kernel.arm_partial_decode_read(
-        *_decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling),
-        index.kernel_order(), index.start, index.size, m, take, rows,
-    ))
+    call = ranked_decode_call(kernel, state, bias, mix, index, m, take, rows)
+    return call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
 
 
 def fused_best_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,
@@ -474,7 +492,5 @@ def fused_best_decode_read(kernel, query, key, value, valid, exact_k, exact_v, e
     first ``take`` [G] of them read with the logits already computed. Arguments as
     :func:`fused_sparse_decode_read`'s. Returns ([B, 1, Hq, d], the m buckets [G, m], best
     first); it equals :func:`fused_sparse_decode_read` of those buckets."""
-    return tuple(kernel.arm_best_decode_read(
-        *_decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling),
-        index.kernel_order(), index.start, index.size, m, take,
-    ))
+    call = ranked_decode_call(kernel, state, bias, mix, index, m, take)
+    return call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)

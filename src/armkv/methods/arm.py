@@ -36,7 +36,8 @@ from armkv.memory import kernels
 from armkv.memory.module import ARMModel
 from armkv.memory.pool import SlotPool
 from armkv.memory.read import (
-    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, paged_index, slot_pages, fused_best_decode_read, fused_decode_read, fused_partial_decode_read, fused_sparse_decode_read, gather_slots, gathered_read,
+    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, paged_index, slot_pages, fused_decode_read, fused_sparse_decode_read, gather_slots, gathered_read,
+    ranked_decode_call,
     partial_row_count, partial_rows, ranked_chunk_read, run_breaks, slots_of_buckets, sort_by_bucket,
 )
 from armkv.memory.rope import Rotary
@@ -113,6 +114,7 @@ class ARMLayer(CacheLayer):
         self._index_for = None  # (state, its BucketIndex) for the sparse read
         self._pages_for = None  # (that BucketIndex, its pages' index): read_pages
         self._take_for = None  # (m, (cap, H), buckets each group reads): _take
+        self._ranked_for = None  # (pool state, m, its codes, the bound fused call): _sparse_read's best / partial
         self.mix: torch.Tensor | None = None  # [B] soft-cascade weight of Top(M + 1) (training)
         self.aux: dict[str, torch.Tensor] = {}
         self.generator: torch.Generator | None = None
@@ -598,6 +600,10 @@ class ARMLayer(CacheLayer):
         (``read.gathered_read``). Its cost
         falls with M; it equals the masked read of the whole pool (tests/test_sparse_read.py).
         Returns [B, T, Hq, d]."""
+        held = self._ranked_for  # best / partial, one query on a CPU: the kernel call kept from the last step
+        if (fused and held is not None and held[0] is self.pool.state and held[1] is self.m and self.read_tally is None
+                and query.shape[2] == 1 and kernels.fused_read(query, held[2]) is not None):
+            return held[3](query, key, value, valid, exact_k, exact_v, exact_valid, scaling)[0]
         B, Hq, T, d = query.shape
         H, M = key.shape[1], self._route_k
         G = B * H
@@ -608,16 +614,14 @@ class ARMLayer(CacheLayer):
             mix = self.mixing.to(query.dtype) if st.mixed else None
             m = min(M, self.memory.router.num_buckets)
             take = self._take(m, H)
-            if self.config.read_rank == "best":  # every slot scored once: the ranking's logits are the read's
-                out, buckets = fused_best_decode_read(
-                    kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
-                    m, take,
-                )
-            elif self.config.read_rank == "partial":  # a few rows of every key to rank, the chosen buckets' keys whole
-                out, buckets = fused_partial_decode_read(
-                    kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
-                    m, take, self._partial_rows,
-                )
+            if self.config.read_rank in ("best", "partial"):
+                # best: every slot scored once, the ranking's logits are the read's; partial: a few
+                # rows of every key to rank, the chosen buckets' keys whole. What the call binds
+                # changes only with the state or M: kept until then, a decode step makes the one call
+                rows = self._partial_rows if self.config.read_rank == "partial" else None
+                call = ranked_decode_call(kernel, st, self._decode_bias(), mix, index, m, take, rows)
+                self._ranked_for = (self.pool.state, self.m, st.value, call)
+                out, buckets = call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
             else:
                 buckets = self.memory.router.fused_group_topm(kernel, query, positions, self.rotary, M)
                 if buckets is None:
