@@ -37,8 +37,7 @@ from armkv.memory.module import ARMModel
 from armkv.memory.pool import SlotPool
 from armkv.memory.read import (
     BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, paged_index, slot_pages, fused_decode_read, fused_sparse_decode_read, gather_slots, gathered_read,
-    ranked_decode_call,
-    partial_row_count, partial_rows, ranked_chunk_read, run_breaks, slots_of_buckets, sort_by_bucket,
+    partial_row_count, partial_rows, ranked_chunk_read, ranked_decode_call, run_breaks, slots_of_buckets, sort_by_bucket,
 )
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
@@ -78,6 +77,7 @@ def _warn_slow_sparse_reads(m: int, num_buckets: int, device: torch.device, trai
         RuntimeWarning,
         stacklevel=3,
     )
+
 
 class ARMLayer(CacheLayer):
     """One layer of the ARM cache.
