@@ -678,3 +678,22 @@ def test_fused_ring_push_equals_the_pytorch_push(kernel, sinks, window, batch, h
         for name in ("k", "v", "valid", "pos", "head"):
             assert torch.equal(getattr(bufs[0], name), getattr(bufs[1], name)), name
     assert bufs[0]._ring and bufs[1]._ring
+
+
+def test_a_stale_build_lock_is_removed_with_a_warning(tmp_path):
+    """A build lock left by a killed process (older than a build takes) would make every later
+    load wait forever: it is removed, and the warning names it; a fresh one is left alone."""
+    import time
+
+    from armkv.memory import kernels as k
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    k._clear_stale_lock(lock)  # fresh: another process may be building
+    assert lock.exists()
+    old = time.time() - k.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match=f"removed {lock}"):
+        k._clear_stale_lock(lock)
+    assert not lock.exists()
+    k._clear_stale_lock(lock)  # no lock: nothing to do

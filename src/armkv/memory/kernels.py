@@ -64,6 +64,7 @@ import hashlib
 import os
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -103,6 +104,7 @@ def int4_read():
             from torch.utils.cpp_extension import _get_build_directory, load
 
             build = Path(_get_build_directory(_NAME, verbose=False))
+            _clear_stale_lock(build / "lock")
             if not any(build.glob(f"{_NAME}*.so")):
                 print("armkv: building the fused int4 read kernel (once per machine, about a minute)", file=sys.stderr)
             _module = load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O3", "-std=c++17"], verbose=False)
@@ -115,6 +117,23 @@ def int4_read():
                 stacklevel=2,
             )
         return _module
+
+
+STALE_LOCK_S = 600  # a build takes about a minute: a lock this old was left by a process killed mid-build
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch's build lock, left behind by a process killed while it built or loaded the kernel,
+    makes every later load wait forever without a word: one older than STALE_LOCK_S is
+    removed, with a warning that names it."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+        warnings.warn(f"armkv: removed {lock}, a kernel build lock {age / 60:.0f} minutes old (left by a process "
+                      "stopped while it built or loaded the kernel)", RuntimeWarning, stacklevel=3)
 
 
 def describe() -> str:
