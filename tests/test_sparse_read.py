@@ -295,10 +295,12 @@ def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch, read_
     torch.testing.assert_close(sparse, dense, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("G,S,nb,laid", [(3, 50, 8, False), (2, 97, 16, True), (1, 5, 4, False), (2, 64, 4, True)])
-def test_paged_index_cuts_each_bucket_into_pages_of_the_mean_size(G, S, nb, laid):
+def test_paged_index_cuts_each_bucket_into_pages_of_the_mean_size(G, S, nb, laid, split):
     """Every occupied slot is in exactly one page, a page lies within one bucket and holds at
-    most ceil(occupied / N_b) slots, and slot_pages names the page that lists each slot."""
+    most ceil(occupied / (N_b page_split)) slots, and slot_pages names the page that lists
+    each slot."""
     g = torch.Generator().manual_seed(S)
     slot_bucket = torch.randint(0, nb, (G, S), generator=g)
     slot_bucket[0, : S // 2] = 1  # one crowded bucket
@@ -309,14 +311,15 @@ def test_paged_index_cuts_each_bucket_into_pages_of_the_mean_size(G, S, nb, laid
         slot_bucket, occupied = slot_bucket.gather(1, order), occupied.gather(1, order)
         index = bucket_index(slot_bucket, occupied, nb)
         index = type(index)(order=torch.arange(S, dtype=torch.int32).expand(G, S), start=index.start, size=index.size, laid=True)
-    pages = paged_index(index, nb)
+    units = nb * split
+    pages = paged_index(index, units)
     page_of = slot_pages(pages)
-    assert pages.size.shape == (G, 2 * nb) and pages.laid == laid
+    assert pages.size.shape == (G, 2 * units) and pages.laid == laid
     for row in range(G):
         occ = int(occupied[row].sum())
-        assert int(pages.size[row].sum()) == occ and int(pages.size[row].max()) <= -(-occ // nb)
+        assert int(pages.size[row].sum()) == occ and int(pages.size[row].max()) <= -(-occ // units)
         assert torch.equal(page_of[row] >= 0, occupied[row])
-        for u in range(2 * nb):
+        for u in range(2 * units):
             listed = pages.order[row, pages.start[row, u] : pages.start[row, u] + pages.size[row, u]].long()
             assert (page_of[row, listed] == u).all()
             assert slot_bucket[row, listed].unique().numel() <= 1
@@ -325,13 +328,14 @@ def test_paged_index_cuts_each_bucket_into_pages_of_the_mean_size(G, S, nb, laid
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("read_rank", ["best", "partial"])
+@pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("device", DEVICES)
-def test_paged_reads_equal_the_masked_read_and_touch_at_most_m_pages(dtype, tol, T, read_rank, device, monkeypatch):
+def test_paged_reads_equal_the_masked_read_and_touch_at_most_m_pages(dtype, tol, T, read_rank, split, device, monkeypatch):
     """read_pages: every read path ranks and takes the same pages (the fused and the eager
     decode reads, the compiled one's fixed width, the ranked chunk read, all against the
-    masked read of the whole pool), and a decode read of m pages touches at most m / N_b of
-    the occupied slots."""
-    model, layer = _layer_with_memory(dtype, {**_rank(read_rank), "read_pages": True}, device=device)
+    masked read of the whole pool), and a decode read of M buckets' worth of pages (M *
+    page_split of them) touches at most M / N_b of the occupied slots."""
+    model, layer = _layer_with_memory(dtype, {**_rank(read_rank), "read_pages": True, "page_split": split}, device=device)
     query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=1)
     layer._page_index()  # (the first paged index may re-lay the pool)
     exact = layer._exact()
@@ -355,7 +359,8 @@ def test_paged_reads_equal_the_masked_read_and_touch_at_most_m_pages(dtype, tol,
                 layer._sparse_read(query, key, value, valid, positions, 0.3, *exact)
             read, occupied = layer.read_tally
             per_group = (layer._readable().count > 0).sum(1)
-            assert 0 < read <= int(sum(int(k) * -(-int(n) // nb) for k, n in zip(m.repeat_interleave(2), per_group)))
+            units = nb * split  # pages of at most ceil(n / units) slots, M * split of them read
+            assert 0 < read <= int(sum(int(k) * split * -(-int(n) // units) for k, n in zip(m.repeat_interleave(2), per_group)))
             layer.read_tally = None
 
 

@@ -145,9 +145,11 @@ class ARMConfig:
     # (learned routers, scores N_b paths instead of every key, loses needles: docs/decisions.md)
     partial_share: float = 0.25  # read_rank="partial": the share of the d/2 key-code rows it reads
     read_pages: bool = False  # at M < N_b, rank and read pages instead of whole buckets: each bucket's
-    # slots cut into pages of at most the mean bucket's size (occupied / N_b), M counting pages, so
-    # that a read touches at most M / N_b of the occupied slots however unevenly the tree fills its
-    # buckets (read.paged_index); "best" or "partial" rank them (a page's best logit)
+    # slots cut into pages of at most 1 / page_split of the mean bucket's size (occupied / N_b), a
+    # read taking M * page_split of them, so that it touches at most M / N_b of the occupied slots
+    # however unevenly the tree fills its buckets (read.paged_index); "best" or "partial" rank them
+    # (a page's best logit)
+    page_split: int = 1  # read_pages: pages per mean bucket (finer pages follow the attention closer)
     policy_hidden: int = 64  # LSTM width of the top-M policy
     policy_tokens: int = 64  # l: tokens pooled into the policy's starting state
     epsilon: float = 0.1  # epsilon-greedy exploration of the policy in training
@@ -208,6 +210,8 @@ class ARMConfig:
                 "ARMConfig: read_rank='partial' ranks by the few key channels where a query is largest, and mixed "
                 "slots spread every channel over all of them; set slot_mixing=false (--option arm.slot_mixing=false)"
             )
+        if self.page_split < 1:
+            raise ArmkvError(f"ARMConfig.page_split={self.page_split} must be >= 1 (pages per mean bucket under read_pages)")
         if self.read_pages and self.read_rank == "tree":
             raise ArmkvError(
                 "ARMConfig: read_pages=true ranks pages by their best logit, and the tree ranks whole buckets; "

@@ -16,7 +16,8 @@
   included; for one query on a CPU fused calls of ``armkv.memory.kernels``; for a chunk the
   gathered PyTorch read, or with ``best`` and ``partial`` the ranked read that reuses its
   logits; ``partial`` on unmixed slots, as it requires; a ranking with ``-pages``, e.g.
-  ``partial-pages``, takes pages of the buckets instead of whole ones, ``read_pages``) against
+  ``partial-pages``, takes pages of the buckets instead of whole ones, ``read_pages``, of
+  1 / ``--page-split`` of the mean bucket) against
   the dense read of every slot (the decode step's
   ``ARMLayer._decode_read``) and the masked read of the whole pool at the same M
   (``ARMLayer._chunk_read``, the sparse read's reference), for one query and for chunks of
@@ -61,6 +62,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sparse-ranks", default="best,partial,tree,partial-pages",
                         help="bucket rankings (read_rank; with -pages: read_pages) for the sparse read timing")
     parser.add_argument("--sparse-fraction", type=int, default=8, help="the sparse read's M = N_b / this")
+    parser.add_argument("--page-split", type=int, default=ARMConfig.page_split,
+                        help="pages per mean bucket for the -pages rankings (page_split)")
     parser.add_argument("--sparse-queries", default="1,16,64", help="tokens per read for the sparse read timing")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -211,11 +214,11 @@ def bench_int4_read(slots: list[int], kv_heads: int, head_dim: int, repeats: int
     return out
 
 
-def _full_arm_layer(budget: int, fraction: int, seed: int = 0, read_rank: str = "best"):
+def _full_arm_layer(budget: int, fraction: int, seed: int = 0, read_rank: str = "best", page_split: int = ARMConfig.page_split):
     """Layer 0 of the arm cache on the default model's shape at ``budget`` (even shares),
     its pool full of slots: keys drawn near the tree's leaf centroids plus noise, each filed
     where the tree routes it (unevenly, as on text: some buckets empty, the largest four times
-    the mean). ``read_rank`` may end in ``-pages`` (``read_pages``)."""
+    the mean). ``read_rank`` may end in ``-pages`` (``read_pages``, ``page_split``)."""
     from armkv.memory.rope import Rotary
     from armkv.memory.state import MemoryState
     from armkv.methods.arm import make_arm
@@ -227,7 +230,7 @@ def _full_arm_layer(budget: int, fraction: int, seed: int = 0, read_rank: str = 
     nb = probe.memory.router.num_buckets
     rank, pages = read_rank.removesuffix("-pages"), read_rank.endswith("-pages")
     layer = make_arm(0, info, rotary, budget, 256, layer_weights="even", top_m="fixed", m_fixed=max(1, nb // fraction),
-                     read_rank=rank, slot_mixing=rank != "partial", read_pages=pages)
+                     read_rank=rank, slot_mixing=rank != "partial", read_pages=pages, page_split=page_split)
     g = torch.Generator().manual_seed(seed)
     H, d = info.num_kv_heads, info.head_dim
     with torch.no_grad():
@@ -249,13 +252,13 @@ def _full_arm_layer(budget: int, fraction: int, seed: int = 0, read_rank: str = 
 
 
 def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], repeats: int,
-                      ranks: tuple[str, ...] = ("best", "partial", "tree")) -> dict:
+                      ranks: tuple[str, ...] = ("best", "partial", "tree"), page_split: int = ARMConfig.page_split) -> dict:
     """Per budget and bucket ranking (``read_rank``): microseconds per layer of the layer's read
     at M = N_b / fraction, the dense read of every slot (one query) and the masked read at M,
     and the share of the pool gathered."""
     out = {}
     for budget, rank in [(b, r) for b in budgets for r in ranks]:
-        layer, info = _full_arm_layer(budget, fraction, read_rank=rank)
+        layer, info = _full_arm_layer(budget, fraction, read_rank=rank, page_split=page_split)
         H, Hq, d = info.num_kv_heads, info.num_heads, info.head_dim
         g = torch.Generator().manual_seed(budget)
         exact = layer._exact()
@@ -267,7 +270,7 @@ def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], rep
         # the synthetic pool lies in random order: re-laid by bucket here (read_pages: then cut into pages)
         index = layer._page_index() or layer._bucket_index()
         relay = time.perf_counter() - t0
-        width = index.width(M)
+        width = index.width(layer._units(M))
         row = {"slots": layer.state.slots, "buckets": nb, "m": M, "fixed_width": width, "fixed_width_share": width / layer.state.slots,
                "index_build_ms": 1e3 * build, "index_and_relay_ms": 1e3 * relay}
         for T in queries:
@@ -278,7 +281,7 @@ def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], rep
             with torch.no_grad():
                 if T == 1:  # the width an eager CPU read gathers for this query (the fixed one serves compiled reads)
                     q_pre = layer.rotary.unrotate(q, pos.unsqueeze(1))
-                    picked = layer._group_buckets(M, q_pre, layer._bucket_scores(q, d**-0.5)).reshape(H, 1, -1)
+                    picked = layer._group_buckets(layer._units(M), q_pre, layer._bucket_scores(q, d**-0.5)).reshape(H, 1, -1)
                     row["eager_width_share"] = slots_of_buckets(index, picked)[0].shape[-1] / layer.state.slots
                 sparse = lambda: layer._read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=False)  # noqa: E731
                 masked = lambda: layer._chunk_read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=False)  # noqa: E731
@@ -339,6 +342,8 @@ def main(args) -> int:
     if unknown:
         raise ArmkvError(f"--sparse-ranks {','.join(unknown)}: not a read_rank; use any of {', '.join(CHOICES['read_rank'])}, "
                          "best-pages, partial-pages")
+    if args.page_split < 1:
+        raise ArmkvError(f"--page-split {args.page_split}: give at least 1 page per mean bucket")
     _clock = CLOCK[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -366,7 +371,7 @@ def main(args) -> int:
     else:
         log("int4 read: the fused kernel is not available here (see the warning); not timed")
     sparse = bench_sparse_read([int(b) for b in args.sparse_budgets.split(",") if b], args.sparse_fraction,
-                               [int(t) for t in args.sparse_queries.split(",") if t], max(args.repeats, 30), ranks)
+                               [int(t) for t in args.sparse_queries.split(",") if t], max(args.repeats, 30), ranks, args.page_split)
     log(f"| budget | ranking | slots | M / N_b | gathered share | T | sparse us | dense us (every slot) | masked us | vs dense | vs masked | max diff |\n"
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for b, by_rank in sparse.items():

@@ -240,11 +240,13 @@ def bucket_index(slot_bucket: torch.Tensor, occupied: torch.Tensor, num_buckets:
 def paged_index(index: BucketIndex, num_buckets: int) -> BucketIndex:
     """``index``'s buckets cut into pages, for reads that take pages instead of buckets
     (``ARMConfig.read_pages``): each group's bucket lists, in their order, cut every
-    ceil(occupied / num_buckets) slots (the mean bucket's size), so that a read of any m pages
-    touches at most m / num_buckets of the occupied slots, however unevenly the tree fills
-    its buckets. A group has at most 2 * num_buckets pages (its buckets' sizes over the
-    page's, rounded up); pages are numbered bucket by bucket, the unused ones empty. Returns
-    the pages' index, [G, 2 * num_buckets], like a bucket index over the same ``order``."""
+    ceil(occupied / num_buckets) slots, so that a read of any m pages touches at most
+    m / num_buckets of the occupied slots, however unevenly the tree fills its buckets
+    (``num_buckets``: the tree's N_b times ``page_split``, pages of 1 / page_split of the
+    mean bucket). A group has at most 2 * num_buckets pages (its buckets' sizes over the
+    page's, rounded up, where num_buckets >= the buckets); pages are numbered bucket by
+    bucket, the unused ones empty. Returns the pages' index, [G, 2 * num_buckets], like a
+    bucket index over the same ``order``."""
     G, S = index.order.shape
     U = 2 * num_buckets
     size, start = index.size.long(), index.start.long()

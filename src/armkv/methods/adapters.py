@@ -26,7 +26,7 @@ from armkv.methods.base import ModelInfo
 # a parameter's shape (the tree, scorer, gate and policy come with the adapter).
 RUNTIME_FIELDS = {
     "sinks", "window", "sync", "slots", "pool", "chunk", "position_mode", "write", "empty_slot_rule",
-    "log_count_bias", "demote_scope", "protect_recent", "lazy_merge", "slot_format", "slot_ladder", "slot_mixing", "tau", "top_m", "m_fixed", "read_rank", "partial_share", "read_pages", "epsilon",
+    "log_count_bias", "demote_scope", "protect_recent", "lazy_merge", "slot_format", "slot_ladder", "slot_mixing", "tau", "top_m", "m_fixed", "read_rank", "partial_share", "read_pages", "page_split", "epsilon",
 }  # fmt: skip
 
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
@@ -164,7 +164,7 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
 
 # bytes a read of fewer buckets than all keeps beside the slots between writes (read.BucketIndex):
 # its order, per slot, and each bucket's start and size; read_pages' pages another start and size
-# for each of their 2 N_b
+# for each of their 2 N_b page_split
 INDEX_SLOT_BYTES, INDEX_BUCKET_BYTES, PAGES_BUCKET_BYTES = 4, 8, 16
 
 
@@ -175,7 +175,7 @@ def _with_index_bytes(runtime: ARMConfig, info: ModelInfo, budget: int) -> ARMCo
     d, db = info.head_dim, info.dtype_bytes
     own = slot_bytes(runtime.slot_format, d, db)
     smallest = min(slot_bytes(f, d, db) for f in [*runtime.ladder, runtime.slot_format])
-    per_bucket = INDEX_BUCKET_BYTES + (PAGES_BUCKET_BYTES if runtime.read_pages else 0)
+    per_bucket = INDEX_BUCKET_BYTES + (PAGES_BUCKET_BYTES * runtime.page_split if runtime.read_pages else 0)
     left = (runtime.pool_slots * own - runtime.num_buckets * per_bucket) * smallest // (smallest + INDEX_SLOT_BYTES)
     slots = left // own
     if runtime.pool == "paper":

@@ -428,24 +428,26 @@ class ARMLayer(CacheLayer):
     def _masks_for(self, q_pre: torch.Tensor, best: torch.Tensor | None, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
         mem = self.memory
         B, Hq = q_pre.shape[:2]
-        buckets = self._group_buckets(self._route_k, q_pre, best).repeat_interleave(rep, 1)
+        buckets = self._group_buckets(self._units(self._route_k), q_pre, best).repeat_interleave(rep, 1)
         slot_unit, units = self._read_units()
         slot_unit = slot_unit.long().reshape(B, -1, slot_unit.shape[-1]).repeat_interleave(rep, 1)
         occ = occupied.repeat_interleave(rep, 1).unsqueeze(2)
         ms = [self.m] if self.mix is None else [self.m, (self.m + 1).clamp_max(mem.router.num_buckets)]
-        return [bucket_slot_mask(buckets, m, slot_unit, units) & occ for m in ms]
+        return [bucket_slot_mask(buckets, self._units(m), slot_unit, units) & occ for m in ms]
 
     # ------------------------------------------------------------------ sparse read
     def _group_buckets(self, m: int, q_pre: torch.Tensor, best: torch.Tensor | None = None) -> torch.Tensor:
         """Each query's m buckets, one choice per KV head for its R query heads.
 
         ``read_rank="best"``: the m buckets with the largest ``best`` [B, H, T, N_b], each
-        bucket's best logit (:meth:`_bucket_scores`). ``"tree"``: the tree's read routing of
-        the pre-RoPE queries (``Router.group_topm_buckets``), scored in the routers' dtype.
+        bucket's best logit (:meth:`_bucket_scores`; with ``read_pages``, m pages of its
+        pages' [B, H, T, 2 N_b page_split]). ``"tree"``: the tree's read routing of the
+        pre-RoPE queries (``Router.group_topm_buckets``), scored in the routers' dtype.
         q_pre [B, Hq, T, d] -> [B, H, T, m']."""
         router = self.memory.router
         if self.config.read_rank != "tree":  # (ties to the lower bucket id, as the fused kernel breaks them)
-            return best.sort(dim=-1, descending=True, stable=True).indices[..., : min(m, router.num_buckets)]
+            cap = best.shape[-1] if self.config.read_pages else router.num_buckets
+            return best.sort(dim=-1, descending=True, stable=True).indices[..., : min(m, cap)]
         B, Hq, T, d = q_pre.shape
         x = q_pre.reshape(B, self.info.num_kv_heads, -1, T, d).to(router.weight.dtype)
         return router.group_topm_buckets(x, m)[0]
@@ -457,8 +459,8 @@ class ARMLayer(CacheLayer):
         every read path picks the same buckets; for ``"partial"`` and one decoded token, q.k
         over the key-code rows of ``read.partial_rows`` only. query [B, Hq, T, d] post-RoPE
         (or, with ``keys`` [B, H, S, d] given, whatever the read scores those keys with)
-        -> [B, H, T, N_b], -inf for an empty bucket (with ``read_pages``, [B, H, T, 2 N_b]:
-        each page's best logit)."""
+        -> [B, H, T, N_b], -inf for an empty bucket (with ``read_pages``, [B, H, T, 2 N_b
+        page_split]: each page's best logit)."""
         if self.config.read_rank == "tree":
             return None
         slot_bucket, num_buckets = self._read_units()  # (pages under read_pages)
@@ -518,7 +520,7 @@ class ARMLayer(CacheLayer):
         kernel = kernels.fused_cpu(query.float()) if fused else None  # (the read is in float32 whatever the model's dtype)
         # what it ranks: buckets, or their pages (read_pages); either's first build may re-lay the pool, so before the slots are read
         if kernel is not None:  # the kernel takes the units' index
-            by_kernel = (kernel, self._page_index() or self._bucket_index(), self._take(self.memory.router.num_buckets, H))
+            by_kernel = (kernel, self._page_index() or self._bucket_index(), self._take(self._units(self.memory.router.num_buckets), H))
         else:
             by_kernel = None
             slot_unit, num_units = self._read_units()
@@ -537,8 +539,8 @@ class ARMLayer(CacheLayer):
 
             def pick(logits: torch.Tensor) -> torch.Tensor:  # [G, T', S] -> the slots of each query's buckets
                 best = bucket_best(logits, slot_unit, num_units).view(B, H, -1, num_units)
-                buckets = self._group_buckets(self._route_k, None, best)
-                return (bucket_slot_mask(buckets, self.m, slot_unit.view(B, H, S), num_units) & occupied).view(G, -1, S)
+                buckets = self._group_buckets(self._units(self._route_k), None, best)
+                return (bucket_slot_mask(buckets, self._units(self.m), slot_unit.view(B, H, S), num_units) & occupied).view(G, -1, S)
 
         out = ranked_chunk_read(
             mixed(query).reshape(G, R, T, d), mixed(key).reshape(G, T, d), mixed(value).reshape(G, T, d),
@@ -586,8 +588,13 @@ class ARMLayer(CacheLayer):
             return None
         index = self._bucket_index()
         if self._pages_for is None or self._pages_for[0] is not index:
-            self._pages_for = (index, paged_index(index, self.memory.router.num_buckets))
+            self._pages_for = (index, paged_index(index, self.memory.router.num_buckets * self.config.page_split))
         return self._pages_for[1]
+
+    def _units(self, m):
+        """M buckets (an int or a tensor) in the units a read takes: M * page_split pages under
+        ``read_pages`` (each at most 1 / page_split of the mean bucket), else M buckets."""
+        return m * self.config.page_split if self.config.read_pages else m
 
     def _tally(self, read: int, occupied: int) -> None:
         """Add one read of ``read`` of the ``occupied`` slots to ``read_tally``."""
@@ -612,7 +619,7 @@ class ARMLayer(CacheLayer):
         kernel = kernels.fused_read(query, st.value) if fused and T == 1 and st.key_scale is not None else None
         if kernel is not None:  # one query on a CPU: ranked and read in one call (best), or routed, then read (tree)
             mix = self.mixing.to(query.dtype) if st.mixed else None
-            m = min(M, self.memory.router.num_buckets)
+            m = self._units(min(M, self.memory.router.num_buckets))
             take = self._take(m, H)
             if self.config.read_rank in ("best", "partial"):
                 # best: every slot scored once, the ranking's logits are the read's; partial: a few
@@ -635,9 +642,9 @@ class ARMLayer(CacheLayer):
                 self._tally(int((index.size.gather(1, buckets).long() * chosen).sum()), int(index.size.sum()))
             return out
         q_pre = self.rotary.unrotate(query, positions.unsqueeze(1))
-        buckets = self._group_buckets(M, q_pre, self._bucket_scores(query, scaling))  # [B, H, T, M]
+        buckets = self._group_buckets(self._units(M), q_pre, self._bucket_scores(query, scaling))  # [B, H, T, M]
         M = buckets.shape[-1]
-        take = (torch.arange(M, device=query.device) < self.m.view(B, 1, 1, 1)).expand(B, H, T, M)
+        take = (torch.arange(M, device=query.device) < self._units(self.m).view(B, 1, 1, 1)).expand(B, H, T, M)
         # eager on a CPU, the width these queries need (a host sync costs nothing there); compiled
         # or on an accelerator, the width any M buckets need, fixed until the next write
         eager_cpu = query.device.type == "cpu" and not torch.compiler.is_compiling()
@@ -652,10 +659,11 @@ class ARMLayer(CacheLayer):
         )
 
     def _take(self, m: int, H: int) -> torch.Tensor:
-        """How many buckets each group reads, M of its row capped at m: [B * H] long, kept
-        while M and m stay (a decode step reads it in every layer)."""
+        """How many units (buckets, or pages: :meth:`_units`) each group reads, M of its row in
+        units capped at m: [B * H] long, kept while M and m stay (a decode step reads it in
+        every layer)."""
         if self._take_for is None or self._take_for[0] is not self.m or self._take_for[1] != (m, H):
-            self._take_for = (self.m, (m, H), self.m.clamp_max(m).repeat_interleave(H))
+            self._take_for = (self.m, (m, H), self._units(self.m).clamp_max(m).repeat_interleave(H))
         return self._take_for[2]
 
     def _decide_m(self, k_pre: torch.Tensor, valid: torch.Tensor) -> None:
