@@ -57,6 +57,17 @@ def bucket_best(scores: torch.Tensor, slot_bucket: torch.Tensor, num_buckets: in
     return best.scatter_reduce_(-1, idx, scores, "amax")[..., :num_buckets]
 
 
+def top_unit_slots(scores: torch.Tensor, unit: torch.Tensor, num_units: int, m: int) -> torch.Tensor:
+    """The slots of each group's m best units (buckets, or pages), a unit ranked by its best
+    slot score, ties to the lower unit id (as the reads break them): scores [G, S] (-inf
+    where a slot is not read), unit [G, S] (-1 for a free slot) -> [G, S] bool."""
+    G = scores.shape[0]
+    best = bucket_best(scores.unsqueeze(1), unit, num_units)[:, 0]  # [G, num_units]
+    picked = best.sort(dim=-1, descending=True, stable=True).indices[:, :m]
+    chosen = torch.zeros(G, num_units + 1, dtype=torch.bool, device=scores.device).scatter_(1, picked, True)
+    return chosen.gather(1, torch.where(unit < 0, num_units, unit.long())) & (unit >= 0)
+
+
 def partial_rows(query: torch.Tensor, n: int) -> torch.Tensor:
     """The key-code rows ``read_rank="partial"`` ranks a decoded token's buckets by: row c
     holds channels c and c + d/2 (a byte a slot of int4 codes, and under RoPE's rotate-half

@@ -1,0 +1,275 @@
+"""``armkv eval reads``: how much of the full read's attention a sparse read would skip.
+
+At M < N_b, ARM reads the slots of each query's best buckets (or, with ``read_pages``, pages
+of them) and renormalises its softmax over those: what the skipped slots would have drawn is
+lost. This eval measures that share directly, on RULER needle samples, without generating:
+each sample's context is prefilled through an ARM cache that reads every bucket, then its
+question and its gold answer are fed one token at a time (decode steps, the answer
+teacher-forced). At each step, in each layer, the full read's attention (one softmax per
+query head over every slot, the exact entries and the token itself) is compared with the
+slots that each setting's sparse read would take from the same state: M = N_b / ``--fraction``
+buckets' worth of pages of 1 / ``page_split`` of the mean bucket (``read_pages``), ranked as
+``read_rank`` ranks them (``partial``: the query's largest ``partial_share`` of key-code rows;
+``best``: every key whole). A query head's missed mass is the share of its full attention on
+slots the setting skips. The slots are unmixed (``slot_mixing=false``, as ``partial``
+requires).
+
+The same samples, prompts and budget as ``armkv eval ruler`` with the same ``--seed``,
+``--haystack`` and lengths; a score's variance over 20 samples is 5-9 points, this share's a
+small fraction of its mean, so settings can be told apart here before RULER is run on them.
+
+Output: one JSONL line per sample (``reads.jsonl``: per setting, the mean over layers, KV
+heads' query heads and steps, its 90th percentile, the share of reads that miss more than 10%,
+the share of occupied slots read, and the mean per layer; a re-run resumes), ``table.md``
+and ``reads.png`` (missed mass per layer, one line per setting).
+
+    armkv eval reads --tasks niah_multivalue --lengths 4k --haystack essay --haystack-file prose.txt \\
+        --budget 4096 --samples 8 --page-split 1,2,4,8 --output reads
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from armkv.errors import ArmkvError
+from armkv.evals import common
+
+NEEDLE_TASKS = "niah_single_1,niah_multikey_1,niah_multivalue,niah_multiquery"
+RANKS = ("partial", "best")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--tasks", default=NEEDLE_TASKS, help="comma-separated RULER needle tasks (default: %(default)s)")
+    parser.add_argument("--lengths", default="4k", help="context lengths in tokens, e.g. 4k,8k (default: %(default)s)")
+    parser.add_argument("--haystack", choices=("noise", "essay"), default="noise", help="the needle tasks' haystack (essay needs --haystack-file)")
+    parser.add_argument("--haystack-file", default=None, help="prose for the essay haystack: a .txt or RULER's PaulGrahamEssays.json")
+    parser.add_argument("--fraction", type=int, default=8, help="the sparse reads' M = N_b / this (default: %(default)s)")
+    parser.add_argument("--ranks", default="partial", help=f"bucket rankings to compare, of {', '.join(RANKS)} (default: %(default)s)")
+    parser.add_argument("--page-split", default="1,4", help="pages per mean bucket to compare (page_split; default: %(default)s)")
+    parser.add_argument("--partial-share", default="0.25", help="with partial: shares of the key-code rows to compare (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    common.add_common_arguments(parser, methods=None, samples=8)
+
+
+def settings_from(args) -> list[dict]:
+    """The settings compared: every rank x page_split (x partial_share for partial), checked."""
+    ranks = common.parse_list(args.ranks, "ranks")
+    unknown = [r for r in ranks if r not in RANKS]
+    if unknown or not ranks:
+        raise ArmkvError(f"--ranks {args.ranks!r}: choose from {', '.join(RANKS)}")
+    try:
+        splits = common.parse_list(args.page_split, "page-split", int)
+        shares = common.parse_list(args.partial_share, "partial-share", float)
+    except ValueError:
+        raise ArmkvError("--page-split takes whole numbers and --partial-share fractions, comma-separated, e.g. 1,4 and 0.25") from None
+    if not splits or min(splits) < 1:
+        raise ArmkvError(f"--page-split {args.page_split!r}: give pages per mean bucket of at least 1, e.g. 1,4")
+    if not shares or not all(0 < s <= 1 for s in shares):
+        raise ArmkvError(f"--partial-share {args.partial_share!r}: give shares in (0, 1], e.g. 0.125,0.25")
+    out = []
+    for rank in ranks:
+        for split in splits:
+            for share in shares if rank == "partial" else [None]:
+                name = f"{rank}, pages/{split}" + (f", rows {share:g}" if share is not None else "")
+                out.append({"name": name, "rank": rank, "page_split": split, "partial_share": share})
+    return out
+
+
+def missed_mass(layer, query, key, valid, scaling: float, exact_k, exact_valid, settings: list[dict], m: int) -> dict:
+    """For one decode step of one ARM layer that reads every bucket: per setting, each query
+    head's share of the full read's attention on the slots the setting's sparse read skips,
+    and the share of occupied slots it reads -> {name: (missed [B * Hq], read share)}.
+    query [B, Hq, 1, d] post-RoPE; key [B, H, 1, d]; valid [B, 1]; exact_k [B, H, L, d];
+    exact_valid [B, L]."""
+    import torch
+
+    from armkv.memory.read import paged_index, partial_row_count, partial_rows, slot_pages, top_unit_slots
+
+    index = layer._bucket_index()  # (its first build may re-lay the pool: before the slots are read)
+    st = layer._readable()
+    if st.mixed:
+        raise ArmkvError("eval reads needs unmixed slots (arm.slot_mixing=false)")
+    B, Hq, _, d = query.shape
+    H = key.shape[1]
+    G, R, S = B * H, Hq // H, st.slots
+    q = query.reshape(G, R, d).float()
+    bias = layer._decode_bias().reshape(G, 1, S).float()
+    full = st.key_scores(q).float() * scaling + bias  # [G, R, S]
+    exact = torch.matmul(q, exact_k.reshape(G, -1, d).float().transpose(1, 2)) * scaling
+    exact = exact.masked_fill(~exact_valid.repeat_interleave(H, 0).unsqueeze(1), float("-inf"))
+    own = (q * key.reshape(G, 1, d).float()).sum(-1, keepdim=True) * scaling
+    own = own.masked_fill(~valid.repeat_interleave(H, 0).view(G, 1, 1), float("-inf"))
+    p = torch.softmax(torch.cat([full, exact, own], -1), -1)[..., :S]
+    occupied = (st.count.reshape(G, S) > 0).sum().clamp_min(1)
+    num_buckets = layer.memory.router.num_buckets
+    units, scores, out = {}, {}, {}
+    for s in settings:
+        split = s["page_split"]
+        if split not in units:
+            pages = paged_index(index, num_buckets * split)
+            units[split] = (slot_pages(pages), pages.size.shape[1])
+        key_ = (s["rank"], s["partial_share"])
+        if key_ not in scores:
+            if s["rank"] == "best":
+                scores[key_] = full.amax(1)
+            else:
+                rows = partial_rows(q, partial_row_count(s["partial_share"], d))
+                scores[key_] = (st.partial_key_scores(q, rows).float() * scaling + bias).amax(1)
+        unit, num_units = units[split]
+        chosen = top_unit_slots(scores[key_], unit, num_units, m * split)
+        out[s["name"]] = ((p * ~chosen.unsqueeze(1)).sum(-1).flatten(), float(chosen.sum() / occupied))
+    return out
+
+
+def measure_sample(model, tokenizer, sample: dict, budget: int, chunk: int, settings: list[dict], fraction: int,
+                   options: dict, chat: bool = False) -> dict:
+    """One sample: its context prefilled, its question and gold answer fed a token at a time,
+    each decode step of each layer measured (:func:`missed_mass`). Returns the sample's record."""
+    import torch
+
+    from armkv.hf.attach import make_cache
+    from armkv.hf.runner import Runner
+
+    answer = tokenizer(" " + ", ".join(sample["answers"]), add_special_tokens=False)["input_ids"]
+    runner = Runner(model, tokenizer, "arm", budget, chunk, chat=chat, **options)
+    stages = runner.encode(sample)
+    context, fed = stages[0], sum(stages[1:], []) + answer
+    cache = make_cache(model, "arm", budget, chunk, horizon=len(context) + len(fed), **options)
+    layers = cache.layers
+    taken = {s["name"]: [[] for _ in layers] for s in settings}
+    shares = {s["name"]: [] for s in settings}
+    m = None
+
+    def hook(i, layer):
+        read = layer._decode_read
+
+        def run(query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused=True):
+            for name, (missed, share) in missed_mass(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m).items():
+                taken[name][i].append(missed)
+                shares[name].append(share)
+            return read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused)
+
+        layer._decode_read = run  # (an instance attribute over the class's method, as bench decode times it)
+
+    with torch.inference_mode():
+        ids = torch.tensor([context], device=model.device)
+        model(input_ids=ids, position_ids=torch.arange(len(context), device=model.device)[None], past_key_values=cache, use_cache=True)
+        num_buckets = layers[0].memory.router.num_buckets
+        if not all(layer._reads_all for layer in layers):
+            raise ArmkvError("eval reads measures a cache that reads every bucket: drop the top_m / m_fixed options")
+        m = max(1, num_buckets // fraction)
+        for i, layer in enumerate(layers):
+            hook(i, layer)
+        for step, token in enumerate(fed):
+            position = len(context) + step
+            model(input_ids=torch.tensor([[token]], device=model.device), position_ids=torch.tensor([[position]], device=model.device),
+                  past_key_values=cache, use_cache=True)
+    record = {"id": sample["id"], "task": sample["task"], "length": sample["length"], "tokens": len(context) + len(fed),
+              "steps": len(fed), "m": m, "num_buckets": num_buckets, "missed": {}}
+    for name, per_layer in taken.items():
+        every = torch.cat([torch.cat(x) for x in per_layer])
+        record["missed"][name] = {
+            "mean": float(every.mean()), "p90": float(every.quantile(0.9)), "over_10pct": float((every > 0.1).float().mean()),
+            "read_share": sum(shares[name]) / len(shares[name]), "per_layer": [float(torch.cat(x).mean()) for x in per_layer],
+        }
+    return record
+
+
+def summarise(records: list[dict], settings: list[dict]) -> dict:
+    """Means over samples: per setting, per task and length and over all, and per layer."""
+    out = {}
+    for s in settings:
+        rows = [r["missed"][s["name"]] for r in records]
+        cells: dict = {}
+        for r in records:
+            cells.setdefault(f"{r['task']} {common.length_label(str(r['length']))}", []).append(r["missed"][s["name"]]["mean"])
+        out[s["name"]] = {
+            "mean": sum(x["mean"] for x in rows) / len(rows), "p90": sum(x["p90"] for x in rows) / len(rows),
+            "over_10pct": sum(x["over_10pct"] for x in rows) / len(rows), "read_share": sum(x["read_share"] for x in rows) / len(rows),
+            "cells": {k: sum(v) / len(v) for k, v in cells.items()},
+            "per_layer": [sum(x["per_layer"][i] for x in rows) / len(rows) for i in range(len(rows[0]["per_layer"]))],
+        }
+    return out
+
+
+def markdown(summary: dict, caption: str) -> str:
+    cells = list(next(iter(summary.values()))["cells"])
+    lines = ["| setting | slots read | " + " | ".join(cells) + " | all | p90 | reads missing > 10% |",
+             "|---|---:|" + "---:|" * (len(cells) + 3)]
+    for name, row in summary.items():
+        lines.append(f"| {name} | {100 * row['read_share']:.1f}% | " + " | ".join(f"{100 * row['cells'][c]:.1f}%" for c in cells)
+                     + f" | {100 * row['mean']:.1f}% | {100 * row['p90']:.1f}% | {100 * row['over_10pct']:.1f}% |")
+    return caption + "\n\n" + "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, row in summary.items():
+        ax.plot(range(len(row["per_layer"])), [100 * v for v in row["per_layer"]], marker="o", markersize=3, label=name)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("full read's attention skipped (%)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    from tqdm.auto import tqdm
+
+    from armkv.evals.ruler import RulerGenerator, check_lengths, load_essay, parse_tasks
+    from armkv.options import options_for
+
+    settings = settings_from(args)
+    tasks = parse_tasks(args.tasks)
+    lengths = common.parse_list(args.lengths, "lengths", common.parse_length)
+    if args.samples < 1:
+        raise ArmkvError(f"--samples {args.samples}: give at least 1 sample per task and length")
+    if args.fraction < 1:
+        raise ArmkvError(f"--fraction {args.fraction}: give at least 1 (M = N_b / fraction)")
+    if args.haystack == "essay" and not args.haystack_file:
+        raise ArmkvError("--haystack essay needs --haystack-file (a .txt of prose)")
+    options = options_for("arm", args.option, args.adapter)
+    if {"top_m", "m_fixed", "slot_mixing", "read_pages", "page_split", "read_rank", "partial_share"} & set(options):
+        raise ArmkvError("eval reads sets how the cache reads (every bucket, unmixed slots): drop --option arm.top_m / m_fixed / "
+                         "slot_mixing / read_pages / page_split / read_rank / partial_share, and compare them with --ranks, "
+                         "--page-split, --partial-share")
+    options.update(slot_mixing=False)
+    haystack = load_essay(args.haystack_file) if args.haystack_file else None
+    unchecked = RulerGenerator(None, args.seed, haystack, haystack=args.haystack)
+    for task in tasks:
+        unchecked.check(task)
+    check_lengths(lengths, None)
+    output = Path(args.output)
+    common.check_settings(output, {**common.settings_of(args, "reads"), "haystack": args.haystack, "fraction": args.fraction,
+                                   "settings": [s["name"] for s in settings], "options": {"arm": options}})
+    model, tokenizer, info = common.load(args)
+    check_lengths(lengths, info.max_positions)
+    generator = RulerGenerator(tokenizer, args.seed, haystack, haystack=args.haystack)
+    log = common.SampleLog(output / "reads.jsonl")
+    todo = [s for task in tasks for length in lengths for s in generator.samples(task, length, args.samples) if s["id"] not in log.done_ids]
+    for sample in tqdm(todo, desc="eval reads", unit="sample"):
+        log.append(measure_sample(model, tokenizer, sample, args.budget, args.chunk, settings, args.fraction, options, args.chat))
+    wanted = {f"{t}-{n}" for t in tasks for n in lengths}
+    records = [r for r in log.records if f"{r['task']}-{r['length']}" in wanted]
+    summary = summarise(records, settings)
+    m, nb = records[0]["m"], records[0]["num_buckets"]
+    caption = (f"Share of the full read's attention on the slots each sparse read skips (decode steps of the question and "
+               f"the teacher-forced answer, mean over samples, layers, query heads and steps); M = {m} of {nb} buckets' worth "
+               f"of pages; arm at budget {args.budget} ({info.budget_bytes(args.budget):,} bytes a layer), slots unmixed; "
+               f"{len(records)} samples, {args.haystack} haystack.")
+    (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = "# Attention the sparse reads skip\n\n" + markdown(summary, caption)
+    (output / "table.md").write_text(text)
+    plot(summary, output / "reads.png", f"missed attention by layer, M = {m} of {nb}, budget {args.budget}")
+    print(json.dumps(summary) if args.json else text)
+    if not args.json:
+        print(json.dumps({name: row["mean"] for name, row in summary.items()}))
+    return 0

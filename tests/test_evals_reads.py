@@ -1,0 +1,75 @@
+"""``armkv eval reads``: the slots it says a sparse read skips are the ones the read skips."""
+
+import argparse
+
+import pytest
+import torch
+
+from armkv.errors import ArmkvError
+from armkv.evals import reads
+from test_sparse_read import _chunk, _layer_with_memory
+
+
+def _settings(**overrides):
+    args = argparse.Namespace(**{"ranks": "partial", "page_split": "1", "partial_share": "0.25", **overrides})
+    return reads.settings_from(args)
+
+
+def _full_probs(layer, query, key, valid, scaling, exact_k, exact_valid):
+    """The full read's attention on each slot, [B, Hq, S], from the dequantised keys (the reference)."""
+    st = layer._readable()
+    B, Hq, _, d = query.shape
+    H = key.shape[1]
+    R, S = Hq // H, st.slots
+    keys = st.kv(torch.float32)[0].reshape(B, H, S, d).repeat_interleave(R, 1)
+    bias = layer._decode_bias().float().repeat_interleave(R, 1)
+    q = query.float()[:, :, 0]
+    slots = torch.einsum("bhd,bhsd->bhs", q, keys) * scaling + bias
+    exact = torch.einsum("bhd,bhld->bhl", q, exact_k.float().repeat_interleave(R, 1)) * scaling
+    exact = exact.masked_fill(~exact_valid[:, None], float("-inf"))
+    own = (q * key.float()[:, :, 0].repeat_interleave(R, 1)).sum(-1, keepdim=True) * scaling
+    own = own.masked_fill(~valid[:, :, None].expand(B, 1, 1).transpose(1, 2), float("-inf"))
+    return torch.softmax(torch.cat([slots, exact, own], -1), -1)[..., :S]
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("rank", ["partial", "best"])
+def test_missed_mass_is_the_attention_on_the_slots_the_sparse_read_skips(split, rank):
+    overrides = {"read_rank": rank, "slot_mixing": False, "read_pages": True, "page_split": split}
+    model, layer = _layer_with_memory(torch.float32, overrides)
+    query, key, value, valid, positions = _chunk(model, layer, torch.float32, 1, padded=0)
+    exact_k, exact_v, exact_valid = layer._exact()
+    m, scaling = 3, 0.3
+    layer.m, layer._route_k = torch.tensor([m, m]), m
+    settings = [{"name": "s", "rank": rank, "page_split": split, "partial_share": layer.config.partial_share if rank == "partial" else None}]
+    with torch.no_grad():
+        missed, share = reads.missed_mass(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)["s"]
+        # the slots the layer's own masked read takes at this M (its reference read)
+        best = layer._bucket_scores(query, scaling)
+        _, _, occupied, _ = layer._slots()
+        mask = layer._masks_for(query, best, occupied, query.shape[1] // key.shape[1])[0][:, :, 0]  # [B, Hq, S]
+        p = _full_probs(layer, query, key, valid, scaling, exact_k, exact_valid)
+    B, Hq = query.shape[:2]
+    torch.testing.assert_close(missed.view(B, Hq), (p * ~mask).sum(-1), rtol=1e-4, atol=1e-5)
+    assert 0 < share <= 1 and (missed > 0).any()
+    # reading every page misses nothing
+    everything = reads.missed_mass(layer, query, key, valid, scaling, exact_k, exact_valid, settings, layer.memory.router.num_buckets * 2)
+    assert float(everything["s"][0].abs().max()) < 1e-6 and everything["s"][1] == pytest.approx(1.0)
+
+
+def test_settings_are_checked_before_anything_runs():
+    names = [s["name"] for s in _settings(ranks="partial,best", page_split="1,4", partial_share="0.125,0.25")]
+    assert names == ["partial, pages/1, rows 0.125", "partial, pages/1, rows 0.25", "partial, pages/4, rows 0.125",
+                     "partial, pages/4, rows 0.25", "best, pages/1", "best, pages/4"]
+    for bad in ({"ranks": "tree"}, {"page_split": "0"}, {"page_split": "x"}, {"partial_share": "1.5"}):
+        with pytest.raises(ArmkvError):
+            _settings(**bad)
+
+
+def test_eval_reads_refuses_read_options_it_sets(tmp_path, monkeypatch):
+    from armkv.cli import build_parser
+
+    monkeypatch.setattr("armkv.evals.common.load", lambda args: pytest.fail("the model must not load"))
+    args = build_parser().parse_args(["eval", "reads", "--output", str(tmp_path / "r"), "--option", "arm.top_m=fixed"])
+    with pytest.raises(ArmkvError, match="eval reads sets how the cache reads"):
+        reads.main(args)
