@@ -149,7 +149,8 @@ class ARMConfig:
     # read taking M * page_split of them, so that it touches at most M / N_b of the occupied slots
     # however unevenly the tree fills its buckets (read.paged_index); "best" or "partial" rank them
     # (a page's best logit)
-    page_split: int = 1  # read_pages: pages per mean bucket (finer pages follow the attention closer)
+    page_split: int = 1  # read_pages: pages per mean bucket; 4 misses a third less of the full read's
+    # attention at M = N_b / 8 and its read costs a third more (docs/design.md, docs/decisions.md)
     policy_hidden: int = 64  # LSTM width of the top-M policy
     policy_tokens: int = 64  # l: tokens pooled into the policy's starting state
     epsilon: float = 0.1  # epsilon-greedy exploration of the policy in training

@@ -15,8 +15,9 @@ slots the setting skips. The slots are unmixed (``slot_mixing=false``, as ``part
 requires).
 
 The same samples, prompts and budget as ``armkv eval ruler`` with the same ``--seed``,
-``--haystack`` and lengths; a score's variance over 20 samples is 5-9 points, this share's a
-small fraction of its mean, so settings can be told apart here before RULER is run on them.
+``--haystack``, ``--chat`` and lengths. A RULER cell's paired difference between two settings
+has a standard error of 5-9 points over 20 samples; this share's mean moves by a fraction of a
+point, so settings can be told apart here before RULER is run on them.
 
 Output: one JSONL line per sample (``reads.jsonl``: per setting, the mean over layers, KV
 heads' query heads and steps, its 90th percentile, the share of reads that miss more than 10%,
@@ -224,7 +225,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
 def main(args) -> int:
     from tqdm.auto import tqdm
 
-    from armkv.evals.ruler import RulerGenerator, check_lengths, load_essay, parse_tasks
+    from armkv.evals.ruler import RulerGenerator, chat_template_tokens, check_lengths, load_essay, parse_tasks
     from armkv.options import options_for
 
     settings = settings_from(args)
@@ -252,7 +253,8 @@ def main(args) -> int:
                                    "settings": [s["name"] for s in settings], "options": {"arm": options}})
     model, tokenizer, info = common.load(args)
     check_lengths(lengths, info.max_positions)
-    generator = RulerGenerator(tokenizer, args.seed, haystack, haystack=args.haystack)
+    extra = chat_template_tokens(tokenizer) if args.chat else 0  # (counted in a sample's length, as eval ruler counts it)
+    generator = RulerGenerator(tokenizer, args.seed, haystack, extra_tokens=extra, haystack=args.haystack)
     log = common.SampleLog(output / "reads.jsonl")
     todo = [s for task in tasks for length in lengths for s in generator.samples(task, length, args.samples) if s["id"] not in log.done_ids]
     for sample in tqdm(todo, desc="eval reads", unit="sample"):
