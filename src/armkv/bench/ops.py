@@ -281,7 +281,7 @@ def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], rep
             with torch.no_grad():
                 if T == 1:  # the width an eager CPU read gathers for this query (the fixed one serves compiled reads)
                     q_pre = layer.rotary.unrotate(q, pos.unsqueeze(1))
-                    picked = layer._group_buckets(layer._units(M), q_pre, layer._bucket_scores(q, d**-0.5)).reshape(H, 1, -1)
+                    picked = layer._group_buckets(M, q_pre, layer._bucket_scores(q, d**-0.5)).reshape(H, 1, -1)
                     row["eager_width_share"] = slots_of_buckets(index, picked)[0].shape[-1] / layer.state.slots
                 sparse = lambda: layer._read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=False)  # noqa: E731
                 masked = lambda: layer._chunk_read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=False)  # noqa: E731

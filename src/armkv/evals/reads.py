@@ -129,14 +129,13 @@ def measure_sample(model, tokenizer, sample: dict, budget: int, chunk: int, sett
     each decode step of each layer measured (:func:`missed_mass`). Returns the sample's record."""
     import torch
 
-    from armkv.hf.attach import make_cache
     from armkv.hf.runner import Runner
 
     answer = tokenizer(" " + ", ".join(sample["answers"]), add_special_tokens=False)["input_ids"]
     runner = Runner(model, tokenizer, "arm", budget, chunk, chat=chat, **options)
     stages = runner.encode(sample)
     context, fed = stages[0], sum(stages[1:], []) + answer
-    cache = make_cache(model, "arm", budget, chunk, horizon=len(context) + len(fed), **options)
+    cache = runner.new_cache(horizon=len(context) + len(fed))
     layers = cache.layers
     taken = {s["name"]: [[] for _ in layers] for s in settings}
     shares = {s["name"]: [] for s in settings}

@@ -428,7 +428,7 @@ class ARMLayer(CacheLayer):
     def _masks_for(self, q_pre: torch.Tensor, best: torch.Tensor | None, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
         mem = self.memory
         B, Hq = q_pre.shape[:2]
-        buckets = self._group_buckets(self._units(self._route_k), q_pre, best).repeat_interleave(rep, 1)
+        buckets = self._group_buckets(self._route_k, q_pre, best).repeat_interleave(rep, 1)
         slot_unit, units = self._read_units()
         slot_unit = slot_unit.long().reshape(B, -1, slot_unit.shape[-1]).repeat_interleave(rep, 1)
         occ = occupied.repeat_interleave(rep, 1).unsqueeze(2)
@@ -440,14 +440,13 @@ class ARMLayer(CacheLayer):
         """Each query's m buckets, one choice per KV head for its R query heads.
 
         ``read_rank="best"``: the m buckets with the largest ``best`` [B, H, T, N_b], each
-        bucket's best logit (:meth:`_bucket_scores`; with ``read_pages``, m pages of its
-        pages' [B, H, T, 2 N_b page_split]). ``"tree"``: the tree's read routing of the
+        bucket's best logit (:meth:`_bucket_scores`; with ``read_pages``, m buckets' worth of
+        pages, :meth:`_units`, of its pages' [B, H, T, 2 N_b page_split]). ``"tree"``: the tree's read routing of the
         pre-RoPE queries (``Router.group_topm_buckets``), scored in the routers' dtype.
         q_pre [B, Hq, T, d] -> [B, H, T, m']."""
         router = self.memory.router
         if self.config.read_rank != "tree":  # (ties to the lower bucket id, as the fused kernel breaks them)
-            cap = best.shape[-1] if self.config.read_pages else router.num_buckets
-            return best.sort(dim=-1, descending=True, stable=True).indices[..., : min(m, cap)]
+            return best.sort(dim=-1, descending=True, stable=True).indices[..., : min(self._units(m), best.shape[-1])]
         B, Hq, T, d = q_pre.shape
         x = q_pre.reshape(B, self.info.num_kv_heads, -1, T, d).to(router.weight.dtype)
         return router.group_topm_buckets(x, m)[0]
@@ -539,7 +538,7 @@ class ARMLayer(CacheLayer):
 
             def pick(logits: torch.Tensor) -> torch.Tensor:  # [G, T', S] -> the slots of each query's buckets
                 best = bucket_best(logits, slot_unit, num_units).view(B, H, -1, num_units)
-                buckets = self._group_buckets(self._units(self._route_k), None, best)
+                buckets = self._group_buckets(self._route_k, None, best)
                 return (bucket_slot_mask(buckets, self._units(self.m), slot_unit.view(B, H, S), num_units) & occupied).view(G, -1, S)
 
         out = ranked_chunk_read(
@@ -642,7 +641,7 @@ class ARMLayer(CacheLayer):
                 self._tally(int((index.size.gather(1, buckets).long() * chosen).sum()), int(index.size.sum()))
             return out
         q_pre = self.rotary.unrotate(query, positions.unsqueeze(1))
-        buckets = self._group_buckets(self._units(M), q_pre, self._bucket_scores(query, scaling))  # [B, H, T, M]
+        buckets = self._group_buckets(M, q_pre, self._bucket_scores(query, scaling))  # [B, H, T, M units]
         M = buckets.shape[-1]
         take = (torch.arange(M, device=query.device) < self._units(self.m).view(B, 1, 1, 1)).expand(B, H, T, M)
         # eager on a CPU, the width these queries need (a host sync costs nothing there); compiled
