@@ -231,6 +231,7 @@ SPARSE_ARM = [
     {"read_rank": "partial", "slot_mixing": False},
     {"read_rank": "partial", "slot_mixing": False, "read_pages": True},
     {"read_rank": "partial", "slot_mixing": False, "read_pages": True, "page_split": 4},
+    {"read_rank": "partial", "slot_mixing": False, "read_pages": True, "read_summaries": True},
     {"read_rank": "tree", "slot_ladder": "int8,k8v4"},
 ]
 

@@ -491,3 +491,96 @@ def test_sparse_reads_off_the_cpu_warn_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         arm_method._warn_slow_sparse_reads(8, 64, cuda, False)
+
+
+def _naive_summarised_read(layer, query, key, value, valid, scaling, exact_k, exact_v, exact_valid, mask):
+    """``read_summaries`` written out query by query: one softmax over the slots the read takes
+    (``mask`` [B, Hq, T, S]), each unit it skips as the weighted mean of its slots' keys and
+    values (weights exp(bias)) with the log of the weights' sum as bias, the exact entries and
+    the chunk up to the query. In float64 -> [B, T, Hq, d]."""
+    slot_k, slot_v, occupied, bias = (t.double() for t in layer._slots())
+    slot_unit, num_units = layer._read_units()
+    B, Hq, T, d = query.shape
+    H = key.shape[1]
+    slot_unit = slot_unit.reshape(B, H, -1)
+    q, k, v, ek, ev = (t.double() for t in (query, key, value, exact_k, exact_v))
+    out = torch.zeros(B, T, Hq, d, dtype=torch.float64)
+    for b in range(B):
+        for hq in range(Hq):
+            h = hq // (Hq // H)
+            members = (slot_unit[b, h][None, :] == torch.arange(num_units)[:, None]) & (occupied[b, h] > 0)  # [U, S]
+            w = bias[b, h].exp().nan_to_num(0.0)  # [S]
+            for t in range(T):
+                x = q[b, hq, t]
+                taken = mask[b, hq, t]
+                skipped = members.any(1) & ~(members & taken).any(1)
+                unit_w = members[skipped].double() * w  # [U', S]
+                mean_k = unit_w @ slot_k[b, h] / unit_w.sum(1, keepdim=True)
+                mean_v = unit_w @ slot_v[b, h] / unit_w.sum(1, keepdim=True)
+                keep = valid[b, : t + 1]
+                logits = torch.cat([slot_k[b, h][taken] @ x * scaling + bias[b, h][taken], mean_k @ x * scaling + unit_w.sum(1).log(),
+                                    ek[b, h][exact_valid[b]] @ x * scaling, k[b, h, : t + 1][keep] @ x * scaling])
+                values = torch.cat([slot_v[b, h][taken], mean_v, ev[b, h][exact_valid[b]], v[b, h, : t + 1][keep]])
+                if len(logits):
+                    out[b, t, hq] = torch.softmax(logits, 0) @ values
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("T", [1, 5, 37])
+@pytest.mark.parametrize("read_rank", ["best", "partial-pages", "tree"])
+def test_read_summaries_equal_a_softmax_over_the_read_slots_and_each_skipped_units_mean(dtype, tol, T, read_rank):
+    """``read_summaries``: a read at M < N_b (the masked read; a chunk ranked by its logits,
+    the ranked read's PyTorch ops) equals the softmax written out query by query over the slots
+    it takes, one entry for each unit it skips and the rest; it reads far closer to reading
+    every bucket than the same read without them (these random keys spread attention thin)."""
+    model, layer = _layer_with_memory(dtype, {**_rank(read_rank), "read_summaries": True})
+    query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=1)
+    exact = layer._exact()
+    for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):
+        layer.m, layer._route_k = m, int(m.max())
+        with torch.no_grad():
+            read = layer._read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
+            masked = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
+            q_pre = layer.rotary.unrotate(query, positions.unsqueeze(1))
+            occupied = layer._slots()[2]
+            mask = layer._masks_for(q_pre, layer._bucket_scores(query, 0.3), occupied, query.shape[1] // key.shape[1])[0]
+            every = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
+            layer.config.read_summaries = False
+            plain = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
+            layer.config.read_summaries = True
+        naive = _naive_summarised_read(layer, query, key, value, valid, 0.3, *exact, mask)
+        assert read.dtype == dtype and read.shape == naive.shape
+        torch.testing.assert_close(masked.double(), naive, rtol=tol, atol=tol)
+        torch.testing.assert_close(read.double(), naive, rtol=tol, atol=tol)
+        gap = lambda x: (x.double() - every.double()).abs().mean()  # noqa: E731
+        assert gap(read) < gap(plain) / 4
+
+
+def test_unit_summaries_are_weighted_means_and_log_totals():
+    """read.unit_summaries against a loop over units: free slots and empty units left out."""
+    from armkv.memory.read import unit_summaries, units_read
+
+    g = torch.Generator().manual_seed(5)
+    G, S, d, U = 2, 23, 4, 5
+    k, v = torch.randn(G, S, d, generator=g), torch.randn(G, S, d, generator=g)
+    count = torch.randint(0, 4, (G, S), generator=g).float()
+    bias = torch.where(count > 0, count.clamp_min(1).log(), float("-inf"))
+    unit = torch.randint(0, U - 1, (G, S), generator=g).masked_fill(count == 0, -1)  # unit U - 1 stays empty
+    keys, values, log_weight, at = unit_summaries(k, v, bias, unit, U)
+    for gi in range(G):
+        for u in range(U):
+            members = (unit[gi] == u).nonzero().flatten()
+            if not len(members):
+                assert log_weight[gi, u] == float("-inf") and not keys[gi, u].any() and not values[gi, u].any()
+                continue
+            w = count[gi, members]
+            torch.testing.assert_close(keys[gi, u], (w[:, None] * k[gi, members]).sum(0) / w.sum())
+            torch.testing.assert_close(values[gi, u], (w[:, None] * v[gi, members]).sum(0) / w.sum())
+            torch.testing.assert_close(log_weight[gi, u], w.sum().log())
+    mask = torch.rand(G, 3, S, generator=g) > 0.7
+    taken = units_read(mask, at, U)
+    for gi in range(G):
+        for t in range(3):
+            expect = {int(unit[gi, s]) for s in range(S) if mask[gi, t, s] and unit[gi, s] >= 0}
+            assert set(taken[gi, t].nonzero().flatten().tolist()) == expect

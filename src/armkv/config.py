@@ -151,6 +151,11 @@ class ARMConfig:
     # (a page's best logit)
     page_split: int = 1  # read_pages: pages per mean bucket; 4 misses a third less of the full read's
     # attention at M = N_b / 8 and its read costs a third more (docs/design.md, docs/decisions.md)
+    read_summaries: bool = False  # at M < N_b, each bucket (or page) a read skips still enters its softmax
+    # as one entry: its slots' keys and values averaged with the weights log_count_bias gives them
+    # (each slot's count), the log of their total as the logit bias (read.unit_summaries; NSA's
+    # compressed attention over the tree's buckets). Built at every read from the slots, in PyTorch:
+    # a read then costs about what reading every bucket costs (docs/design.md)
     policy_hidden: int = 64  # LSTM width of the top-M policy
     policy_tokens: int = 64  # l: tokens pooled into the policy's starting state
     epsilon: float = 0.1  # epsilon-greedy exploration of the policy in training

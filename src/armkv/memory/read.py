@@ -107,6 +107,41 @@ def bucket_best_of_keys(query: torch.Tensor, keys: torch.Tensor, bias: torch.Ten
     return torch.cat(out, 1)
 
 
+def unit_summaries(slot_k: torch.Tensor, slot_v: torch.Tensor, bias: torch.Tensor, slot_unit: torch.Tensor,
+                   num_units: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a read that skips a unit (a bucket, or a page of one) reads of it instead
+    (``read_summaries``): one entry whose key and value are the means of the unit's slots'
+    keys and values weighted by exp(bias) (a slot's count n under ``log_count_bias``, else 1),
+    and whose logit bias is the log of their total weight, so that its share of the softmax
+    is exp(q . mean key + log total) where the slots' would be the sum of exp(q . k + log n):
+    equal where the unit's logits are equal, less otherwise (Jensen).
+
+    slot_k, slot_v [G, S, d] (any basis: the means are linear); bias [G, S] (-inf: free);
+    slot_unit [G, S] (-1: free) -> (keys [G, U, d], values [G, U, d] float32, zero for an
+    empty unit; log_weight [G, U] float32, -inf for an empty one; unit [G, S] long, free
+    slots at U)."""
+    G, S, d = slot_k.shape
+    f32 = torch.float32
+    weight = torch.exp(bias.to(f32))  # (free slots: exp(-inf) = 0)
+    unit = torch.where(slot_unit < 0, num_units, slot_unit).long()
+    sums = torch.zeros(G, num_units + 1, 2 * d + 1, dtype=f32, device=slot_k.device)
+    w = weight.unsqueeze(-1)
+    sums.scatter_add_(1, unit.unsqueeze(-1).expand(G, S, 2 * d + 1), torch.cat([slot_k.to(f32) * w, slot_v.to(f32) * w, w], -1))
+    total = sums[:, :num_units, -1]
+    means = sums[:, :num_units, :-1] / total.clamp_min(torch.finfo(f32).tiny).unsqueeze(-1)
+    log_weight = torch.where(total > 0, total.clamp_min(torch.finfo(f32).tiny).log(), float("-inf"))
+    return means[..., :d], means[..., d:], log_weight, unit
+
+
+def units_read(slot_mask: torch.Tensor, unit: torch.Tensor, num_units: int) -> torch.Tensor:
+    """Which units a read takes, from the slots it reads: slot_mask [G, T, S] bool, unit
+    [G, S] long (free slots at num_units, from :func:`unit_summaries`) -> [G, T, U] bool."""
+    G, T, S = slot_mask.shape
+    taken = torch.zeros(G, T, num_units + 1, dtype=torch.float32, device=slot_mask.device)
+    taken.scatter_reduce_(2, unit.unsqueeze(1).expand(G, T, S), slot_mask.float(), "amax")
+    return taken[..., :num_units] > 0
+
+
 def ranked_chunk_read(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -122,6 +157,7 @@ def ranked_chunk_read(
     pick,
     block: int = 32,
     fused=None,
+    summaries=None,
 ) -> torch.Tensor:
     """A chunk's read of the slots its queries' top buckets hold, with every slot's logit
     computed once: the same logits rank the buckets (``pick``) and enter the softmax. The
@@ -142,7 +178,14 @@ def ranked_chunk_read(
     softmax over the chosen slots with their values), where the PyTorch ops make a mask the
     size of the logits and read every slot's value; the exact entries and the chunk join its
     softmax here. ``tests/test_sparse_read.py`` checks the two against each other.
+
+    ``summaries`` (``read_summaries``; PyTorch ops only, not with ``fused``): the units'
+    (keys [G, U, d], values [G, U, d], log_weight [G, U], unit [G, S]) of
+    :func:`unit_summaries`; each unit a query's ``pick`` leaves out joins its softmax as one
+    entry.
     """
+    if summaries is not None and fused is not None:
+        raise ValueError("ranked_chunk_read: summaries are read by the PyTorch ops; pass fused=None")
     G, R, T, d = query.shape
     f32 = torch.float32
     q = query.to(f32) * scaling  # (scaled first, as bucket_best_of_keys ranks: the same logits)
@@ -177,10 +220,19 @@ def ranked_chunk_read(
             out.append(o.div_(total).nan_to_num_(0.0))
             continue
         slots.add_(bias)
+        picked = pick(slots.amax(1))
         # (the mask as an additive -inf: a broadcast add is several times cheaper than masked_fill_)
-        slots.add_(torch.where(pick(slots.amax(1)), 0.0, float("-inf")).unsqueeze(1))
-        w = torch.softmax(torch.cat([slots, exact, chunk], -1), dim=-1).nan_to_num_(0.0).view(G, R * tb, -1)
-        o = torch.bmm(w[..., :S], slot_v) + torch.bmm(w[..., S : S + L], exact_v) + torch.bmm(w[..., S + L :], chunk_v)
+        slots.add_(torch.where(picked, 0.0, float("-inf")).unsqueeze(1))
+        parts = [slots, exact, chunk]
+        if summaries is not None:  # the units left out, one entry each
+            unit_k, unit_v, log_weight, unit = summaries
+            U = unit_k.shape[1]
+            skipped = torch.bmm(flat, unit_k.to(f32).transpose(1, 2)).view(G, R, tb, U) + log_weight.view(G, 1, 1, U)
+            parts.append(skipped.masked_fill_(units_read(picked, unit, U).unsqueeze(1), float("-inf")))
+        w = torch.softmax(torch.cat(parts, -1), dim=-1).nan_to_num_(0.0).view(G, R * tb, -1)
+        o = torch.bmm(w[..., :S], slot_v) + torch.bmm(w[..., S : S + L], exact_v) + torch.bmm(w[..., S + L : S + L + T], chunk_v)
+        if summaries is not None:
+            o = o + torch.bmm(w[..., S + L + T :], unit_v.to(f32))
         out.append(o.view(G, R, tb, d))
     return torch.cat(out, 2)
 

@@ -38,6 +38,7 @@ from armkv.memory.pool import SlotPool
 from armkv.memory.read import (
     BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, paged_index, slot_pages, fused_decode_read, fused_sparse_decode_read, gather_slots, gathered_read,
     partial_row_count, partial_rows, ranked_chunk_read, ranked_decode_call, run_breaks, slots_of_buckets, sort_by_bucket,
+    unit_summaries, units_read,
 )
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
@@ -245,7 +246,13 @@ class ARMLayer(CacheLayer):
     def _read(self, query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all) -> torch.Tensor:
         """A read of the slots (the decode step's dense read aside): at M < N_b gathered
         (:meth:`_sparse_read`) or ranked (:meth:`_ranked_chunk_read`) where either serves,
-        else masked over the whole pool (:meth:`_chunk_read`, their reference)."""
+        else masked over the whole pool (:meth:`_chunk_read`, their reference). With
+        ``read_summaries`` a chunk ranked by its logits takes the ranked read's PyTorch ops,
+        any other read the masked one."""
+        if self.config.read_summaries and self._reads_top_m(reads_all):
+            if query.shape[2] > 1 and self.config.read_rank != "tree":
+                return self._ranked_chunk_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused=False)
+            return self._chunk_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all)
         if self._reads_sparse(query.shape[2], reads_all):
             return self._sparse_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid)
         if self._reads_ranked(reads_all):
@@ -362,12 +369,28 @@ class ARMLayer(CacheLayer):
         if not reads_all and c.position_mode != "stored":
             best = self._bucket_scores(q_in, scaling, slot_k)
         slot_masks = [None] if reads_all else self._masks_for(q_pre, best, occupied, rep)
+        summaries = None
+        if c.read_summaries and not reads_all:  # each skipped unit as one entry (read.unit_summaries)
+            slot_unit, num_units = self._read_units()
+            S, dk = slot_k.shape[2], slot_k.shape[-1]
+            unit_k, unit_v, log_weight, unit = unit_summaries(
+                slot_k.reshape(B * H, S, dk), slot_v.reshape(B * H, S, -1), bias.reshape(B * H, S), slot_unit.reshape(B * H, S), num_units
+            )
+            summaries = (unit.view(B, H, S).repeat_interleave(rep, 1).reshape(B * Hq, S), num_units)  # (per query head)
+            slot_k = torch.cat([slot_k, unit_k.view(B, H, num_units, dk).to(slot_k.dtype)], 2)
+            slot_v = torch.cat([slot_v, unit_v.view(B, H, num_units, -1).to(slot_v.dtype)], 2)
+            state_valid = torch.cat([state_valid, (log_weight > float("-inf")).view(B, H, num_units)], -1)
+            state_bias = torch.cat([state_bias, log_weight.view(B, H, num_units).to(state_bias.dtype)], -1)
         state_k = torch.cat([exact_k, slot_k], 2)
         state_v = torch.cat([exact_v, slot_v], 2)
         outs = []
         for mask in slot_masks:
             state_mask = None
             if mask is not None:
+                if summaries is not None:  # a unit's entry where the query skips it
+                    unit, num_units = summaries
+                    taken = units_read(mask.reshape(B * Hq, T, -1), unit, num_units)
+                    mask = torch.cat([mask, ~taken.view(B, Hq, T, num_units)], -1)
                 state_mask = torch.cat([torch.ones(B, Hq, T, L, dtype=torch.bool, device=key.device), mask], -1)
             out = joint_attention(
                 q_in, chunk_k, chunk_v, valid, scaling, state_k, state_v, state_valid, state_bias, state_mask, state_clean=True
@@ -516,7 +539,9 @@ class ARMLayer(CacheLayer):
         B, Hq, T, d = query.shape
         H, L = key.shape[1], exact_k.shape[2]
         G, R = B * H, Hq // H
-        kernel = kernels.fused_cpu(query.float()) if fused else None  # (the read is in float32 whatever the model's dtype)
+        summarised = self.config.read_summaries
+        # (the read is in float32 whatever the model's dtype; the skipped units' summaries: PyTorch ops)
+        kernel = kernels.fused_cpu(query.float()) if fused and not summarised else None
         # what it ranks: buckets, or their pages (read_pages); either's first build may re-lay the pool, so before the slots are read
         if kernel is not None:  # the kernel takes the units' index
             by_kernel = (kernel, self._page_index() or self._bucket_index(), self._take(self._units(self.memory.router.num_buckets), H))
@@ -541,11 +566,16 @@ class ARMLayer(CacheLayer):
                 buckets = self._group_buckets(self._route_k, None, best)
                 return (bucket_slot_mask(buckets, self._units(self.m), slot_unit.view(B, H, S), num_units) & occupied).view(G, -1, S)
 
+        summaries = None
+        if summarised:
+            summaries = unit_summaries(slot_k.reshape(G, S, d), slot_v.reshape(G, S, d), self._decode_bias().reshape(G, S),
+                                       slot_unit.reshape(G, S), num_units)
         out = ranked_chunk_read(
             mixed(query).reshape(G, R, T, d), mixed(key).reshape(G, T, d), mixed(value).reshape(G, T, d),
             valid[:, None].expand(B, H, T).reshape(G, T), scaling,
             mixed(exact_k).reshape(G, L, d), mixed(exact_v).reshape(G, L, d), exact_valid[:, None].expand(B, H, L).reshape(G, L),
             slot_k.reshape(G, S, d), slot_v.reshape(G, S, d), self._decode_bias().reshape(G, S), pick, fused=by_kernel,
+            summaries=summaries,
         )
         if mix is not None:
             out = out @ mix.T
