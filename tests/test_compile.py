@@ -20,6 +20,7 @@ CASES = {
     "arm-partial": dict(budget=48, arm_overrides={"sync": 4, "top_m": "fixed", "m_fixed": 2, "read_rank": "partial",
                                           "slot_mixing": False}),
     "arm-tree": dict(budget=48, arm_overrides={"sync": 4, "top_m": "fixed", "m_fixed": 2, "read_rank": "tree"}),
+    "arm-summaries": dict(budget=48, arm_overrides={"sync": 4, "top_m": "fixed", "m_fixed": 2, "read_summaries": True}),
     "fifo": dict(budget=48),
 }
 
