@@ -73,3 +73,28 @@ def test_eval_reads_refuses_read_options_it_sets(tmp_path, monkeypatch):
     args = build_parser().parse_args(["eval", "reads", "--output", str(tmp_path / "r"), "--option", "arm.top_m=fixed"])
     with pytest.raises(ArmkvError, match="eval reads sets how the cache reads"):
         reads.main(args)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("rank", ["partial", "best"])
+def test_output_errors_are_those_of_the_layers_own_reads(split, rank):
+    """The output errors eval reads reports for a setting are those of the layer's own masked
+    read at that M and ranking, without and with ``read_summaries``, against its read of
+    every bucket."""
+    overrides = {"read_rank": rank, "slot_mixing": False, "read_pages": True, "page_split": split}
+    model, layer = _layer_with_memory(torch.float32, overrides)
+    query, key, value, valid, positions = _chunk(model, layer, torch.float32, 1, padded=0)
+    exact = layer._exact()
+    m, scaling = 3, 0.3
+    layer.m, layer._route_k = torch.tensor([m, m]), m
+    settings = [{"name": "s", "rank": rank, "page_split": split, "partial_share": layer.config.partial_share if rank == "partial" else None}]
+    with torch.no_grad():
+        error, summarised = reads.output_errors(layer, query, key, value, valid, scaling, *exact[:2], exact[2], settings, m)["s"]
+        every = layer._chunk_read(query, key, value, valid, positions, scaling, *exact, reads_all=True)[:, 0]
+        plain = layer._chunk_read(query, key, value, valid, positions, scaling, *exact, reads_all=False)[:, 0]
+        layer.config.read_summaries = True
+        with_summaries = layer._chunk_read(query, key, value, valid, positions, scaling, *exact, reads_all=False)[:, 0]
+    relative = lambda o: ((o - every).norm(dim=-1) / every.norm(dim=-1)).flatten()  # noqa: E731
+    torch.testing.assert_close(error, relative(plain), rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(summarised, relative(with_summaries), rtol=1e-3, atol=1e-5)
+    assert (error > 0).any() and summarised.mean() < error.mean()

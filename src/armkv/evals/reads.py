@@ -14,6 +14,10 @@ buckets' worth of pages of 1 / ``page_split`` of the mean bucket (``read_pages``
 slots the setting skips. The slots are unmixed (``slot_mixing=false``, as ``partial``
 requires).
 
+Beside the missed share it measures what the read outputs: each query head's attention output
+against the full read's, |o - o_full| / |o_full|, for the sparse read as it is and with
+``read_summaries`` (each page it skips joins its softmax as one entry, ``read.unit_summaries``).
+
 The same samples, prompts and budget as ``armkv eval ruler`` with the same ``--seed``,
 ``--haystack``, ``--chat`` and lengths. A RULER cell's paired difference between two settings
 has a standard error of 5-9 points over 20 samples; this share's mean moves by a fraction of a
@@ -21,7 +25,8 @@ point, so settings can be told apart here before RULER is run on them.
 
 Output: one JSONL line per sample (``reads.jsonl``: per setting, the mean over layers, KV
 heads' query heads and steps, its 90th percentile, the share of reads that miss more than 10%,
-the share of occupied slots read, and the mean per layer; a re-run resumes), ``table.md``
+the share of occupied slots read, the mean per layer, and the output errors without and with
+summaries, overall and per layer; a re-run resumes), ``table.md``
 and ``reads.png`` (missed mass per layer, one line per setting).
 
     armkv eval reads --tasks niah_multivalue --lengths 4k --haystack essay --haystack-file prose.txt \\
@@ -77,12 +82,11 @@ def settings_from(args) -> list[dict]:
     return out
 
 
-def missed_mass(layer, query, key, valid, scaling: float, exact_k, exact_valid, settings: list[dict], m: int) -> dict:
-    """For one decode step of one ARM layer that reads every bucket: per setting, each query
-    head's share of the full read's attention on the slots the setting's sparse read skips,
-    and the share of occupied slots it reads -> {name: (missed [B * Hq], read share)}.
-    query [B, Hq, 1, d] post-RoPE; key [B, H, 1, d]; valid [B, 1]; exact_k [B, H, L, d];
-    exact_valid [B, L]."""
+def _sparse_choices(layer, query, key, valid, scaling: float, exact_k, exact_valid, settings: list[dict], m: int):
+    """What :func:`missed_mass` and :func:`output_errors` share for one decode step of a layer
+    that reads every bucket: the full read's logits over [slots | exact entries | the token]
+    ([G, R, S + L + 1] float32) and, per setting, the slots its sparse read takes [G, S] with
+    its units (the unit of each slot [G, S], their number)."""
     import torch
 
     from armkv.memory.read import paged_index, partial_row_count, partial_rows, slot_pages, top_unit_slots
@@ -101,10 +105,8 @@ def missed_mass(layer, query, key, valid, scaling: float, exact_k, exact_valid, 
     exact = exact.masked_fill(~exact_valid.repeat_interleave(H, 0).unsqueeze(1), float("-inf"))
     own = (q * key.reshape(G, 1, d).float()).sum(-1, keepdim=True) * scaling
     own = own.masked_fill(~valid.repeat_interleave(H, 0).view(G, 1, 1), float("-inf"))
-    p = torch.softmax(torch.cat([full, exact, own], -1), -1)[..., :S]
-    occupied = (st.count.reshape(G, S) > 0).sum().clamp_min(1)
     num_buckets = layer.memory.router.num_buckets
-    units, scores, out = {}, {}, {}
+    units, scores, chosen = {}, {}, {}
     for s in settings:
         split = s["page_split"]
         if split not in units:
@@ -118,8 +120,56 @@ def missed_mass(layer, query, key, valid, scaling: float, exact_k, exact_valid, 
                 rows = partial_rows(q, partial_row_count(s["partial_share"], d))
                 scores[key_] = (st.partial_key_scores(q, rows).float() * scaling + bias).amax(1)
         unit, num_units = units[split]
-        chosen = top_unit_slots(scores[key_], unit, num_units, m * split)
-        out[s["name"]] = ((p * ~chosen.unsqueeze(1)).sum(-1).flatten(), float(chosen.sum() / occupied))
+        chosen[s["name"]] = (top_unit_slots(scores[key_], unit, num_units, m * split), unit, num_units)
+    return torch.cat([full, exact, own], -1), chosen
+
+
+def missed_mass(layer, query, key, valid, scaling: float, exact_k, exact_valid, settings: list[dict], m: int) -> dict:
+    """For one decode step of one ARM layer that reads every bucket: per setting, each query
+    head's share of the full read's attention on the slots the setting's sparse read skips,
+    and the share of occupied slots it reads -> {name: (missed [B * Hq], read share)}.
+    query [B, Hq, 1, d] post-RoPE; key [B, H, 1, d]; valid [B, 1]; exact_k [B, H, L, d];
+    exact_valid [B, L]."""
+    logits, chosen = _sparse_choices(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)
+    st = layer._readable()
+    S = st.slots
+    p = logits.softmax(-1)[..., :S]
+    occupied = (st.count.reshape(-1, S) > 0).sum().clamp_min(1)
+    return {name: ((p * ~taken.unsqueeze(1)).sum(-1).flatten(), float(taken.sum() / occupied)) for name, (taken, _, _) in chosen.items()}
+
+
+def output_errors(layer, query, key, value, valid, scaling: float, exact_k, exact_v, exact_valid, settings: list[dict],
+                  m: int) -> dict:
+    """For the same step: per setting, each query head's attention output error against the
+    full read's, |o - o_full| / |o_full|, of the sparse read as it is and of the sparse read
+    with ``read_summaries`` (each skipped unit one entry, ``read.unit_summaries``) ->
+    {name: (error [B * Hq], error with summaries [B * Hq])}. value [B, H, 1, d],
+    exact_v [B, H, L, d], the rest as :func:`missed_mass`."""
+    import torch
+
+    from armkv.memory.read import unit_summaries, units_read
+
+    logits, chosen = _sparse_choices(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)
+    st = layer._readable()
+    G, R, S, d = logits.shape[0], logits.shape[1], st.slots, query.shape[-1]
+    slot_k, slot_v = (t.reshape(G, S, d).float() for t in st.kv(torch.float32, unmix=False))
+    values = torch.cat([slot_v, exact_v.reshape(G, -1, d).float(), value.reshape(G, 1, d).float()], 1)
+    full = logits.softmax(-1) @ values  # [G, R, d]
+    q = query.reshape(G, R, d).float()
+    bias = layer._decode_bias().reshape(G, S).float()
+    norm = full.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+    out, built = {}, {}
+    for name, (taken, unit, num_units) in chosen.items():
+        sparse = logits.clone()
+        sparse[..., :S].masked_fill_(~taken.unsqueeze(1), float("-inf"))
+        plain = sparse.softmax(-1) @ values
+        if id(unit) not in built:
+            built[id(unit)] = unit_summaries(slot_k, slot_v, bias, unit.reshape(G, S), num_units)
+        unit_k, unit_v, log_weight, at = built[id(unit)]
+        skipped = (q @ unit_k.transpose(1, 2)) * scaling + log_weight.unsqueeze(1)  # [G, R, U]
+        skipped = skipped.masked_fill(units_read(taken.unsqueeze(1), at, num_units), float("-inf"))
+        summarised = torch.cat([sparse, skipped], -1).softmax(-1) @ torch.cat([values, unit_v], 1)
+        out[name] = (((plain - full).norm(dim=-1) / norm).flatten(), ((summarised - full).norm(dim=-1) / norm).flatten())
     return out
 
 
@@ -138,6 +188,7 @@ def measure_sample(model, tokenizer, sample: dict, budget: int, chunk: int, sett
     cache = runner.new_cache(horizon=len(context) + len(fed))
     layers = cache.layers
     taken = {s["name"]: [[] for _ in layers] for s in settings}
+    errors = {s["name"]: ([[] for _ in layers], [[] for _ in layers]) for s in settings}
     shares = {s["name"]: [] for s in settings}
     m = None
 
@@ -148,6 +199,9 @@ def measure_sample(model, tokenizer, sample: dict, budget: int, chunk: int, sett
             for name, (missed, share) in missed_mass(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m).items():
                 taken[name][i].append(missed)
                 shares[name].append(share)
+            for name, pair in output_errors(layer, query, key, value, valid, scaling, exact_k, exact_v, exact_valid, settings, m).items():
+                for kept, error in zip(errors[name], pair):
+                    kept[i].append(error)
             return read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused)
 
         layer._decode_read = run  # (an instance attribute over the class's method, as bench decode times it)
@@ -173,6 +227,9 @@ def measure_sample(model, tokenizer, sample: dict, budget: int, chunk: int, sett
             "mean": float(every.mean()), "p90": float(every.quantile(0.9)), "over_10pct": float((every > 0.1).float().mean()),
             "read_share": sum(shares[name]) / len(shares[name]), "per_layer": [float(torch.cat(x).mean()) for x in per_layer],
         }
+        for field, kept in zip(("error", "error_summaries"), errors[name]):
+            record["missed"][name][field] = float(torch.cat([torch.cat(x) for x in kept]).mean())
+            record["missed"][name][f"{field}_per_layer"] = [float(torch.cat(x).mean()) for x in kept]
     return record
 
 
@@ -190,16 +247,23 @@ def summarise(records: list[dict], settings: list[dict]) -> dict:
             "cells": {k: sum(v) / len(v) for k, v in cells.items()},
             "per_layer": [sum(x["per_layer"][i] for x in rows) / len(rows) for i in range(len(rows[0]["per_layer"]))],
         }
+        for field in ("error", "error_summaries"):  # (records written before these were measured have none)
+            measured = [x for x in rows if field in x]
+            if measured:
+                out[s["name"]][field] = sum(x[field] for x in measured) / len(measured)
+                out[s["name"]][f"{field}_per_layer"] = [sum(x[f"{field}_per_layer"][i] for x in measured) / len(measured)
+                                                       for i in range(len(measured[0][f"{field}_per_layer"]))]
     return out
 
 
 def markdown(summary: dict, caption: str) -> str:
     cells = list(next(iter(summary.values()))["cells"])
-    lines = ["| setting | slots read | " + " | ".join(cells) + " | all | p90 | reads missing > 10% |",
-             "|---|---:|" + "---:|" * (len(cells) + 3)]
+    lines = ["| setting | slots read | " + " | ".join(cells) + " | all | p90 | reads missing > 10% | output error | with summaries |",
+             "|---|---:|" + "---:|" * (len(cells) + 5)]
     for name, row in summary.items():
+        error = " | ".join(f"{row[f]:.3f}" if f in row else "-" for f in ("error", "error_summaries"))
         lines.append(f"| {name} | {100 * row['read_share']:.1f}% | " + " | ".join(f"{100 * row['cells'][c]:.1f}%" for c in cells)
-                     + f" | {100 * row['mean']:.1f}% | {100 * row['p90']:.1f}% | {100 * row['over_10pct']:.1f}% |")
+                     + f" | {100 * row['mean']:.1f}% | {100 * row['p90']:.1f}% | {100 * row['over_10pct']:.1f}% | {error} |")
     return caption + "\n\n" + "\n".join(lines) + "\n"
 
 
@@ -265,7 +329,9 @@ def main(args) -> int:
     caption = (f"Share of the full read's attention on the slots each sparse read skips (decode steps of the question and "
                f"the teacher-forced answer, mean over samples, layers, query heads and steps); M = {m} of {nb} buckets' worth "
                f"of pages; arm at budget {args.budget} ({info.budget_bytes(args.budget):,} bytes a layer), slots unmixed; "
-               f"{len(records)} samples, {args.haystack} haystack.")
+               f"{len(records)} samples, {args.haystack} haystack. Output error: |o - o_full| / |o_full| of each query "
+               f"head's attention output against the full read's, mean; with summaries: the same read with read_summaries "
+               f"(each skipped page as one entry).")
     (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     text = "# Attention the sparse reads skip\n\n" + markdown(summary, caption)
     (output / "table.md").write_text(text)
