@@ -124,13 +124,15 @@ def _sparse_choices(layer, query, key, valid, scaling: float, exact_k, exact_val
     return torch.cat([full, exact, own], -1), chosen
 
 
-def missed_mass(layer, query, key, valid, scaling: float, exact_k, exact_valid, settings: list[dict], m: int) -> dict:
+def missed_mass(layer, query, key, valid, scaling: float, exact_k, exact_valid, settings: list[dict], m: int,
+                choices=None) -> dict:
     """For one decode step of one ARM layer that reads every bucket: per setting, each query
     head's share of the full read's attention on the slots the setting's sparse read skips,
     and the share of occupied slots it reads -> {name: (missed [B * Hq], read share)}.
     query [B, Hq, 1, d] post-RoPE; key [B, H, 1, d]; valid [B, 1]; exact_k [B, H, L, d];
-    exact_valid [B, L]."""
-    logits, chosen = _sparse_choices(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)
+    exact_valid [B, L]; ``choices``: :func:`_sparse_choices` of the same arguments, where the
+    caller has it."""
+    logits, chosen = choices or _sparse_choices(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)
     st = layer._readable()
     S = st.slots
     p = logits.softmax(-1)[..., :S]
@@ -139,7 +141,7 @@ def missed_mass(layer, query, key, valid, scaling: float, exact_k, exact_valid, 
 
 
 def output_errors(layer, query, key, value, valid, scaling: float, exact_k, exact_v, exact_valid, settings: list[dict],
-                  m: int) -> dict:
+                  m: int, choices=None) -> dict:
     """For the same step: per setting, each query head's attention output error against the
     full read's, |o - o_full| / |o_full|, of the sparse read as it is and of the sparse read
     with ``read_summaries`` (each skipped unit one entry, ``read.unit_summaries``) ->
@@ -149,7 +151,7 @@ def output_errors(layer, query, key, value, valid, scaling: float, exact_k, exac
 
     from armkv.memory.read import unit_summaries, units_read
 
-    logits, chosen = _sparse_choices(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)
+    logits, chosen = choices or _sparse_choices(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)
     st = layer._readable()
     G, R, S, d = logits.shape[0], logits.shape[1], st.slots, query.shape[-1]
     slot_k, slot_v = (t.reshape(G, S, d).float() for t in st.kv(torch.float32, unmix=False))
@@ -196,10 +198,13 @@ def measure_sample(model, tokenizer, sample: dict, budget: int, chunk: int, sett
         read = layer._decode_read
 
         def run(query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused=True):
-            for name, (missed, share) in missed_mass(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m).items():
+            # (the full read's logits and each setting's slots, once for both measures)
+            choices = _sparse_choices(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)
+            for name, (missed, share) in missed_mass(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m, choices).items():
                 taken[name][i].append(missed)
                 shares[name].append(share)
-            for name, pair in output_errors(layer, query, key, value, valid, scaling, exact_k, exact_v, exact_valid, settings, m).items():
+            for name, pair in output_errors(layer, query, key, value, valid, scaling, exact_k, exact_v, exact_valid, settings, m,
+                                            choices).items():
                 for kept, error in zip(errors[name], pair):
                     kept[i].append(error)
             return read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused)

@@ -227,12 +227,12 @@ def ranked_chunk_read(
         if summaries is not None:  # the units left out, one entry each
             unit_k, unit_v, log_weight, unit = summaries
             U = unit_k.shape[1]
-            skipped = torch.bmm(flat, unit_k.to(f32).transpose(1, 2)).view(G, R, tb, U) + log_weight.view(G, 1, 1, U)
+            skipped = torch.bmm(flat, unit_k.transpose(1, 2)).view(G, R, tb, U) + log_weight.view(G, 1, 1, U)
             parts.append(skipped.masked_fill_(units_read(picked, unit, U).unsqueeze(1), float("-inf")))
         w = torch.softmax(torch.cat(parts, -1), dim=-1).nan_to_num_(0.0).view(G, R * tb, -1)
         o = torch.bmm(w[..., :S], slot_v) + torch.bmm(w[..., S : S + L], exact_v) + torch.bmm(w[..., S + L : S + L + T], chunk_v)
         if summaries is not None:
-            o = o + torch.bmm(w[..., S + L + T :], unit_v.to(f32))
+            o = o + torch.bmm(w[..., S + L + T :], unit_v)
         out.append(o.view(G, R, tb, d))
     return torch.cat(out, 2)
 
