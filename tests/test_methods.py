@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from armkv.config import ARMConfig
 from armkv.errors import ArmkvError
+from armkv.memory.module import ARMModel
 from armkv.memory.rope import Rotary
 from armkv.methods.attention import joint_attention, joint_attention_reference, safe_softmax, safe_softmax_reference
 from armkv.methods.base import METHODS, ModelInfo, _load_builtin_methods, get_method
@@ -239,17 +241,26 @@ SPARSE_ARM = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("options", SPARSE_ARM, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_arm_reading_fewer_buckets_stays_within_budget(dtype, options):
-    """At a fixed M < N_b the layer keeps its bucket index (and pages) between writes: the
-    slots give way to it, and the budget holds at every step."""
+    """At a fixed M < N_b the layer keeps its bucket index (and pages, and with
+    ``read_summaries`` their entries) between writes: the slots give way to them, and the
+    budget holds at every step."""
     info_, batch, budget = info(dtype=dtype), 3, 96
-    layer = get_method("arm").make_layer(0, info_, rotary(), budget, 16, top_m="fixed", m_fixed="1/8", **options)
+    given = {}
+    if options.get("read_summaries"):  # (2 d + 1 floats a page: 16 buckets at 512, not the budget's tree of ~7 slots a bucket)
+        budget = 512
+        tree = ARMConfig.for_budget(budget, info_.head_dim, depth=2)
+        arm = ARMModel(tree, info_.num_layers, info_.num_kv_heads, info_.head_dim).eval()
+        given["arm"] = arm.to(dtype if dtype != torch.float16 else torch.float32)
+    layer = get_method("arm").make_layer(0, info_, rotary(), budget, 16, top_m="fixed", m_fixed="1/8", **given, **options)
     bound = info_.budget_bytes(budget) * batch
     g = torch.Generator().manual_seed(1)
-    built = False
+    built = summarised = False
     for _ in run_layer(layer, 120, batch, info_, g, 300):
         assert layer.state_bytes() <= bound
         built |= layer._index_for is not None
+        summarised |= layer._summaries_for is not None
     assert built and layer.peak_bytes <= bound
+    assert summarised == bool(options.get("read_summaries"))  # (read_summaries keeps its units' entries, counted)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

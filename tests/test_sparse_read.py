@@ -15,8 +15,9 @@ from armkv.errors import ArmkvError
 from armkv.hf.attach import make_cache
 from armkv.memory import kernels
 from armkv.memory.read import (
-    bucket_best, bucket_index, gather_slots, paged_index, run_breaks, slot_pages, slots_of_buckets, sort_by_bucket,
+    bucket_best, bucket_index, gather_slots, paged_index, run_breaks, slot_units, slots_of_buckets, sort_by_bucket,
 )
+from armkv.memory.module import ARMModel
 from armkv.memory.route import Router
 from armkv.memory.state import MemoryState
 from armkv.methods.arm import resolve_arm
@@ -158,7 +159,12 @@ def _layer_with_memory(dtype, overrides, seed=1, device="cpu"):
     mask[1, :120] = 0
     overrides = {"sync": 5, "lazy_merge": False, "top_m": "fixed", "m_fixed": 3, **overrides}
     info = ModelInfo(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_positions=512)
-    arm, _ = resolve_arm(info, 96, "random", overrides=overrides)
+    if overrides.get("read_summaries"):  # (2 d + 1 floats a unit: a tree of 16 buckets, not the budget's ~7 slots a bucket)
+        torch.manual_seed(0)
+        arm = ARMModel(ARMConfig.for_budget(96, info.head_dim, depth=2, top_m="fixed", m_fixed=3), 2, 2, info.head_dim).eval()
+        torch.manual_seed(seed)
+    else:
+        arm, _ = resolve_arm(info, 96, "random", overrides=overrides)
     # the ARM parameters in the model's dtype for bf16 (a memory computing in bf16); fp16 keeps
     # them in float32, as the library does (computing in fp16, the merges overflow to NaN)
     arm = copy.deepcopy(arm).to(device, dtype if dtype != torch.float16 else torch.float32)
@@ -299,7 +305,7 @@ def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch, read_
 @pytest.mark.parametrize("G,S,nb,laid", [(3, 50, 8, False), (2, 97, 16, True), (1, 5, 4, False), (2, 64, 4, True)])
 def test_paged_index_cuts_each_bucket_into_pages_of_the_mean_size(G, S, nb, laid, split):
     """Every occupied slot is in exactly one page, a page lies within one bucket and holds at
-    most ceil(occupied / (N_b page_split)) slots, and slot_pages names the page that lists
+    most ceil(occupied / (N_b page_split)) slots, and slot_units names the page that lists
     each slot."""
     g = torch.Generator().manual_seed(S)
     slot_bucket = torch.randint(0, nb, (G, S), generator=g)
@@ -313,7 +319,7 @@ def test_paged_index_cuts_each_bucket_into_pages_of_the_mean_size(G, S, nb, laid
         index = type(index)(order=torch.arange(S, dtype=torch.int32).expand(G, S), start=index.start, size=index.size, laid=True)
     units = nb * split
     pages = paged_index(index, units)
-    page_of = slot_pages(pages)
+    page_of = slot_units(pages)
     assert pages.size.shape == (G, 2 * units) and pages.laid == laid
     for row in range(G):
         occ = int(occupied[row].sum())
@@ -529,18 +535,31 @@ def _naive_summarised_read(layer, query, key, value, valid, scaling, exact_k, ex
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("T", [1, 5, 37])
 @pytest.mark.parametrize("read_rank", ["best", "partial-pages", "tree"])
-def test_read_summaries_equal_a_softmax_over_the_read_slots_and_each_skipped_units_mean(dtype, tol, T, read_rank):
-    """``read_summaries``: a read at M < N_b (the masked read; a chunk ranked by its logits,
-    the ranked read's PyTorch ops) equals the softmax written out query by query over the slots
-    it takes, one entry for each unit it skips and the rest; it reads far closer to reading
-    every bucket than the same read without them (these random keys spread attention thin)."""
+def test_read_summaries_equal_a_softmax_over_the_read_slots_and_each_skipped_units_mean(dtype, tol, T, read_rank, monkeypatch):
+    """``read_summaries``: a read at M < N_b (the masked read; in float32 on a CPU a decoded
+    token's fused sparse read and a chunk's fused ranked read, else the ranked read's PyTorch
+    ops for a chunk ranked by its logits) equals the softmax written out query by query over
+    the slots it takes, one entry for each unit it skips and the rest; it reads far closer to
+    reading every bucket than the same read without them (these random keys spread attention
+    thin)."""
     model, layer = _layer_with_memory(dtype, {**_rank(read_rank), "read_summaries": True})
     query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=1)
     exact = layer._exact()
+    fused = []  # (which fused reads ran, with the units' entries)
+    for name in ("ranked_decode_call", "fused_sparse_decode_read"):
+        real = getattr(arm_method, name)
+        monkeypatch.setattr(arm_method, name, lambda *a, _real=real, _name=name: fused.append((_name, a[-1] is not None)) or _real(*a))
+    real_ranked = arm_method.ranked_chunk_read
+    monkeypatch.setattr(arm_method, "ranked_chunk_read",
+                        lambda *a, **k: fused.append(("ranked", k["fused"] is not None)) or real_ranked(*a, **k))
     for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):
         layer.m, layer._route_k = m, int(m.max())
+        layer._ranked_for = None
         with torch.no_grad():
+            fused.clear()
             read = layer._read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
+            if dtype == torch.float32 and kernels.int4_read() is not None and (T == 1 or read_rank != "tree"):
+                assert fused and all(used for _, used in fused), fused
             masked = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
             q_pre = layer.rotary.unrotate(query, positions.unsqueeze(1))
             occupied = layer._slots()[2]
@@ -555,6 +574,42 @@ def test_read_summaries_equal_a_softmax_over_the_read_slots_and_each_skipped_uni
         torch.testing.assert_close(read.double(), naive, rtol=tol, atol=tol)
         gap = lambda x: (x.double() - every.double()).abs().mean()  # noqa: E731
         assert gap(read) < gap(plain) / 4
+
+
+@pytest.mark.parametrize("overrides", [{"slot_format": "k4v4"}, {"slot_format": "k8v4", "slot_mixing": False},
+                                       {"slot_format": "k4v4", "read_pages": True}])
+@pytest.mark.parametrize("laid", [False, True])
+def test_index_summaries_kernel_equals_the_pytorch_form(overrides, laid):
+    """read.index_summaries: the kernel's unit_summaries (AVX2 and portable loops) against its
+    PyTorch form, for buckets and pages, int4 and int8 keys, a pool listed by index or laid
+    bucket by bucket; the entries the layer keeps are counted in its state bytes."""
+    from armkv.memory.read import BucketIndex, index_summaries
+
+    kernel = kernels.int4_read()
+    if kernel is None:
+        pytest.skip("the fused kernel is not built here")
+    model, layer = _layer_with_memory(torch.float32, {**overrides, "read_summaries": True, "slot_ladder": ""})
+    if laid:  # (as _bucket_index re-lays a pool whose list has drifted from its order)
+        listed = layer._bucket_index()
+        layer.state = sort_by_bucket(layer.state, listed)
+        order = torch.arange(listed.order.shape[1], dtype=torch.int32).expand_as(listed.order)
+        layer._index_for = (layer.state, BucketIndex(order=order, start=listed.start, size=listed.size, laid=True))
+        layer._pages_for = None
+    index = layer._page_index() or layer._bucket_index()
+    assert index.laid == laid
+    st = layer._readable()
+    bias = layer._decode_bias().reshape(-1, st.slots)
+    ref = index_summaries(st, bias, index, fused=False)
+    for vectorised in (True, False):
+        got = kernel.unit_summaries(st.key, st.key_scale, st.value, st.value_scale, bias, index.kernel_order(), index.start,
+                                    index.size, vectorised)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(ref[2]).any() and (torch.isinf(ref[2]).any() or not overrides.get("read_pages"))  # (pages: some empty)
+    layer._summaries_for = None  # (the decode steps kept those of an earlier index)
+    before = layer.state_bytes()
+    kept = layer._unit_summaries(index)
+    assert layer.state_bytes() == before + sum(t.nbytes for t in kept)
 
 
 def test_unit_summaries_are_weighted_means_and_log_totals():

@@ -17,7 +17,9 @@
   gathered PyTorch read, or with ``best`` and ``partial`` the ranked read that reuses its
   logits; ``partial`` on unmixed slots, as it requires; a ranking with ``-pages``, e.g.
   ``partial-pages``, takes pages of the buckets instead of whole ones, ``read_pages``, of
-  1 / ``--page-split`` of the mean bucket) against
+  1 / ``--page-split`` of the mean bucket; one ending in ``-summaries``, e.g.
+  ``partial-pages-summaries``, reads each skipped unit as one entry, ``read_summaries``, whose
+  entries a write makes once: their build is timed apart) against
   the dense read of every slot (the decode step's
   ``ARMLayer._decode_read``) and the masked read of the whole pool at the same M
   (``ARMLayer._chunk_read``, the sparse read's reference), for one query and for chunks of
@@ -43,7 +45,7 @@ import torch
 from armkv.config import ARMConfig
 from armkv.memory import naive
 from armkv.memory.module import ARMMemory
-from armkv.memory.read import bucket_index, bucket_slot_mask, slots_of_buckets
+from armkv.memory.read import bucket_index, bucket_slot_mask, index_summaries, slots_of_buckets
 from armkv.memory.write import gate_weights, scan_writes
 
 
@@ -59,8 +61,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--int4-slots", default="2706,8295",
                         help="pool sizes for the int4 read timing (2706: budget 512, d = 64; 8295: the largest calibrated share)")
     parser.add_argument("--sparse-budgets", default="2048,4096,8192", help="budgets for the sparse read timing (full pools)")
-    parser.add_argument("--sparse-ranks", default="best,partial,tree,partial-pages",
-                        help="bucket rankings (read_rank; with -pages: read_pages) for the sparse read timing")
+    parser.add_argument("--sparse-ranks", default="best,partial,tree,partial-pages,partial-pages-summaries",
+                        help="bucket rankings (read_rank; with -pages: read_pages; then -summaries: read_summaries) for "
+                             "the sparse read timing")
     parser.add_argument("--sparse-fraction", type=int, default=8, help="the sparse read's M = N_b / this")
     parser.add_argument("--page-split", type=int, default=ARMConfig.page_split,
                         help="pages per mean bucket for the -pages rankings (page_split)")
@@ -214,11 +217,20 @@ def bench_int4_read(slots: list[int], kv_heads: int, head_dim: int, repeats: int
     return out
 
 
+def _ranking(spec: str) -> tuple[str, bool, bool]:
+    """A ``--sparse-ranks`` entry -> (read_rank, read_pages, read_summaries): "partial-pages-summaries"
+    -> ("partial", True, True)."""
+    summaries = spec.endswith("-summaries")
+    spec = spec.removesuffix("-summaries")
+    return spec.removesuffix("-pages"), spec.endswith("-pages"), summaries
+
+
 def _full_arm_layer(budget: int, fraction: int, seed: int = 0, read_rank: str = "best", page_split: int = ARMConfig.page_split):
     """Layer 0 of the arm cache on the default model's shape at ``budget`` (even shares),
     its pool full of slots: keys drawn near the tree's leaf centroids plus noise, each filed
     where the tree routes it (unevenly, as on text: some buckets empty, the largest four times
-    the mean). ``read_rank`` may end in ``-pages`` (``read_pages``, ``page_split``)."""
+    the mean). ``read_rank`` may end in ``-pages`` (``read_pages``, ``page_split``), then in
+    ``-summaries`` (``read_summaries``)."""
     from armkv.memory.rope import Rotary
     from armkv.memory.state import MemoryState
     from armkv.methods.arm import make_arm
@@ -228,9 +240,10 @@ def _full_arm_layer(budget: int, fraction: int, seed: int = 0, read_rank: str = 
     rotary = Rotary(1.0 / 100000 ** (torch.arange(0, 64, 2).float() / 64))
     probe = make_arm(0, info, rotary, budget, 256, layer_weights="even")
     nb = probe.memory.router.num_buckets
-    rank, pages = read_rank.removesuffix("-pages"), read_rank.endswith("-pages")
+    rank, pages, summaries = _ranking(read_rank)
     layer = make_arm(0, info, rotary, budget, 256, layer_weights="even", top_m="fixed", m_fixed=max(1, nb // fraction),
-                     read_rank=rank, slot_mixing=rank != "partial", read_pages=pages, page_split=page_split)
+                     read_rank=rank, slot_mixing=rank != "partial", read_pages=pages, page_split=page_split,
+                     read_summaries=summaries)
     g = torch.Generator().manual_seed(seed)
     H, d = info.num_kv_heads, info.head_dim
     with torch.no_grad():
@@ -273,6 +286,9 @@ def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], rep
         width = index.width(layer._units(M))
         row = {"slots": layer.state.slots, "buckets": nb, "m": M, "fixed_width": width, "fixed_width_share": width / layer.state.slots,
                "index_build_ms": 1e3 * build, "index_and_relay_ms": 1e3 * relay}
+        if layer.config.read_summaries:  # the units' entries, made once a write (read.index_summaries): the median of 5 builds
+            bias = layer._decode_bias().reshape(-1, layer._readable().slots)
+            row["summaries_build_ms"] = 1e3 * _time(lambda: index_summaries(layer._readable(), bias, index), 5)
         for T in queries:
             q = torch.randn(1, Hq, T, d, generator=g)
             k, v = torch.randn(1, H, T, d, generator=g), torch.randn(1, H, T, d, generator=g)
@@ -338,10 +354,10 @@ def main(args) -> int:
     from armkv.errors import ArmkvError
 
     ranks = tuple(r for r in args.sparse_ranks.split(",") if r)
-    unknown = [r for r in ranks if r.removesuffix("-pages") not in CHOICES["read_rank"] or r == "tree-pages"]
+    unknown = [r for r in ranks if _ranking(r)[0] not in CHOICES["read_rank"] or r.startswith("tree-pages")]
     if unknown:
         raise ArmkvError(f"--sparse-ranks {','.join(unknown)}: not a read_rank; use any of {', '.join(CHOICES['read_rank'])}, "
-                         "best-pages, partial-pages")
+                         "best-pages, partial-pages, each optionally ending in -summaries (e.g. partial-pages-summaries)")
     if args.page_split < 1:
         raise ArmkvError(f"--page-split {args.page_split}: give at least 1 page per mean bucket")
     _clock = CLOCK[args.clock]
@@ -381,6 +397,11 @@ def main(args) -> int:
                     log(f"| {b} | {rank} | {r['slots']} | {r['m']}/{r['buckets']} | {r.get('eager_width_share', float('nan')):.3f} | {key[1:]} | "
                         f"{cell['sparse_us']:.0f} | {cell['dense_us']:.0f} | {cell['masked_us']:.0f} | {cell['speedup_vs_dense']:.1f}x | "
                         f"{cell['speedup_vs_masked']:.1f}x | {cell['max_abs_diff']:.1e} |")
+    for b, by_rank in sparse.items():
+        for rank, r in by_rank.items():
+            if "summaries_build_ms" in r:
+                log(f"budget {b}, {rank}: the units' entries (read_summaries) built in {r['summaries_build_ms']:.2f} ms, "
+                    "once a write (every sync decoded tokens)")
     chunk_read = bench_chunk_read([int(n) for n in args.int4_slots.split(",") if n], args.chunk, args.kv_heads, args.head_dim, args.repeats)
     if chunk_read:
         log(f"| state keys | chunk read ms/layer, split | one SDPA call | speedup |  (chunk of {args.chunk})\n|---:|---:|---:|---:|")

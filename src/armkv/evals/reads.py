@@ -89,7 +89,7 @@ def _sparse_choices(layer, query, key, valid, scaling: float, exact_k, exact_val
     its units (the unit of each slot [G, S], their number)."""
     import torch
 
-    from armkv.memory.read import paged_index, partial_row_count, partial_rows, slot_pages, top_unit_slots
+    from armkv.memory.read import paged_index, partial_row_count, partial_rows, slot_units, top_unit_slots
 
     index = layer._bucket_index()  # (its first build may re-lay the pool: before the slots are read)
     st = layer._readable()
@@ -111,7 +111,7 @@ def _sparse_choices(layer, query, key, valid, scaling: float, exact_k, exact_val
         split = s["page_split"]
         if split not in units:
             pages = paged_index(index, num_buckets * split)
-            units[split] = (slot_pages(pages), pages.size.shape[1])
+            units[split] = (slot_units(pages), pages.size.shape[1])
         key_ = (s["rank"], s["partial_share"])
         if key_ not in scores:
             if s["rank"] == "best":

@@ -133,6 +133,22 @@ def unit_summaries(slot_k: torch.Tensor, slot_v: torch.Tensor, bias: torch.Tenso
     return means[..., :d], means[..., d:], log_weight, unit
 
 
+def index_summaries(state, bias: torch.Tensor, index: "BucketIndex", fused: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`unit_summaries` of the units ``index`` lists (buckets, or their pages), in the
+    basis the slots are stored in (a read scores them with the query in that basis), from
+    the ``state``'s codes (:class:`MemoryState`, its first S slots) and their ``bias`` [G, S]
+    float32: (keys [G, U, d], values [G, U, d], log_weight [G, U]) float32. With int4 value
+    codes on a CPU the kernel (``unit_summaries``) reads the codes once, unit by unit, unless
+    ``fused=False``; elsewhere the PyTorch form, its reference."""
+    kernel = kernels.fused_read(bias, state.value) if fused and state.key_scale is not None else None
+    if kernel is not None:
+        return tuple(kernel.unit_summaries(state.key, state.key_scale, state.value, state.value_scale, bias,
+                                           index.kernel_order(), index.start, index.size))
+    G, S = bias.shape
+    slot_k, slot_v = (t.reshape(G, S, -1) for t in state.kv(torch.float32, unmix=False))
+    return unit_summaries(slot_k, slot_v, bias, slot_units(index), index.size.shape[1])[:3]
+
+
 def units_read(slot_mask: torch.Tensor, unit: torch.Tensor, num_units: int) -> torch.Tensor:
     """Which units a read takes, from the slots it reads: slot_mask [G, T, S] bool, unit
     [G, S] long (free slots at num_units, from :func:`unit_summaries`) -> [G, T, U] bool."""
@@ -179,13 +195,11 @@ def ranked_chunk_read(
     size of the logits and read every slot's value; the exact entries and the chunk join its
     softmax here. ``tests/test_sparse_read.py`` checks the two against each other.
 
-    ``summaries`` (``read_summaries``; PyTorch ops only, not with ``fused``): the units'
-    (keys [G, U, d], values [G, U, d], log_weight [G, U], unit [G, S]) of
-    :func:`unit_summaries`; each unit a query's ``pick`` leaves out joins its softmax as one
-    entry.
+    ``summaries`` (``read_summaries``): the units' (keys [G, U, d], values [G, U, d],
+    log_weight [G, U]) of :func:`unit_summaries` in the slots' basis, and for the PyTorch ops
+    each slot's unit [G, S] (free slots at U; None with ``fused``, whose units are its index's):
+    each unit a query leaves out joins its softmax as one entry.
     """
-    if summaries is not None and fused is not None:
-        raise ValueError("ranked_chunk_read: summaries are read by the PyTorch ops; pass fused=None")
     G, R, T, d = query.shape
     f32 = torch.float32
     q = query.to(f32) * scaling  # (scaled first, as bucket_best_of_keys ranks: the same logits)
@@ -210,7 +224,14 @@ def ranked_chunk_read(
         chunk.masked_fill_(~causal[:, None, t0 : t0 + tb], float("-inf"))
         if fused is not None:  # the slots' part of the softmax from the kernel, joined with the rest's
             kernel, index, m = fused
-            acc, peak, den = kernel.ranked_slot_read(slots, slot_bias, slot_v, index.kernel_order(), index.start, index.size, m)
+            units = {}
+            if summaries is not None:  # each unit's logit (the kernel takes those of the units a query skips)
+                unit_k, unit_v, log_weight = summaries[:3]
+                U = unit_k.shape[1]
+                units = dict(unit_logits=torch.bmm(flat, unit_k.transpose(1, 2)).view(G, R, tb, U) + log_weight.view(G, 1, 1, U),
+                             unit_values=unit_v)
+            acc, peak, den = kernel.ranked_slot_read(slots, slot_bias, slot_v, index.kernel_order(), index.start, index.size, m,
+                                                     **units)
             rest = torch.cat([exact, chunk], -1)  # [G, R, tb, L + T]
             top = torch.maximum(peak, rest.amax(-1)).nan_to_num_(0.0, 0.0, 0.0)  # (-inf: the query reads nothing)
             e = torch.exp(rest - top.unsqueeze(-1))
@@ -326,16 +347,19 @@ def paged_index(index: BucketIndex, num_buckets: int) -> BucketIndex:
     return BucketIndex(order=index.order, start=out_start.int(), size=out_size.int(), laid=index.laid)
 
 
-def slot_pages(pages: BucketIndex) -> torch.Tensor:
-    """The page of each slot under :func:`paged_index`'s pages: [G, S] int64, -1 for a free slot."""
-    G, S = pages.order.shape
-    size, start = pages.size.long(), pages.start.long()
-    # pages lie in id order along `order`: a mark where each begins, counted along it
-    marks = torch.zeros(G, S + 1, dtype=torch.long, device=size.device)
-    marks.scatter_add_(1, torch.where(size > 0, start, S), (size > 0).long())
-    at = marks[:, :S].cumsum(1) - 1
+def slot_units(index: BucketIndex) -> torch.Tensor:
+    """The unit of each slot under ``index`` (a bucket index, or :func:`paged_index`'s pages):
+    [G, S] int64, -1 for a free slot. Units lie in id order along ``order``, so each position
+    of it belongs to the last unit that began at or before it."""
+    G, S = index.order.shape
+    size, start = index.size.long(), index.start.long()
+    U = size.shape[1]
+    ids = torch.arange(U, device=size.device).expand(G, U)
+    # each non-empty unit's id where it begins (the empty ones at S, dropped), then the running largest
+    marks = torch.full((G, S + 1), -1, dtype=torch.long, device=size.device).scatter_(1, torch.where(size > 0, start, S), ids)
+    at = marks[:, :S].cummax(1).values
     at = torch.where(torch.arange(S, device=size.device) < size.sum(1, keepdim=True), at, -1)
-    return torch.full((G, S), -1, dtype=torch.long, device=size.device).scatter_(1, pages.order.long(), at)
+    return torch.full((G, S), -1, dtype=torch.long, device=size.device).scatter_(1, index.order.long().expand(G, S), at)
 
 
 def slots_of_buckets(
@@ -509,32 +533,43 @@ def _slot_inputs(state, bias, mix) -> tuple:
     return state.key, state.key_scale, state.value, state.value_scale, bias, _NO_MIX if mix is None else mix
 
 
+def _unit_args(units) -> dict:
+    """The fused decode reads' keyword arguments for ``read_summaries``: ``units`` = the index's
+    units' (keys, values, log_weight) of :func:`index_summaries`, or None."""
+    return {} if units is None else dict(zip(("unit_keys", "unit_values", "unit_log_weight"), units))
+
+
 def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,
-                             index: BucketIndex, buckets: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
+                             index: BucketIndex, buckets: torch.Tensor, take: torch.Tensor, units=None) -> torch.Tensor:
     """One query's sparse read through the fused CPU kernel: the slots of each group's first
     ``take`` of ``buckets`` ([G, M], [G]) read where they lie in the quantised ``state``
     (bucket by bucket as ``index`` lists them), without gathering them first; ``bias``
     [B, H, S] or [G, S]. The rest as :func:`fused_decode_read`. It equals
-    :func:`gathered_read` of :func:`slots_of_buckets`' slots (tests/test_sparse_read.py)."""
+    :func:`gathered_read` of :func:`slots_of_buckets`' slots (tests/test_sparse_read.py).
+    ``units`` (``read_summaries``): :func:`index_summaries` of ``index``; each unit the read
+    skips joins its softmax as one entry."""
     return kernel.arm_sparse_decode_read(
         *_decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling),
-        index.kernel_order(), index.start, index.size, buckets, take,
+        index.kernel_order(), index.start, index.size, buckets, take, **_unit_args(units),
     )
 
 
-def ranked_decode_call(kernel, state, bias, mix, index: BucketIndex, m: int, take: torch.Tensor, rows: int | None = None):
+def ranked_decode_call(kernel, state, bias, mix, index: BucketIndex, m: int, take: torch.Tensor, rows: int | None = None,
+                       units=None):
     """The fused ranked decode read with what stays between writes bound (the slots' codes and
     scales, ``bias``, ``mix``, the ``index``, ``m`` and ``take``): ``read_rank="best"``
     (:func:`fused_best_decode_read`), or with ``rows`` ``"partial"``
     (:func:`fused_partial_decode_read`). Returns a callable (query, key, value, valid, exact_k,
     exact_v, exact_valid, scaling) -> (out [B, 1, Hq, d], the m buckets [G, m]): a decode step
-    keeps it and makes one kernel call a layer, with no other Python work."""
+    keeps it and makes one kernel call a layer, with no other Python work. ``units``
+    (``read_summaries``): :func:`index_summaries` of ``index``, bound too."""
     fn = kernel.arm_best_decode_read if rows is None else kernel.arm_partial_decode_read
     held = _slot_inputs(state, bias, mix)
     tail = (index.kernel_order(), index.start, index.size, m, take) + (() if rows is None else (rows,))
+    extra = _unit_args(units)
 
     def call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(fn(query, key, value, valid, exact_k, exact_v, exact_valid, *held, float(scaling), *tail))
+        return tuple(fn(query, key, value, valid, exact_k, exact_v, exact_valid, *held, float(scaling), *tail, **extra))
 
     return call
 

@@ -168,19 +168,33 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
 INDEX_SLOT_BYTES, INDEX_BUCKET_BYTES, PAGES_BUCKET_BYTES = 4, 8, 16
 
 
+def summary_bytes(runtime: ARMConfig, head_dim: int) -> int:
+    """Bytes ``read_summaries`` keeps per bucket and KV head (read.index_summaries, float32):
+    each unit's mean key and value and its log weight, for the bucket or its 2 page_split pages."""
+    if not runtime.read_summaries:
+        return 0
+    return (2 * runtime.page_split if runtime.read_pages else 1) * (2 * head_dim + 1) * 4
+
+
 def _with_index_bytes(runtime: ARMConfig, info: ModelInfo, budget: int) -> ARMConfig:
-    """``runtime`` with fewer slots, so that the bucket index a fixed M < N_b keeps fits the
-    budget with them, on every rung of its slot ladder (the index grows with the rung that
-    holds the most slots)."""
+    """``runtime`` with fewer slots, so that the bucket index a fixed M < N_b keeps (and with
+    ``read_summaries`` its units' entries) fits the budget with them, on every rung of its
+    slot ladder (the index grows with the rung that holds the most slots)."""
     d, db = info.head_dim, info.dtype_bytes
     own = slot_bytes(runtime.slot_format, d, db)
     smallest = min(slot_bytes(f, d, db) for f in [*runtime.ladder, runtime.slot_format])
-    per_bucket = INDEX_BUCKET_BYTES + (PAGES_BUCKET_BYTES * runtime.page_split if runtime.read_pages else 0)
+    per_bucket = INDEX_BUCKET_BYTES + (PAGES_BUCKET_BYTES * runtime.page_split if runtime.read_pages else 0) + summary_bytes(runtime, d)
     left = (runtime.pool_slots * own - runtime.num_buckets * per_bucket) * smallest // (smallest + INDEX_SLOT_BYTES)
     slots = left // own
     if runtime.pool == "paper":
         slots = (slots // runtime.num_buckets) * runtime.num_buckets
     if slots < 1:
+        if runtime.read_summaries:
+            raise ArmkvError(
+                f"budget {budget} is too small for arm with read_summaries: its {runtime.num_buckets} buckets keep "
+                f"{runtime.num_buckets * summary_bytes(runtime, d)} bytes of summaries a KV head beside the slots; raise --budget "
+                "or drop --option arm.read_summaries=true"
+            )
         raise ArmkvError(f"budget {budget} is too small for arm reading fewer buckets than all: raise --budget")
     return dataclasses.replace(runtime, slots=int(slots), chunk=min(runtime.chunk, int(slots)))
 

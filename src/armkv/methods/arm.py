@@ -36,9 +36,9 @@ from armkv.memory import kernels
 from armkv.memory.module import ARMModel
 from armkv.memory.pool import SlotPool
 from armkv.memory.read import (
-    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, paged_index, slot_pages, fused_decode_read, fused_sparse_decode_read, gather_slots, gathered_read,
+    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, paged_index, slot_units, fused_decode_read, fused_sparse_decode_read, gather_slots, gathered_read,
     partial_row_count, partial_rows, ranked_chunk_read, ranked_decode_call, run_breaks, slots_of_buckets, sort_by_bucket,
-    unit_summaries, units_read,
+    index_summaries, unit_summaries, units_read,
 )
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
@@ -114,6 +114,7 @@ class ARMLayer(CacheLayer):
         self._reads_all = False  # every row reads every bucket (no routing, no per-query mask)
         self._index_for = None  # (state, its BucketIndex) for the sparse read
         self._pages_for = None  # (that BucketIndex, its pages' index): read_pages
+        self._summaries_for = None  # (the units' index, their summaries): read_summaries
         self._take_for = None  # (m, (cap, H), buckets each group reads): _take
         self._ranked_for = None  # (pool state, m, its codes, the bound fused call): _sparse_read's best / partial
         self.mix: torch.Tensor | None = None  # [B] soft-cascade weight of Top(M + 1) (training)
@@ -207,9 +208,13 @@ class ARMLayer(CacheLayer):
             waiting = max(waiting, self.waiting[0].nbytes + self.waiting[1].nbytes)
         index = 0
         if self._index_for is not None and self._index_for[0] is self.state:
-            index = self._index_for[1].nbytes()
-            if self._pages_for is not None and self._pages_for[0] is self._index_for[1]:
-                index += self._pages_for[1].start.nbytes + self._pages_for[1].size.nbytes
+            units = self._index_for[1]
+            index = units.nbytes()
+            if self._pages_for is not None and self._pages_for[0] is units:
+                units = self._pages_for[1]
+                index += units.start.nbytes + units.size.nbytes
+            if self._summaries_for is not None and self._summaries_for[0] is units:
+                index += sum(t.nbytes for t in self._summaries_for[1])
         return self.buffer.state_bytes() + self.pool.nbytes() + waiting + index
 
     # ------------------------------------------------------------------ attention
@@ -247,13 +252,17 @@ class ARMLayer(CacheLayer):
         """A read of the slots (the decode step's dense read aside): at M < N_b gathered
         (:meth:`_sparse_read`) or ranked (:meth:`_ranked_chunk_read`) where either serves,
         else masked over the whole pool (:meth:`_chunk_read`, their reference). With
-        ``read_summaries`` a chunk ranked by its logits takes the ranked read's PyTorch ops,
-        any other read the masked one."""
-        if self.config.read_summaries and self._reads_top_m(reads_all):
-            if query.shape[2] > 1 and self.config.read_rank != "tree":
-                return self._ranked_chunk_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused=False)
+        ``read_summaries`` (each unit a read skips one entry of its softmax) one decoded token
+        that the fused kernels serve takes the sparse read, a chunk ranked by its logits the
+        ranked read, any other read the masked one."""
+        T = query.shape[2]
+        if self.config.read_summaries and self._reads_top_m(reads_all):  # (the skipped units' entries: not in every path)
+            if T == 1 and self._reads_sparse(T, reads_all) and self._fused_decode(query):
+                return self._sparse_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid)
+            if T > 1 and self.config.read_rank != "tree":
+                return self._ranked_chunk_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
             return self._chunk_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all)
-        if self._reads_sparse(query.shape[2], reads_all):
+        if self._reads_sparse(T, reads_all):
             return self._sparse_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid)
         if self._reads_ranked(reads_all):
             return self._ranked_chunk_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
@@ -539,12 +548,12 @@ class ARMLayer(CacheLayer):
         B, Hq, T, d = query.shape
         H, L = key.shape[1], exact_k.shape[2]
         G, R = B * H, Hq // H
-        summarised = self.config.read_summaries
-        # (the read is in float32 whatever the model's dtype; the skipped units' summaries: PyTorch ops)
-        kernel = kernels.fused_cpu(query.float()) if fused and not summarised else None
+        # (the read is in float32 whatever the model's dtype)
+        kernel = kernels.fused_cpu(query.float()) if fused else None
         # what it ranks: buckets, or their pages (read_pages); either's first build may re-lay the pool, so before the slots are read
+        index = self._page_index() or self._bucket_index()
         if kernel is not None:  # the kernel takes the units' index
-            by_kernel = (kernel, self._page_index() or self._bucket_index(), self._take(self._units(self.memory.router.num_buckets), H))
+            by_kernel = (kernel, index, self._take(self._units(self.memory.router.num_buckets), H))
         else:
             by_kernel = None
             slot_unit, num_units = self._read_units()
@@ -567,9 +576,9 @@ class ARMLayer(CacheLayer):
                 return (bucket_slot_mask(buckets, self._units(self.m), slot_unit.view(B, H, S), num_units) & occupied).view(G, -1, S)
 
         summaries = None
-        if summarised:
-            summaries = unit_summaries(slot_k.reshape(G, S, d), slot_v.reshape(G, S, d), self._decode_bias().reshape(G, S),
-                                       slot_unit.reshape(G, S), num_units)
+        if self.config.read_summaries:  # each unit a query skips one entry (the PyTorch ops also need each slot's unit)
+            unit = None if by_kernel is not None else torch.where(slot_unit < 0, num_units, slot_unit).reshape(G, S)
+            summaries = (*self._unit_summaries(index), unit)
         out = ranked_chunk_read(
             mixed(query).reshape(G, R, T, d), mixed(key).reshape(G, T, d), mixed(value).reshape(G, T, d),
             valid[:, None].expand(B, H, T).reshape(G, T), scaling,
@@ -607,7 +616,7 @@ class ARMLayer(CacheLayer):
         if pages is None:
             st = self._readable()
             return st.bucket.reshape(-1, st.slots), self.memory.router.num_buckets
-        return slot_pages(pages), pages.size.shape[1]
+        return slot_units(pages), pages.size.shape[1]
 
     def _page_index(self) -> "BucketIndex | None":
         """With ``read_pages``, the index of the buckets' pages (``read.paged_index``), built
@@ -650,12 +659,13 @@ class ARMLayer(CacheLayer):
             mix = self.mixing.to(query.dtype) if st.mixed else None
             m = self._units(min(M, self.memory.router.num_buckets))
             take = self._take(m, H)
+            units = self._unit_summaries(index) if self.config.read_summaries else None  # (the skipped units' entries)
             if self.config.read_rank in ("best", "partial"):
                 # best: every slot scored once, the ranking's logits are the read's; partial: a few
                 # rows of every key to rank, the chosen buckets' keys whole. What the call binds
                 # changes only with the state or M: kept until then, a decode step makes the one call
                 rows = self._partial_rows if self.config.read_rank == "partial" else None
-                call = ranked_decode_call(kernel, st, self._decode_bias(), mix, index, m, take, rows)
+                call = ranked_decode_call(kernel, st, self._decode_bias(), mix, index, m, take, rows, units)
                 self._ranked_for = (self.pool.state, self.m, st.value, call)
                 out, buckets = call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
             else:
@@ -664,7 +674,7 @@ class ARMLayer(CacheLayer):
                     buckets = self._group_buckets(M, self.rotary.unrotate(query, positions.unsqueeze(1))).reshape(G, -1)
                 out = fused_sparse_decode_read(
                     kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
-                    buckets, take,
+                    buckets, take, units,
                 )
             if self.read_tally is not None:
                 chosen = torch.arange(buckets.shape[-1], device=buckets.device) < take.unsqueeze(1)
@@ -686,6 +696,21 @@ class ARMLayer(CacheLayer):
         return gathered_read(
             query, key, value, valid, scaling, exact_k, exact_v, exact_valid, gather_slots(st, ids, for_reading=True), bias, fused=fused
         )
+
+    def _fused_decode(self, query: torch.Tensor) -> bool:
+        """Whether the fused decode kernels serve a read of this query (quantised slots with
+        int4 values, a float32 query on a CPU, no gradient)."""
+        st = self._readable()
+        return st.key_scale is not None and kernels.fused_read(query, st.value) is not None
+
+    def _unit_summaries(self, index) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``read_summaries``: the entries of ``index``'s units (buckets, or their pages) that a
+        read may skip (``read.index_summaries``, in the slots' basis), made once per index (a
+        write makes a new one) and kept beside the state, counted in :meth:`state_bytes`."""
+        if self._summaries_for is None or self._summaries_for[0] is not index:
+            st = self._readable()
+            self._summaries_for = (index, index_summaries(st, self._decode_bias().reshape(-1, st.slots), index))
+        return self._summaries_for[1]
 
     def _take(self, m: int, H: int) -> torch.Tensor:
         """How many units (buckets, or pages: :meth:`_units`) each group reads, M of its row in

@@ -575,14 +575,52 @@ inline void mix_query(const float* q, const float* mix, int64_t R, int64_t d, fl
 // (else null: taken here). One softmax over the slots, the exact entries and the token; values(slot_w, tmp) then puts
 // the slots' weighted values [R, d] in tmp (weighted_values over the S slots' codes, or run by
 // run where they lie in a pool), and those, unmixed (mix_t = Q^T, or null), go into a.out.
+// read_summaries: the units (buckets or pages) a read skips, one softmax entry each (read.unit_summaries),
+// in the slots' basis: logit qm . k * scaling + lw, value v
+struct UnitEntries {
+  const float* k = nullptr;   // [U, d] each unit's weighted mean key
+  const float* v = nullptr;   // [U, d] and value
+  const float* lw = nullptr;  // [U] the log of its total weight (-inf: an empty unit)
+  const char* skip = nullptr; // [U] 1 where the read skips the unit
+  const float* qm = nullptr;  // [R, d] the query in the slots' basis
+  float* w = nullptr;         // [R, U] scratch: the entries' logits, then their weights
+  int64_t U = 0;
+};
+
+// the logits of the units `e` skips for head r (-inf for the others) into e.w; returns their largest
+template <bool AVX>
+__attribute__((always_inline)) inline float unit_logits(const UnitEntries& e, int64_t r, int64_t d, float scaling) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float* uw = e.w + r * e.U;
+  float peak = ninf;
+  for (int64_t u = 0; u < e.U; ++u) {
+    uw[u] = e.skip[u] && e.lw[u] > ninf ? dot<AVX>(e.qm + r * d, e.k + u * d, d) * scaling + e.lw[u] : ninf;
+    peak = std::max(peak, uw[u]);
+  }
+  return peak;
+}
+
+// out [d] += sum over u of w[u] * e.v[u] (the weights of the entries e.w holds for one head)
+inline void unit_values(const UnitEntries& e, const float* w, int64_t d, float* out) {
+  for (int64_t u = 0; u < e.U; ++u) {
+    if (w[u] == 0.0f) continue;
+    const float* v = e.v + u * d;
+    for (int64_t j = 0; j < d; ++j) out[j] += w[u] * v[j];
+  }
+}
+
+// units: the entries of the units the read skips (read_summaries), or null
 template <bool AVX, class Values>
 __attribute__((always_inline)) inline void decode_tail(const DecodeGroup& a, const float* mix_t, int64_t R, int64_t d,
                                                      int64_t L, int64_t S, float scaling, float* slot_w, const float* peaks,
-                                                     float* exact_w, float* tmp, const Values& values) {
+                                                     float* exact_w, float* tmp, const Values& values,
+                                                     const UnitEntries* units = nullptr) {
   const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t U = units ? units->U : 0;
   for (int64_t r = 0; r < R; ++r) {
     float* sw = slot_w + r * S;
     float* ew = exact_w + r * (L + 1);
+    float* uw = units ? units->w + r * U : nullptr;
     const float* qr = a.q + r * d;
     float peak = peaks ? peaks[r] : max_of<AVX>(sw, S);
     for (int64_t l = 0; l <= L; ++l) {
@@ -591,23 +629,29 @@ __attribute__((always_inline)) inline void decode_tail(const DecodeGroup& a, con
       ew[l] = ok ? dot<AVX>(qr, k, d) * scaling : ninf;
       peak = std::max(peak, ew[l]);
     }
+    if (units) peak = std::max(peak, unit_logits<AVX>(*units, r, d, scaling));
     if (peak == ninf) {  // nothing to read (a padding token with an empty state): zeros
       std::fill(sw, sw + S, 0.0f);
       std::fill(ew, ew + L + 1, 0.0f);
+      if (units) std::fill(uw, uw + U, 0.0f);
       continue;
     }
     float total;
 #ifdef ARMKV_AVX2
     if constexpr (AVX)
-      total = exp_shift_sum_avx2(sw, S, peak) + exp_shift_sum_avx2(ew, L + 1, peak);
+      total = exp_shift_sum_avx2(sw, S, peak) + exp_shift_sum_avx2(ew, L + 1, peak) + (units ? exp_shift_sum_avx2(uw, U, peak) : 0.0f);
     else
 #endif
-      total = exp_shift_sum_scalar(sw, S, peak) + exp_shift_sum_scalar(ew, L + 1, peak);
+      total = exp_shift_sum_scalar(sw, S, peak) + exp_shift_sum_scalar(ew, L + 1, peak) +
+              (units ? exp_shift_sum_scalar(uw, U, peak) : 0.0f);
     const float inv = 1.0f / total;
     for (int64_t s = 0; s < S; ++s) sw[s] *= inv;
     for (int64_t l = 0; l <= L; ++l) ew[l] *= inv;
+    for (int64_t u = 0; u < U; ++u) uw[u] *= inv;
   }
   values(slot_w, tmp);
+  if (units)  // (in the slots' basis, as the slots' weighted values: unmixed with them below)
+    for (int64_t r = 0; r < R; ++r) unit_values(*units, units->w + r * U, d, tmp + r * d);
   for (int64_t r = 0; r < R; ++r) {
     const float* ew = exact_w + r * (L + 1);
     float* o = a.out + r * d;
@@ -1013,6 +1057,77 @@ inline void run_values(const float* w, const uint8_t* codes, const Scales& scale
     weighted_values(w + at, codes + start[k] * (d / 2), scale.rows(start[k], len[k], buf), out, R, d, len[k], ng, W, k > 0);
 }
 
+// lo = sum wl[j] x the low nibble of row[j], hi = the same of wh and the high nibbles, over the
+// first whole blocks of 8 of the n bytes; returns how many bytes that covered
+__attribute__((target("avx2,fma"))) inline int64_t nibble_dots_avx2(const uint8_t* row, const float* wl, const float* wh,
+                                                                   int64_t n, float& lo, float& hi) {
+  __m256 alo = _mm256_setzero_ps(), ahi = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 l, h;
+    decode8(row + j, l, h);
+    alo = _mm256_fmadd_ps(l, _mm256_loadu_ps(wl + j), alo);
+    ahi = _mm256_fmadd_ps(h, _mm256_loadu_ps(wh + j), ahi);
+  }
+  lo = hsum_avx2(alo), hi = hsum_avx2(ahi);
+  return j;
+}
+
+// One unit of read.unit_summaries from the codes: over the slots of its runs (bucket_runs),
+// with weights w [W] in run order, key_sum [d] = sum w k and value_sum [d] = sum w v in the
+// slots' basis (key codes channel-major, rows ld apart: int4 [d/2, S] with scales [S, ngk], or
+// int8 [d, S] with one scale a slot; value codes [S, d/2] with scales [S, ngv])
+template <bool AVX>
+__attribute__((always_inline)) inline void unit_sums_body(const float* w, const void* key_codes, bool int8_keys,
+                                                        const Scales& key_scale, const uint8_t* value_codes,
+                                                        const Scales& value_scale, int64_t d, int64_t ld, int64_t ngk,
+                                                        int64_t ngv, int64_t W, const std::vector<int64_t>& start,
+                                                        const std::vector<int64_t>& len, float* key_sum, float* value_sum) {
+  thread_local std::vector<float> buf, ws;
+  const int64_t half = d / 2;
+  std::fill(key_sum, key_sum + d, 0.0f);
+  run_values(w, value_codes, value_scale, value_sum, 1, d, W, ngv, start, len);
+  for (size_t k = 0, at = 0; k < start.size(); at += len[k], ++k) {
+    const int64_t s0 = start[k], n = len[k];
+    const float* sc = key_scale.rows(s0, n, buf);
+    const float* wk = w + at;
+    if (int8_keys) {  // one scale a slot
+      ws.resize(n);
+      for (int64_t j = 0; j < n; ++j) ws[j] = wk[j] * sc[j];
+      const int8_t* codes = static_cast<const int8_t*>(key_codes) + s0;
+      for (int64_t c = 0; c < d; ++c) {
+        const int8_t* row = codes + c * ld;
+        float acc = 0.0f;
+        for (int64_t j = 0; j < n; ++j) acc += ws[j] * static_cast<float>(row[j]);
+        key_sum[c] += acc;
+      }
+      continue;
+    }
+    const int64_t gs = d / ngk;  // (each group's weights w x scale, then one pass over each code row)
+    ws.resize(ngk * n);
+    for (int64_t g = 0; g < ngk; ++g)
+      for (int64_t j = 0; j < n; ++j) ws[g * n + j] = wk[j] * sc[j * ngk + g];
+    const uint8_t* codes = static_cast<const uint8_t*>(key_codes) + s0;
+    for (int64_t c = 0; c < half; ++c) {
+      const uint8_t* row = codes + c * ld;
+      const float* wl = ws.data() + (c / gs) * n;
+      const float* wh = ws.data() + ((c + half) / gs) * n;
+      float lo = 0.0f, hi = 0.0f;
+      int64_t j = 0;
+      if constexpr (AVX) j = nibble_dots_avx2(row, wl, wh, n, lo, hi);
+      for (; j < n; ++j) lo += wl[j] * low_nibble(row[j]), hi += wh[j] * high_nibble(row[j]);
+      key_sum[c] += lo, key_sum[c + half] += hi;
+    }
+  }
+}
+
+#define ARMKV_SUMS_ARGS                                                                                              \
+  const float *w, const void *key_codes, bool int8_keys, const Scales &key_scale, const uint8_t *value_codes,      \
+      const Scales &value_scale, int64_t d, int64_t ld, int64_t ngk, int64_t ngv, int64_t W,                          \
+      const std::vector<int64_t> &start, const std::vector<int64_t> &len, float *key_sum, float *value_sum
+#define ARMKV_SUMS_CALL w, key_codes, int8_keys, key_scale, value_codes, value_scale, d, ld, ngk, ngv, W, start, len, key_sum, value_sum
+ARMKV_DISPATCH(unit_sums, ARMKV_SUMS_ARGS, ARMKV_SUMS_CALL)
+
 // slot_w [R, W] = the logits q.k * scaling + bias[s] of the slots of the runs of a pool (S
 // slots; key codes channel-major, rows S apart, int4 or int8), read where they lie, run by
 // run; peaks [R]: each head's largest
@@ -1044,21 +1159,24 @@ __attribute__((always_inline)) inline void runs_group_body(const DecodeGroup& a,
                                                          bool int8_keys, int64_t R, int64_t d, int64_t L, int64_t ngk,
                                                          int64_t ngv, float scaling,
                                                          const std::vector<int64_t>& start, const std::vector<int64_t>& len,
-                                                         int64_t W, float* qm, float* slot_w, float* exact_w, float* tmp) {
+                                                         int64_t W, float* qm, float* slot_w, float* exact_w, float* tmp,
+                                                         UnitEntries* units) {
   float peaks[kMaxRep];
   mix_query(a.q, mix, R, d, qm);
+  if (units) units->qm = qm;
   run_logits<AVX>(qm, a.key_codes, int8_keys, a.key_scale, a.bias, a.value_codes, slot_w, R, d, a.ld, W, ngk, scaling, start, len,
                   peaks);
   decode_tail<AVX>(a, mix_t, R, d, L, W, scaling, slot_w, peaks, exact_w, tmp, [&](const float* w, float* out) {
     run_values(w, a.value_codes, a.value_scale, out, R, d, W, ngv, start, len);
-  });
+  }, units);
 }
 
 #define ARMKV_RUNS_ARGS                                                                                             \
   const DecodeGroup &a, const float *mix, const float *mix_t, bool int8_keys, int64_t R, int64_t d, int64_t L,     \
       int64_t ngk, int64_t ngv, float scaling, const std::vector<int64_t> &start,                                    \
-      const std::vector<int64_t> &len, int64_t W, float *qm, float *slot_w, float *exact_w, float *tmp
-#define ARMKV_RUNS_CALL a, mix, mix_t, int8_keys, R, d, L, ngk, ngv, scaling, start, len, W, qm, slot_w, exact_w, tmp
+      const std::vector<int64_t> &len, int64_t W, float *qm, float *slot_w, float *exact_w, float *tmp,            \
+      UnitEntries *units
+#define ARMKV_RUNS_CALL a, mix, mix_t, int8_keys, R, d, L, ngk, ngv, scaling, start, len, W, qm, slot_w, exact_w, tmp, units
 ARMKV_DISPATCH(runs_group, ARMKV_RUNS_ARGS, ARMKV_RUNS_CALL)
 
 #endif
@@ -1105,9 +1223,18 @@ inline void top_buckets(const float* best, int64_t nb, int64_t m, std::vector<in
 
 // Per-thread buffers of best_group and ranked_query
 struct BestScratch {
-  std::vector<float> qm, sw, top, best, cw, exact_w, tmp;
+  std::vector<float> qm, sw, top, best, cw, exact_w, tmp, uw;
   std::vector<int64_t> idx, run_start, run_len;
+  std::vector<char> skip;
 };
+
+// U flags in buf: 1 for each unit but the first `count` of `chosen` (the ones a read takes)
+inline const char* skipped(int64_t U, const int64_t* chosen, int64_t count, std::vector<char>& buf) {
+  buf.assign(U, 1);
+  for (int64_t j = 0; j < count; ++j)
+    if (chosen[j] >= 0 && chosen[j] < U) buf[chosen[j]] = 0;
+  return buf.data();
+}
 
 // One group of arm_best_decode_read: every slot scored once (the key codes read once), the
 // logits q.k * scaling + bias; each bucket ranked by its best logit over the slots and the R
@@ -1119,7 +1246,8 @@ __attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a,
                                                          bool int8_keys, int64_t R, int64_t d, int64_t L, int64_t S,
                                                          int64_t ngk, int64_t ngv, float scaling, const int32_t* ord,
                                                          int64_t listed, const int32_t* st, const int32_t* sz, int64_t nb,
-                                                         int64_t m, int64_t take, BestScratch& w, int64_t* chosen) {
+                                                         int64_t m, int64_t take, BestScratch& w, int64_t* chosen,
+                                                         UnitEntries* units) {
   thread_local std::vector<float> kbuf;
   mix_query(a.q, mix, R, d, w.qm.data());
   float* sw = w.sw.data();
@@ -1143,8 +1271,10 @@ __attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a,
     const int64_t s0 = w.run_start[k], n = w.run_len[k];
     for (int64_t r = 0; r < R; ++r) std::copy(sw + r * S + s0, sw + r * S + s0 + n, w.cw.data() + r * W + at);
   }
+  if (units) units->qm = w.qm.data(), units->skip = skipped(units->U, chosen, std::min(take, m), w.skip);
   decode_tail<AVX>(a, mix_t, R, d, L, W, scaling, w.cw.data(), nullptr, w.exact_w.data(), w.tmp.data(),
-                   [&](const float* wt, float* out) { run_values(wt, a.value_codes, a.value_scale, out, R, d, W, ngv, w.run_start, w.run_len); });
+                   [&](const float* wt, float* out) { run_values(wt, a.value_codes, a.value_scale, out, R, d, W, ngv, w.run_start, w.run_len); },
+                   units);
 }
 
 // ---------------------------------------------------------------- a chunk's ranked read
@@ -1153,13 +1283,15 @@ __attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a,
 // best biased logit over its slots and the R heads; the slots of the m best (ties to the
 // lower id) read: per head, peak = their largest logit, den = sum exp(logit - peak), acc [d] =
 // sum exp(logit - peak) * value (heads `as` apart; peak and den `ps` apart); -inf, 0, 0 where
-// they hold no slot.
+// they hold no slot. With U > 0 (read_summaries) each unit it skips joins as one entry: ul [R, U]
+// their logits (heads `uhs` apart: q.k * scaling + log weight, -inf for an empty unit), uv [U, d]
+// their values.
 template <bool AVX>
 __attribute__((always_inline)) inline void ranked_query_body(const float* l, int64_t hs, const float* bias, const float* values,
                                                            int64_t S, int64_t R, int64_t d, const int32_t* ord, int64_t listed,
                                                            const int32_t* st, const int32_t* sz, int64_t nb, int64_t m,
                                                            BestScratch& w, float* acc, int64_t as, float* peak, float* den,
-                                                           int64_t ps) {
+                                                           int64_t ps, const float* ul, int64_t uhs, const float* uv, int64_t U) {
   float* top = w.top.data();
   for (int64_t s = 0; s < S; ++s) top[s] = l[s] + bias[s];
   for (int64_t r = 1; r < R; ++r)
@@ -1174,20 +1306,30 @@ __attribute__((always_inline)) inline void ranked_query_body(const float* l, int
     for (int64_t r = 0; r < R; ++r)
       for (int64_t j = 0; j < n; ++j) sw[r * W + at + j] = l[r * hs + s0 + j] + bias[s0 + j];
   }
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const char* skip = U ? skipped(U, w.idx.data(), m, w.skip) : nullptr;
+  w.uw.resize(std::max<int64_t>(U, 1));
+  float* uw = w.uw.data();
   for (int64_t r = 0; r < R; ++r) {
     float* a = acc + r * as;
     std::fill(a, a + d, 0.0f);
-    const float p = max_of<AVX>(sw + r * W, W);
+    float p = max_of<AVX>(sw + r * W, W);
+    for (int64_t u = 0; u < U; ++u) uw[u] = skip[u] ? ul[r * uhs + u] : ninf, p = std::max(p, uw[u]);
     peak[r * ps] = p;
-    if (W == 0 || p == -std::numeric_limits<float>::infinity()) {
+    if ((W == 0 && U == 0) || p == ninf) {
       den[r * ps] = 0.0f;
       continue;
     }
 #ifdef ARMKV_AVX2
-    if constexpr (AVX) den[r * ps] = exp_shift_sum_avx2(sw + r * W, W, p);
+    if constexpr (AVX) den[r * ps] = exp_shift_sum_avx2(sw + r * W, W, p) + (U ? exp_shift_sum_avx2(uw, U, p) : 0.0f);
     else
 #endif
-    den[r * ps] = exp_shift_sum_scalar(sw + r * W, W, p);
+    den[r * ps] = exp_shift_sum_scalar(sw + r * W, W, p) + (U ? exp_shift_sum_scalar(uw, U, p) : 0.0f);
+    for (int64_t u = 0; u < U; ++u) {  // (the units left out, one entry each)
+      if (uw[u] == 0.0f) continue;
+      const float* v = uv + u * d;
+      for (int64_t c = 0; c < d; ++c) a[c] += uw[u] * v[c];
+    }
     for (size_t k = 0, at = 0; k < w.run_start.size(); at += w.run_len[k], ++k) {
       const float* v = values + w.run_start[k] * d;
       const float* e = sw + r * W + at;
@@ -1200,8 +1342,9 @@ __attribute__((always_inline)) inline void ranked_query_body(const float* l, int
 #define ARMKV_RANKED_ARGS                                                                                            \
   const float *l, int64_t hs, const float *bias, const float *values, int64_t S, int64_t R, int64_t d,             \
       const int32_t *ord, int64_t listed, const int32_t *st, const int32_t *sz, int64_t nb, int64_t m,               \
-      BestScratch &w, float *acc, int64_t as, float *peak, float *den, int64_t ps
-#define ARMKV_RANKED_CALL l, hs, bias, values, S, R, d, ord, listed, st, sz, nb, m, w, acc, as, peak, den, ps
+      BestScratch &w, float *acc, int64_t as, float *peak, float *den, int64_t ps, const float *ul, int64_t uhs,      \
+      const float *uv, int64_t U
+#define ARMKV_RANKED_CALL l, hs, bias, values, S, R, d, ord, listed, st, sz, nb, m, w, acc, as, peak, den, ps, ul, uhs, uv, U
 ARMKV_DISPATCH(ranked_query, ARMKV_RANKED_ARGS, ARMKV_RANKED_CALL)
 
 // ---------------------------------------------------------------- read_rank="partial"
@@ -1495,8 +1638,8 @@ inline void partial_top(const float* qm, const void* codes, bool int8_keys, cons
 #define ARMKV_BEST_ARGS                                                                                             \
   const DecodeGroup &a, const float *mix, const float *mix_t, bool int8_keys, int64_t R, int64_t d, int64_t L,     \
       int64_t S, int64_t ngk, int64_t ngv, float scaling, const int32_t *ord, int64_t listed, const int32_t *st,   \
-      const int32_t *sz, int64_t nb, int64_t m, int64_t take, BestScratch &w, int64_t *chosen
-#define ARMKV_BEST_CALL a, mix, mix_t, int8_keys, R, d, L, S, ngk, ngv, scaling, ord, listed, st, sz, nb, m, take, w, chosen
+      const int32_t *sz, int64_t nb, int64_t m, int64_t take, BestScratch &w, int64_t *chosen, UnitEntries *units
+#define ARMKV_BEST_CALL a, mix, mix_t, int8_keys, R, d, L, S, ngk, ngv, scaling, ord, listed, st, sz, nb, m, take, w, chosen, units
 ARMKV_DISPATCH(best_group, ARMKV_BEST_ARGS, ARMKV_BEST_CALL)
 
 }  // namespace armkv
@@ -1718,6 +1861,34 @@ struct DecodeInputs {
     MXT = mx.numel() ? mxt.data_ptr<float>() : nullptr;
   }
 
+  // read_summaries (read.unit_summaries): each unit's entry, keys and values [G, U, d] float32 in
+  // the slots' basis and log weights [G, U], U the units of the read's index (nb); all three or none
+  torch::Tensor uk, uv, ulw;
+  int64_t U = 0;
+
+  void set_units(const c10::optional<torch::Tensor>& keys, const c10::optional<torch::Tensor>& values,
+                 const c10::optional<torch::Tensor>& log_weight, int64_t nb, const char* name) {
+    TORCH_CHECK(keys.has_value() == values.has_value() && keys.has_value() == log_weight.has_value(), name,
+                ": unit_keys, unit_values and unit_log_weight come together");
+    if (!keys.has_value()) return;
+    uk = keys->to(torch::kFloat32).contiguous(), uv = values->to(torch::kFloat32).contiguous();
+    ulw = log_weight->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(uk.dim() == 3 && uk.size(0) == G && uk.size(1) == nb && uk.size(2) == d && uv.sizes() == uk.sizes() &&
+                    ulw.dim() == 2 && ulw.size(0) == G && ulw.size(1) == nb,
+                name, ": unit_keys and unit_values [G, U, d], unit_log_weight [G, U], U the index's units");
+    U = nb;
+  }
+
+  // group g's unit entries (empty where there are none), w its [R, U] scratch; skip and qm are the caller's
+  armkv::UnitEntries units(int64_t g, std::vector<float>& w) const {
+    armkv::UnitEntries e;
+    if (!U) return e;
+    w.resize(R * U);
+    e.k = uk.data_ptr<float>() + g * U * d, e.v = uv.data_ptr<float>() + g * U * d, e.lw = ulw.data_ptr<float>() + g * U;
+    e.w = w.data(), e.U = U;
+    return e;
+  }
+
   // the read's output: [G, R, d], or in the model's layout [B, 1, Hq, d] (the same memory)
   torch::Tensor empty_out() const {
     return batch ? torch::empty({batch, 1, G / batch * R, d}, q.options()) : torch::empty({G, R, d}, q.options());
@@ -1786,15 +1957,16 @@ torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::T
     for (int64_t g = g0; g < g1; ++g)
       armkv::runs_group(in.group(g, out.data_ptr<float>() + g * R * d), in.MX, in.MXT, in.int8_keys, R, d, L, in.ngk, in.ngv,
                         static_cast<float>(scaling), start, len, S, qm.data(), slot_w.data(), exact_w.data(), tmp.data(),
-                        vectorised);
+                        nullptr, vectorised);
   });
   return out;
 }
 
 // Per-thread buffers of sparse_group and arm_partial_decode_read's ranking
 struct SparseScratch {
-  std::vector<float> qm, exact_w, tmp, slot_w, energy, top, best;
+  std::vector<float> qm, exact_w, tmp, slot_w, energy, top, best, uw;
   std::vector<int64_t> run_start, run_len, rows, idx;
+  std::vector<char> skip;
   armkv::PartialScratch partial;
 };
 
@@ -1807,8 +1979,11 @@ void sparse_group(DecodeInputs& in, int64_t g, float* out, const int32_t* ORD, i
   const int64_t W = armkv::bucket_runs(ORD, listed, ST, SZ, nb, chosen, count, S, w.run_start, w.run_len, name);
   w.slot_w.resize(R * std::max<int64_t>(W, 1));
   w.qm.resize(R * d), w.exact_w.resize(R * (L + 1)), w.tmp.resize(R * d);
+  armkv::UnitEntries units = in.units(g, w.uw);  // (read_summaries: the units left out, one entry each)
+  if (in.U) units.skip = armkv::skipped(units.U, chosen, count, w.skip);
   armkv::runs_group(in.group(g, out), in.MX, in.MXT, in.int8_keys, R, d, L, in.ngk, in.ngv, static_cast<float>(scaling),
-                    w.run_start, w.run_len, W, w.qm.data(), w.slot_w.data(), w.exact_w.data(), w.tmp.data(), vectorised);
+                    w.run_start, w.run_len, W, w.qm.data(), w.slot_w.data(), w.exact_w.data(), w.tmp.data(),
+                    in.U ? &units : nullptr, vectorised);
 }
 
 // The sparse decode read (ARMLayer._sparse_read, one query): arm_decode_read over only the
@@ -1826,7 +2001,9 @@ torch::Tensor arm_sparse_decode_read(torch::Tensor query, torch::Tensor own_k, t
                                      torch::Tensor key_codes, torch::Tensor key_scale, torch::Tensor value_codes,
                                      torch::Tensor value_scale, torch::Tensor bias, torch::Tensor mix, double scaling,
                                      torch::Tensor order, torch::Tensor start, torch::Tensor size, torch::Tensor buckets,
-                                     torch::Tensor take, bool vectorised) {
+                                     torch::Tensor take, bool vectorised, const c10::optional<torch::Tensor>& unit_keys,
+                                     const c10::optional<torch::Tensor>& unit_values,
+                                     const c10::optional<torch::Tensor>& unit_log_weight) {
   DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
                   mix, "arm_sparse_decode_read");
   const int64_t G = in.G, R = in.R, d = in.d, S = in.S;
@@ -1837,6 +2014,7 @@ torch::Tensor arm_sparse_decode_read(torch::Tensor query, torch::Tensor own_k, t
                   sz.sizes() == st.sizes() && bk.dim() == 2 && bk.size(0) == G && tk.dim() == 1 && tk.size(0) == G,
               "arm_sparse_decode_read: order [G, <= S], start and size [G, N_b], buckets [G, M], take [G]");
   const int64_t nb = st.size(1), M = bk.size(1), listed = ord.size(1);
+  in.set_units(unit_keys, unit_values, unit_log_weight, nb, "arm_sparse_decode_read");
   const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
   const int64_t *BK = bk.data_ptr<int64_t>(), *TK = tk.data_ptr<int64_t>();
   auto out = in.empty_out();
@@ -1862,7 +2040,9 @@ std::vector<torch::Tensor> arm_partial_decode_read(torch::Tensor query, torch::T
                                                    torch::Tensor value_codes, torch::Tensor value_scale, torch::Tensor bias,
                                                    torch::Tensor mix, double scaling, torch::Tensor order, torch::Tensor start,
                                                    torch::Tensor size, int64_t m, torch::Tensor take, int64_t n,
-                                                   bool vectorised) {
+                                                   bool vectorised, const c10::optional<torch::Tensor>& unit_keys,
+                                     const c10::optional<torch::Tensor>& unit_values,
+                                     const c10::optional<torch::Tensor>& unit_log_weight) {
   DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
                   mix, "arm_partial_decode_read");
   const int64_t G = in.G, R = in.R, d = in.d, S = in.S;
@@ -1873,6 +2053,7 @@ std::vector<torch::Tensor> arm_partial_decode_read(torch::Tensor query, torch::T
                   n <= d / 2,
               "arm_partial_decode_read: order [G, <= S], start and size [G, N_b], take [G], 1 <= m <= N_b, 1 <= n <= d / 2");
   const int64_t nb = st.size(1), listed = ord.size(1);
+  in.set_units(unit_keys, unit_values, unit_log_weight, nb, "arm_partial_decode_read");
   const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
   const int64_t* TK = tk.data_ptr<int64_t>();
   auto out = in.empty_out();
@@ -1998,7 +2179,10 @@ std::vector<torch::Tensor> arm_best_decode_read(torch::Tensor query, torch::Tens
                                                 torch::Tensor exact_ok, torch::Tensor key_codes, torch::Tensor key_scale,
                                                 torch::Tensor value_codes, torch::Tensor value_scale, torch::Tensor bias,
                                                 torch::Tensor mix, double scaling, torch::Tensor order, torch::Tensor start,
-                                                torch::Tensor size, int64_t m, torch::Tensor take, bool vectorised) {
+                                                torch::Tensor size, int64_t m, torch::Tensor take, bool vectorised,
+                                                const c10::optional<torch::Tensor>& unit_keys,
+                                     const c10::optional<torch::Tensor>& unit_values,
+                                     const c10::optional<torch::Tensor>& unit_log_weight) {
   DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
                   mix, "arm_best_decode_read");
   const int64_t G = in.G, R = in.R, d = in.d, L = in.L, S = in.S;
@@ -2008,6 +2192,7 @@ std::vector<torch::Tensor> arm_best_decode_read(torch::Tensor query, torch::Tens
                   sz.sizes() == st.sizes() && tk.dim() == 1 && tk.size(0) == G && m >= 1 && m <= st.size(1),
               "arm_best_decode_read: order [G, <= S], start and size [G, N_b], take [G], 1 <= m <= N_b");
   const int64_t nb = st.size(1), listed = ord.size(1);
+  in.set_units(unit_keys, unit_values, unit_log_weight, nb, "arm_best_decode_read");
   const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
   const int64_t* TK = tk.data_ptr<int64_t>();
   auto out = in.empty_out();
@@ -2016,12 +2201,75 @@ std::vector<torch::Tensor> arm_best_decode_read(torch::Tensor query, torch::Tens
     thread_local armkv::BestScratch w;  // (kept from call to call: no allocation a read)
     w.qm.resize(R * d), w.sw.resize(R * std::max<int64_t>(S, 1)), w.top.resize(std::max<int64_t>(S, 1)), w.best.resize(nb);
     w.exact_w.resize(R * (L + 1)), w.tmp.resize(R * d);
-    for (int64_t g = g0; g < g1; ++g)
+    for (int64_t g = g0; g < g1; ++g) {
+      armkv::UnitEntries units = in.units(g, w.uw);  // (read_summaries: the units left out, one entry each)
       armkv::best_group(in.group(g, out.data_ptr<float>() + g * R * d), in.MX, in.MXT, in.int8_keys, R, d, L, S, in.ngk, in.ngv,
                         static_cast<float>(scaling), ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, m, TK[g], w,
-                        buckets.data_ptr<int64_t>() + g * m, vectorised);
+                        buckets.data_ptr<int64_t>() + g * m, in.U ? &units : nullptr, vectorised);
+    }
   });
   return {out, buckets};
+}
+
+// read.unit_summaries from the codes, unit by unit of an index (the units a read at M < N_b
+// ranks: buckets, or their pages): key codes (uint8 [G, d/2, S] int4 or int8 [G, d, S]) and
+// scales [G, S, ngk], value codes uint8 [G, S, d/2] and scales [G, S, ngv], read where they lie
+// (as arm_decode_read reads them); bias [G, S] (-inf: free); the units' order [G, listed]
+// (listed 0: a pool laid unit by unit), start and size [G, U] -> (keys [G, U, d] and values
+// [G, U, d] float32: the means of the unit's slots weighted by exp(bias), zero for an empty
+// unit; log_weight [G, U] float32: the log of their total weight, -inf for an empty unit)
+std::vector<torch::Tensor> unit_summaries(torch::Tensor key_codes, torch::Tensor key_scale, torch::Tensor value_codes,
+                                          torch::Tensor value_scale, torch::Tensor bias, torch::Tensor order, torch::Tensor start,
+                                          torch::Tensor size, bool vectorised) {
+  auto kc = DecodeInputs::rows_apart(key_codes, 0), vc = DecodeInputs::rows_apart(value_codes, value_codes.size(-1));
+  auto ks = DecodeInputs::rows_apart(DecodeInputs::as_stored(key_scale), key_scale.size(-1));
+  auto vs = DecodeInputs::rows_apart(DecodeInputs::as_stored(value_scale), value_scale.size(-1));
+  auto b = bias.to(torch::kFloat32).contiguous();
+  auto ord = order.to(torch::kInt32).contiguous(), st = start.to(torch::kInt32).contiguous();
+  auto sz = size.to(torch::kInt32).contiguous();
+  const bool int8_keys = kc.scalar_type() == torch::kInt8;
+  TORCH_CHECK(vc.scalar_type() == torch::kUInt8 && (int8_keys || kc.scalar_type() == torch::kUInt8) && b.dim() == 2 &&
+                  kc.dim() == 3 && vc.dim() == 3 && b.device().is_cpu(),
+              "unit_summaries: int4 (uint8) or int8 key codes, int4 value codes, bias [G, S], on the CPU");
+  const int64_t G = b.size(0), S = b.size(1), d = vc.size(2) * 2, ngk = ks.size(2), ngv = vs.size(2);
+  TORCH_CHECK(kc.size(0) == G && kc.size(1) == (int8_keys ? d : d / 2) && kc.size(2) == S && ks.size(0) == G && ks.size(1) == S &&
+                  vc.size(0) == G && vc.size(1) == S && vs.size(0) == G && vs.size(1) == S && d % ngk == 0 && d % ngv == 0 &&
+                  (!int8_keys || ngk == 1) && ord.dim() == 2 && ord.size(0) == G && ord.size(1) <= S && st.dim() == 2 &&
+                  st.size(0) == G && sz.sizes() == st.sizes(),
+              "unit_summaries: shapes do not match (codes and scales as arm_decode_read takes them, bias [G, S], order [G, <= S], "
+              "start and size [G, U])");
+  const int64_t U = st.size(1), listed = ord.size(1);
+  const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
+  const float* B = b.data_ptr<float>();
+  auto keys = torch::zeros({G, U, d}, b.options()), values = torch::zeros({G, U, d}, b.options());
+  auto log_weight = torch::empty({G, U}, b.options());
+  float *K = keys.data_ptr<float>(), *V = values.data_ptr<float>(), *LW = log_weight.data_ptr<float>();
+  at::parallel_for(0, G * U, 1, [&](int64_t i0, int64_t i1) {
+    thread_local std::vector<int64_t> run_start, run_len;
+    thread_local std::vector<float> w;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i / U, unit = i % U;
+      const int64_t W = armkv::bucket_runs(ORD + g * listed, listed, ST + g * U, SZ + g * U, U, &unit, 1, S, run_start, run_len,
+                                           "unit_summaries");
+      w.resize(std::max<int64_t>(W, 1));
+      float total = 0.0f;
+      for (size_t k = 0, at = 0; k < run_start.size(); at += run_len[k], ++k)
+        for (int64_t j = 0; j < run_len[k]; ++j) total += (w[at + j] = std::exp(B[g * S + run_start[k] + j]));
+      if (!(total > 0.0f)) {  // an empty unit: zero mean, no weight
+        LW[i] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      const void* kcg = int8_keys ? static_cast<const void*>(kc.data_ptr<int8_t>() + g * kc.stride(0))
+                                  : static_cast<const void*>(kc.data_ptr<uint8_t>() + g * kc.stride(0));
+      armkv::unit_sums(w.data(), kcg, int8_keys, DecodeInputs::scales(ks, g, ngk), vc.data_ptr<uint8_t>() + g * vc.stride(0),
+                       DecodeInputs::scales(vs, g, ngv), d, kc.stride(1), ngk, ngv, W, run_start, run_len, K + i * d, V + i * d,
+                       vectorised);
+      const float inv = 1.0f / total;
+      for (int64_t c = 0; c < d; ++c) K[i * d + c] *= inv, V[i * d + c] *= inv;
+      LW[i] = std::log(total);
+    }
+  });
+  return {keys, values, log_weight};
 }
 
 // A chunk's read of the slots of each query's top units (read.ranked_chunk_read), from the
@@ -2029,10 +2277,13 @@ std::vector<torch::Tensor> arm_best_decode_read(torch::Tensor query, torch::Tens
 // biased), bias [G, S] (-inf: free), values [G, S, d] float32, the units' index (order [G,
 // listed], listed 0: a pool laid unit by unit; start, size [G, N_u]), m [G]: units each group's
 // queries read -> (acc [G, R, T, d], peak [G, R, T], den [G, R, T]): the unnormalised softmax
-// over each query's slots (ranked_query), to be joined with the rest of its softmax
+// over each query's slots (ranked_query), to be joined with the rest of its softmax. With
+// read_summaries, unit_logits [G, R, T, N_u] (q.k * scaling + log weight, -inf: an empty unit)
+// and unit_values [G, N_u, d] float32: each unit a query skips joins that softmax as one entry.
 std::vector<torch::Tensor> ranked_slot_read(torch::Tensor logits, torch::Tensor bias, torch::Tensor values,
                                             torch::Tensor order, torch::Tensor start, torch::Tensor size, torch::Tensor m,
-                                            bool vectorised) {
+                                            bool vectorised, const c10::optional<torch::Tensor>& unit_logits,
+                                            const c10::optional<torch::Tensor>& unit_values) {
   TORCH_CHECK(logits.scalar_type() == torch::kFloat32 && bias.scalar_type() == torch::kFloat32 &&
                   values.scalar_type() == torch::kFloat32 && logits.device().is_cpu(),
               "ranked_slot_read: float32 logits, bias and values on the CPU");
@@ -2046,6 +2297,17 @@ std::vector<torch::Tensor> ranked_slot_read(torch::Tensor logits, torch::Tensor 
                   mm.size(0) == G,
               "ranked_slot_read: bias [G, S], values [G, S, d], order [G, <= S], start and size [G, N_u], m [G]");
   const int64_t nb = st.size(1), listed = ord.size(1);
+  TORCH_CHECK(unit_logits.has_value() == unit_values.has_value(), "ranked_slot_read: unit_logits and unit_values come together");
+  torch::Tensor ul, uv;
+  if (unit_logits.has_value()) {
+    ul = unit_logits->to(torch::kFloat32).contiguous(), uv = unit_values->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(ul.dim() == 4 && ul.size(0) == G && ul.size(1) == R && ul.size(2) == T && ul.size(3) == nb && uv.dim() == 3 &&
+                    uv.size(0) == G && uv.size(1) == nb && uv.size(2) == d,
+                "ranked_slot_read: unit_logits [G, R, T, N_u], unit_values [G, N_u, d]");
+  }
+  const int64_t U = ul.defined() ? nb : 0;
+  const float* UL = U ? ul.data_ptr<float>() : nullptr;
+  const float* UV = U ? uv.data_ptr<float>() : nullptr;
   const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
   const int64_t* M = mm.data_ptr<int64_t>();
   const float *LG = lg.data_ptr<float>(), *BS = bs.data_ptr<float>(), *VS = vs.data_ptr<float>();
@@ -2059,7 +2321,8 @@ std::vector<torch::Tensor> ranked_slot_read(torch::Tensor logits, torch::Tensor 
       const int64_t g = i / T, t = i % T, head0 = g * R * T + t;
       const int64_t take = std::max<int64_t>(0, std::min<int64_t>(M[g], nb));
       armkv::ranked_query(LG + head0 * S, T * S, BS + g * S, VS + g * S * d, S, R, d, ORD + g * listed, listed, ST + g * nb,
-                          SZ + g * nb, nb, take, w, ACC + head0 * d, T * d, PK + head0, DN + head0, T, vectorised);
+                          SZ + g * nb, nb, take, w, ACC + head0 * d, T * d, PK + head0, DN + head0, T,
+                          U ? UL + head0 * U : nullptr, T * U, U ? UV + g * U * d : nullptr, U, vectorised);
     }
   });
   return {acc, peak, den};
@@ -2254,23 +2517,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("own_k"), py::arg("own_v"), py::arg("own_ok"), py::arg("exact_k"), py::arg("exact_v"),
         py::arg("exact_ok"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
         py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("order"), py::arg("start"), py::arg("size"),
-        py::arg("buckets"), py::arg("take"), py::arg("vectorised") = true);
+        py::arg("buckets"), py::arg("take"), py::arg("vectorised") = true, py::arg("unit_keys") = py::none(), py::arg("unit_values") = py::none(),
+        py::arg("unit_log_weight") = py::none());
   m.def("arm_best_decode_read", &arm_best_decode_read,
         "the decode read of read_rank=best: every slot scored once, the m best buckets by their best logit read",
         py::arg("query"), py::arg("own_k"), py::arg("own_v"), py::arg("own_ok"), py::arg("exact_k"), py::arg("exact_v"),
         py::arg("exact_ok"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
         py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("order"), py::arg("start"), py::arg("size"),
-        py::arg("m"), py::arg("take"), py::arg("vectorised") = true);
+        py::arg("m"), py::arg("take"), py::arg("vectorised") = true, py::arg("unit_keys") = py::none(), py::arg("unit_values") = py::none(),
+        py::arg("unit_log_weight") = py::none());
   m.def("arm_partial_decode_read", &arm_partial_decode_read,
         "the decode read of read_rank=partial: the m best buckets by their best logit over the query's n largest key-code rows read",
         py::arg("query"), py::arg("own_k"), py::arg("own_v"), py::arg("own_ok"), py::arg("exact_k"), py::arg("exact_v"),
         py::arg("exact_ok"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
         py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("order"), py::arg("start"), py::arg("size"),
-        py::arg("m"), py::arg("take"), py::arg("n"), py::arg("vectorised") = true);
+        py::arg("m"), py::arg("take"), py::arg("n"), py::arg("vectorised") = true, py::arg("unit_keys") = py::none(), py::arg("unit_values") = py::none(),
+        py::arg("unit_log_weight") = py::none());
   m.def("ranked_slot_read", &ranked_slot_read,
         "a chunk's read of the slots of each query's m best units, from its logits of every slot: the softmax's unnormalised part",
         py::arg("logits"), py::arg("bias"), py::arg("values"), py::arg("order"), py::arg("start"), py::arg("size"), py::arg("m"),
-        py::arg("vectorised") = true);
+        py::arg("vectorised") = true, py::arg("unit_logits") = py::none(), py::arg("unit_values") = py::none());
+  m.def("unit_summaries", &unit_summaries, "each unit's count-weighted mean key and value and log total weight, from the codes",
+        py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"), py::arg("bias"),
+        py::arg("order"), py::arg("start"), py::arg("size"), py::arg("vectorised") = true);
   m.def("bucket_lists", &bucket_lists, "the occupied slots of each group listed bucket by bucket (a counting sort), and the runs' breaks",
         py::arg("slot_bucket"), py::arg("occupied"), py::arg("nb"));
   m.def("group_leaf_topm", &group_leaf_topm, "the top-m buckets of each KV head's query group for one decoded token",
