@@ -252,19 +252,13 @@ class ARMLayer(CacheLayer):
         """A read of the slots (the decode step's dense read aside): at M < N_b gathered
         (:meth:`_sparse_read`) or ranked (:meth:`_ranked_chunk_read`) where either serves,
         else masked over the whole pool (:meth:`_chunk_read`, their reference). With
-        ``read_summaries`` (each unit a read skips one entry of its softmax) one decoded token
-        that the fused kernels serve takes the sparse read, a chunk ranked by its logits the
-        ranked read, any other read the masked one."""
-        T = query.shape[2]
-        if self.config.read_summaries and self._reads_top_m(reads_all):  # (the skipped units' entries: not in every path)
-            if T == 1 and self._reads_sparse(T, reads_all) and self._fused_decode(query):
-                return self._sparse_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid)
-            if T > 1 and self.config.read_rank != "tree":
-                return self._ranked_chunk_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
-            return self._chunk_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all)
-        if self._reads_sparse(T, reads_all):
+        ``read_summaries`` (each unit a read skips one entry of its softmax) a decoded token
+        takes the sparse read (fused; where the kernels do not serve, the masked read), a chunk
+        ranked by its logits the ranked read, any other read the masked one."""
+        T, summarised = query.shape[2], self.config.read_summaries
+        if self._reads_sparse(T, reads_all) and (T == 1 or not summarised):
             return self._sparse_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid)
-        if self._reads_ranked(reads_all):
+        if self._reads_ranked(reads_all) and (T > 1 or not summarised):
             return self._ranked_chunk_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
         return self._chunk_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all)
 
@@ -644,6 +638,8 @@ class ARMLayer(CacheLayer):
         KV head's top-M buckets (``read.slots_of_buckets``), read from their stored codes
         (``read.gathered_read``). Its cost
         falls with M; it equals the masked read of the whole pool (tests/test_sparse_read.py).
+        With ``read_summaries`` only the fused calls read (each skipped unit one entry,
+        :meth:`_unit_summaries`); where they do not serve, the masked read does.
         Returns [B, T, Hq, d]."""
         held = self._ranked_for  # best / partial, one query on a CPU: the kernel call kept from the last step
         if (fused and held is not None and held[0] is self.pool.state and held[1] is self.m and self.read_tally is None
@@ -655,6 +651,8 @@ class ARMLayer(CacheLayer):
         index = self._page_index() or self._bucket_index()  # what it ranks and reads: pages (read_pages) or buckets
         st = self._readable()
         kernel = kernels.fused_read(query, st.value) if fused and T == 1 and st.key_scale is not None else None
+        if kernel is None and self.config.read_summaries:  # (the skipped units' entries: the fused reads, or the masked one)
+            return self._chunk_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all=False)
         if kernel is not None:  # one query on a CPU: ranked and read in one call (best), or routed, then read (tree)
             mix = self.mixing.to(query.dtype) if st.mixed else None
             m = self._units(min(M, self.memory.router.num_buckets))
@@ -696,12 +694,6 @@ class ARMLayer(CacheLayer):
         return gathered_read(
             query, key, value, valid, scaling, exact_k, exact_v, exact_valid, gather_slots(st, ids, for_reading=True), bias, fused=fused
         )
-
-    def _fused_decode(self, query: torch.Tensor) -> bool:
-        """Whether the fused decode kernels serve a read of this query (quantised slots with
-        int4 values, a float32 query on a CPU, no gradient)."""
-        st = self._readable()
-        return st.key_scale is not None and kernels.fused_read(query, st.value) is not None
 
     def _unit_summaries(self, index) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``read_summaries``: the entries of ``index``'s units (buckets, or their pages) that a
