@@ -149,6 +149,9 @@ def _rank(read_rank: str) -> dict:
     return {"read_rank": rank, **({"slot_mixing": False} if rank == "partial" else {}), **({"read_pages": True} if pages else {})}
 
 
+_CACHES = {}  # id(layer) -> the cache _layer_with_memory made it in
+
+
 def _layer_with_memory(dtype, overrides, seed=1, device="cpu"):
     """Layer 1 of a tiny model's arm cache after a prompt and a few decode steps: merged
     slots, tokens waiting, a left-padded row."""
@@ -174,6 +177,7 @@ def _layer_with_memory(dtype, overrides, seed=1, device="cpu"):
         for _ in range(3):
             model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
     layer = cache.layers[1]
+    _CACHES[id(layer)] = cache
     assert layer.pending is not None and layer.state.count.max() > 1
     assert layer.memory.router.num_buckets >= 8 and 0 < layer._route_k < layer.memory.router.num_buckets
     return model, layer
@@ -610,6 +614,39 @@ def test_index_summaries_kernel_equals_the_pytorch_form(overrides, laid):
     before = layer.state_bytes()
     kept = layer._unit_summaries(index)
     assert layer.state_bytes() == before + sum(t.nbytes for t in kept)
+
+
+@pytest.mark.parametrize("overrides", [{"read_rank": "partial", "slot_mixing": False, "read_pages": True},
+                                       {"read_rank": "best"}, {"read_rank": "tree", "slot_format": "k8v4"}])
+def test_summaries_carried_over_writes_equal_a_fresh_build(overrides, monkeypatch):
+    """``read_summaries`` carries the entries of units whose buckets no write changed
+    (``SlotPool.take_dirty``, ``read.carried_units``): after every decode step (writes every
+    4 tokens into a pool of merged slots, still filling, with pages re-laid where the list
+    drifts) the kept entries equal those built afresh from the codes, and at some writes most
+    units were carried, not rebuilt."""
+    from armkv.memory.read import index_summaries
+
+    if kernels.int4_read() is None:
+        pytest.skip("the fused kernel is not built here")
+    carried = []
+    real = arm_method.carried_units
+    monkeypatch.setattr(arm_method, "carried_units", lambda *a: carried.append(r := real(*a)) or r)
+    model, layer = _layer_with_memory(torch.float32, {**overrides, "read_summaries": True, "sync": 4})
+    cache = _CACHES[id(layer)]
+    ids = torch.randint(0, 100, (2, 1), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for step in range(40):
+            out = model(ids, past_key_values=cache, use_cache=True)
+            ids = out.logits[:, -1:].argmax(-1)
+            index = layer._page_index() or layer._bucket_index()
+            if layer._summaries_for is None or layer._summaries_for[0] is not index:
+                continue
+            st = layer._readable()
+            fresh = index_summaries(st, layer._decode_bias().reshape(-1, st.slots), index)
+            for a, b in zip(layer._summaries_for[1], fresh):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    shares = [float((c >= 0).float().mean()) for c in carried]
+    assert len(shares) > 5 and max(shares) > 0.5, shares
 
 
 def test_unit_summaries_are_weighted_means_and_log_totals():

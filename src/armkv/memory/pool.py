@@ -75,6 +75,31 @@ class SlotPool:
         self.rung = 0
         self.reserve: torch.Tensor | None = None  # bytes held beside an earlier rung (_reserve_ladder_bytes)
         self.skip_roomy_unpack = True  # False: every write un-packs the pool (roomy_form's reference)
+        # read_summaries: the buckets whose slots the writes changed since take_dirty ([G, N_b] bool), None: all
+        self.dirty: torch.Tensor | None = None
+
+    def take_dirty(self) -> torch.Tensor | None:
+        """The buckets whose slots changed (a slot written, merged, freed or moved to another
+        bucket) since the last call, [G, N_b] bool, or None where any may have (a new pool, a
+        re-pack, a write in training); counting starts afresh. Tracked only under
+        ``read_summaries``, whose entries of unchanged buckets carry over from write to write."""
+        dirty = self.dirty
+        G, nb = self.state.count.shape[0], self.memory.router.num_buckets
+        self.dirty = torch.zeros(G, nb + 1, dtype=torch.bool, device=self.state.count.device)
+        return None if dirty is None else dirty[:, :nb]
+
+    def _mark_dirty(self, before: MemoryState | None = None, after: MemoryState | None = None,
+                    changed: torch.Tensor | None = None) -> None:
+        """Add the buckets of the ``changed`` slots [G, S] (each slot's bucket before and after
+        the write) to :attr:`dirty`; no ``changed``: every bucket."""
+        if not self.config.read_summaries or self.dirty is None:
+            return
+        if changed is None:
+            self.dirty = None
+            return
+        nb = self.memory.router.num_buckets
+        for bucket in (before.bucket, after.bucket):  # (free slots, -1, in the last column)
+            self.dirty.scatter_(1, torch.where(changed & (bucket >= 0), bucket.long(), nb), True)
 
     @property
     def slots(self) -> int:
@@ -101,6 +126,7 @@ class SlotPool:
         config = dataclasses.replace(self.config, slots=slots)
         self.state = self.stored(self.memory.init_state(batch, self.work_dtype, device, config))
         self.reach = 0
+        self.dirty = None
         self._reserve_ladder_bytes()
 
     def nbytes(self) -> int:
@@ -127,6 +153,8 @@ class SlotPool:
         else:
             state = self.write_form(packed, dtype)
         written = write(state)
+        if self.memory.training:
+            self._mark_dirty()
         self.state = self.stored(written) if self.memory.training else self.restored(packed, state, written)
         # writes fill the lowest free slots first, so the occupied slots stay (mostly) a prefix
         occupied = (written.count > 0).any(0).nonzero()
@@ -207,6 +235,7 @@ class SlotPool:
             ).pack(fmt, mix=self.config.slot_mixing)
             self.state = packed
             self._reserve_ladder_bytes()
+            self._mark_dirty()  # (every slot re-packed)
         return packed
 
     def roomy(self, packed: MemoryState, keys: torch.Tensor, valid: torch.Tensor) -> bool:
@@ -266,6 +295,7 @@ class SlotPool:
         slot filled again in the same write holds a later position than anything stored."""
         G, S, d = after.key.shape
         changed = (after.count != before.count) | (after.pos != before.pos)
+        self._mark_dirty(before, after, changed)
         rows = changed.view(-1).nonzero().squeeze(1)  # [n] flat indices g * S + s
         fresh = self.stored(
             MemoryState(

@@ -133,20 +133,55 @@ def unit_summaries(slot_k: torch.Tensor, slot_v: torch.Tensor, bias: torch.Tenso
     return means[..., :d], means[..., d:], log_weight, unit
 
 
-def index_summaries(state, bias: torch.Tensor, index: "BucketIndex", fused: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def index_summaries(state, bias: torch.Tensor, index: "BucketIndex", fused: bool = True, kept=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`unit_summaries` of the units ``index`` lists (buckets, or their pages), in the
     basis the slots are stored in (a read scores them with the query in that basis), from
     the ``state``'s codes (:class:`MemoryState`, its first S slots) and their ``bias`` [G, S]
     float32: (keys [G, U, d], values [G, U, d], log_weight [G, U]) float32. With int4 value
     codes on a CPU the kernel (``unit_summaries``) reads the codes once, unit by unit, unless
-    ``fused=False``; elsewhere the PyTorch form, its reference."""
+    ``fused=False``; elsewhere the PyTorch form, its reference.
+
+    ``kept`` = (summaries of an earlier index, its unit of each of these units [G, U] long,
+    -1: none): the kernel builds only the units without one and copies the others' entries
+    (units whose slots have not changed since, :func:`carried_units`)."""
     kernel = kernels.fused_read(bias, state.value) if fused and state.key_scale is not None else None
     if kernel is not None:
-        return tuple(kernel.unit_summaries(state.key, state.key_scale, state.value, state.value_scale, bias,
-                                           index.kernel_order(), index.start, index.size))
+        if kept is None:
+            return tuple(kernel.unit_summaries(state.key, state.key_scale, state.value, state.value_scale, bias,
+                                               index.kernel_order(), index.start, index.size))
+        old, source = kept
+        carried = source >= 0
+        new = kernel.unit_summaries(state.key, state.key_scale, state.value, state.value_scale, bias,
+                                    index.kernel_order(), index.start, index.size, todo=~carried)
+        at = source.clamp_min(0)
+        return tuple(torch.where(carried.view(*carried.shape, *([1] * (n.dim() - 2))), o.gather(1, at.view(*at.shape, *([1] * (o.dim() - 2))).expand_as(n)), n)
+                     for o, n in zip(old, new))
     G, S = bias.shape
     slot_k, slot_v = (t.reshape(G, S, -1) for t in state.kv(torch.float32, unmix=False))
     return unit_summaries(slot_k, slot_v, bias, slot_units(index), index.size.shape[1])[:3]
+
+
+def carried_units(dirty: torch.Tensor, before: torch.Tensor, after: torch.Tensor, pages: int | None) -> torch.Tensor:
+    """For :func:`index_summaries`' ``kept``: each unit of a new index whose slots are the
+    same as those of a unit of an earlier one: its bucket has no slot that changed between
+    them (``dirty`` [G, N_b] bool), so it lists the same slots in the same order. ``before``,
+    ``after`` [G, N_b]: the buckets' sizes in the two indexes; ``pages``: the indexes' units
+    are :func:`paged_index`'s pages for that many (whose length must not have changed either),
+    None: the buckets themselves -> [G, U] long, the earlier unit's id, -1 where none."""
+    clean = ~dirty
+    if pages is None:
+        return torch.where(clean, torch.arange(clean.shape[1], device=clean.device), -1)
+    page_b, _, first_b = page_layout(before, pages)
+    page_a, count, first_a = page_layout(after, pages)
+    G, nb = after.shape
+    U = 2 * pages
+    j = torch.arange(U, device=after.device)
+    # the bucket of each new page id (ids are handed out bucket by bucket): the last bucket starting at or before it
+    bucket = (torch.searchsorted(first_a.contiguous(), j.expand(G, U).contiguous(), right=True) - 1).clamp_min(0)
+    within = j - first_a.gather(1, bucket)
+    real = within < count.gather(1, bucket)
+    same = clean.gather(1, bucket) & real & (page_a == page_b)
+    return torch.where(same, first_b.gather(1, bucket) + within, -1)
 
 
 def units_read(slot_mask: torch.Tensor, unit: torch.Tensor, num_units: int) -> torch.Tensor:
@@ -334,9 +369,7 @@ def paged_index(index: BucketIndex, num_buckets: int) -> BucketIndex:
     G, S = index.order.shape
     U = 2 * num_buckets
     size, start = index.size.long(), index.start.long()
-    page = ((size.sum(1, keepdim=True) + num_buckets - 1) // num_buckets).clamp_min(1)  # [G, 1]
-    pages = (size + page - 1) // page  # [G, N_b]
-    first = pages.cumsum(1) - pages  # each bucket's first page id
+    page, pages, first = page_layout(size, num_buckets)
     j = torch.arange(max(int(pages.max()), 1) if pages.numel() else 1, device=size.device)
     used = j < pages.unsqueeze(-1)  # [G, N_b, J]
     ids = torch.where(used, first.unsqueeze(-1) + j, U).reshape(G, -1)
@@ -345,6 +378,16 @@ def paged_index(index: BucketIndex, num_buckets: int) -> BucketIndex:
     out_start = torch.zeros(G, U + 1, dtype=torch.long, device=size.device).scatter_(1, ids, p_start)[:, :U]
     out_size = torch.zeros(G, U + 1, dtype=torch.long, device=size.device).scatter_(1, ids, p_size)[:, :U]
     return BucketIndex(order=index.order, start=out_start.int(), size=out_size.int(), laid=index.laid)
+
+
+def page_layout(size: torch.Tensor, num_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How :func:`paged_index` cuts buckets of ``size`` [G, N_b] slots into pages of at most
+    ceil(occupied / num_pages) slots: (that page length [G, 1], each bucket's pages [G, N_b],
+    the id of its first page [G, N_b]; pages are numbered bucket by bucket), all int64."""
+    size = size.long()
+    page = ((size.sum(1, keepdim=True) + num_pages - 1) // num_pages).clamp_min(1)
+    pages = (size + page - 1) // page
+    return page, pages, pages.cumsum(1) - pages
 
 
 def slot_units(index: BucketIndex) -> torch.Tensor:

@@ -38,7 +38,7 @@ from armkv.memory.pool import SlotPool
 from armkv.memory.read import (
     BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, paged_index, slot_units, fused_decode_read, fused_sparse_decode_read, gather_slots, gathered_read,
     partial_row_count, partial_rows, ranked_chunk_read, ranked_decode_call, run_breaks, slots_of_buckets, sort_by_bucket,
-    index_summaries, unit_summaries, units_read,
+    carried_units, index_summaries, unit_summaries, units_read,
 )
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
@@ -114,7 +114,7 @@ class ARMLayer(CacheLayer):
         self._reads_all = False  # every row reads every bucket (no routing, no per-query mask)
         self._index_for = None  # (state, its BucketIndex) for the sparse read
         self._pages_for = None  # (that BucketIndex, its pages' index): read_pages
-        self._summaries_for = None  # (the units' index, their summaries): read_summaries
+        self._summaries_for = None  # (the units' index, their summaries, its buckets' sizes): read_summaries
         self._take_for = None  # (m, (cap, H), buckets each group reads): _take
         self._ranked_for = None  # (pool state, m, its codes, the bound fused call): _sparse_read's best / partial
         self.mix: torch.Tensor | None = None  # [B] soft-cascade weight of Top(M + 1) (training)
@@ -213,8 +213,8 @@ class ARMLayer(CacheLayer):
             if self._pages_for is not None and self._pages_for[0] is units:
                 units = self._pages_for[1]
                 index += units.start.nbytes + units.size.nbytes
-            if self._summaries_for is not None and self._summaries_for[0] is units:
-                index += sum(t.nbytes for t in self._summaries_for[1])
+        if self._summaries_for is not None:  # (kept from write to write: the unchanged buckets' entries carry over)
+            index += sum(t.nbytes for t in self._summaries_for[1])
         return self.buffer.state_bytes() + self.pool.nbytes() + waiting + index
 
     # ------------------------------------------------------------------ attention
@@ -698,10 +698,18 @@ class ARMLayer(CacheLayer):
     def _unit_summaries(self, index) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``read_summaries``: the entries of ``index``'s units (buckets, or their pages) that a
         read may skip (``read.index_summaries``, in the slots' basis), made once per index (a
-        write makes a new one) and kept beside the state, counted in :meth:`state_bytes`."""
+        write makes a new one) and kept beside the state, counted in :meth:`state_bytes`. The
+        entries of units in buckets that no write changed since the last ones are carried over
+        (``SlotPool.take_dirty``, ``read.carried_units``): a decode step's write of ``sync``
+        tokens changes a few buckets, and the rest need not be read again."""
         if self._summaries_for is None or self._summaries_for[0] is not index:
             st = self._readable()
-            self._summaries_for = (index, index_summaries(st, self._decode_bias().reshape(-1, st.slots), index))
+            # the units whose buckets no write has changed since the last ones keep their entries
+            dirty, sizes, kept = self.pool.take_dirty(), self._bucket_index().size, None
+            if self._summaries_for is not None and dirty is not None and self._summaries_for[2].shape == sizes.shape:
+                pages = self.memory.router.num_buckets * self.config.page_split if self.config.read_pages else None
+                kept = (self._summaries_for[1], carried_units(dirty, self._summaries_for[2], sizes, pages))
+            self._summaries_for = (index, index_summaries(st, self._decode_bias().reshape(-1, st.slots), index, kept=kept), sizes)
         return self._summaries_for[1]
 
     def _take(self, m: int, H: int) -> torch.Tensor:

@@ -2217,10 +2217,11 @@ std::vector<torch::Tensor> arm_best_decode_read(torch::Tensor query, torch::Tens
 // (as arm_decode_read reads them); bias [G, S] (-inf: free); the units' order [G, listed]
 // (listed 0: a pool laid unit by unit), start and size [G, U] -> (keys [G, U, d] and values
 // [G, U, d] float32: the means of the unit's slots weighted by exp(bias), zero for an empty
-// unit; log_weight [G, U] float32: the log of their total weight, -inf for an empty unit)
+// unit; log_weight [G, U] float32: the log of their total weight, -inf for an empty unit).
+// todo [G, U] bool: only those units (the others zero, -inf: their entries are the caller's).
 std::vector<torch::Tensor> unit_summaries(torch::Tensor key_codes, torch::Tensor key_scale, torch::Tensor value_codes,
                                           torch::Tensor value_scale, torch::Tensor bias, torch::Tensor order, torch::Tensor start,
-                                          torch::Tensor size, bool vectorised) {
+                                          torch::Tensor size, bool vectorised, const c10::optional<torch::Tensor>& todo) {
   auto kc = DecodeInputs::rows_apart(key_codes, 0), vc = DecodeInputs::rows_apart(value_codes, value_codes.size(-1));
   auto ks = DecodeInputs::rows_apart(DecodeInputs::as_stored(key_scale), key_scale.size(-1));
   auto vs = DecodeInputs::rows_apart(DecodeInputs::as_stored(value_scale), value_scale.size(-1));
@@ -2239,6 +2240,12 @@ std::vector<torch::Tensor> unit_summaries(torch::Tensor key_codes, torch::Tensor
               "unit_summaries: shapes do not match (codes and scales as arm_decode_read takes them, bias [G, S], order [G, <= S], "
               "start and size [G, U])");
   const int64_t U = st.size(1), listed = ord.size(1);
+  torch::Tensor only;
+  if (todo.has_value()) {
+    only = todo->to(torch::kBool).contiguous();
+    TORCH_CHECK(only.dim() == 2 && only.size(0) == G && only.size(1) == U, "unit_summaries: todo [G, U]");
+  }
+  const bool* TODO = only.defined() ? only.data_ptr<bool>() : nullptr;
   const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
   const float* B = b.data_ptr<float>();
   auto keys = torch::zeros({G, U, d}, b.options()), values = torch::zeros({G, U, d}, b.options());
@@ -2249,6 +2256,10 @@ std::vector<torch::Tensor> unit_summaries(torch::Tensor key_codes, torch::Tensor
     thread_local std::vector<float> w;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t g = i / U, unit = i % U;
+      if (TODO && !TODO[i]) {
+        LW[i] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
       const int64_t W = armkv::bucket_runs(ORD + g * listed, listed, ST + g * U, SZ + g * U, U, &unit, 1, S, run_start, run_len,
                                            "unit_summaries");
       w.resize(std::max<int64_t>(W, 1));
@@ -2539,7 +2550,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("vectorised") = true, py::arg("unit_logits") = py::none(), py::arg("unit_values") = py::none());
   m.def("unit_summaries", &unit_summaries, "each unit's count-weighted mean key and value and log total weight, from the codes",
         py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"), py::arg("bias"),
-        py::arg("order"), py::arg("start"), py::arg("size"), py::arg("vectorised") = true);
+        py::arg("order"), py::arg("start"), py::arg("size"), py::arg("vectorised") = true, py::arg("todo") = py::none());
   m.def("bucket_lists", &bucket_lists, "the occupied slots of each group listed bucket by bucket (a counting sort), and the runs' breaks",
         py::arg("slot_bucket"), py::arg("occupied"), py::arg("nb"));
   m.def("group_leaf_topm", &group_leaf_topm, "the top-m buckets of each KV head's query group for one decoded token",
