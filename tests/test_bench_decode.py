@@ -282,8 +282,10 @@ def test_bench_ops_times_the_int4_read_against_pytorch(capsys, one_thread):
         assert set(int4) == {"37", "8"}
         assert all(r["max_abs_diff"] < 1e-3 and r["fused_us"] > 0 for r in int4.values())
     sparse = result["sparse_read_us_per_layer"]["256"]
-    assert set(sparse) == {"best", "partial", "tree", "partial-pages"}  # every ranking timed, each equal to its masked reference
+    # every ranking timed, each equal to its masked reference; with summaries their build timed too
+    assert set(sparse) == {"best", "partial", "tree", "partial-pages", "partial-pages-summaries"}
     assert all(row[t]["max_abs_diff"] < 1e-4 and row[t]["sparse_us"] > 0 for row in sparse.values() for t in ("T1", "T3"))
+    assert sparse["partial-pages-summaries"]["summaries_build_ms"] > 0 and "summaries_build_ms" not in sparse["partial-pages"]
     chunk = result["chunk_read_ms_per_layer"]
     assert set(chunk) == {"37", "8"}  # this torch has the CPU flash op (test_methods checks the split form)
     assert all(r["max_abs_diff"] < 1e-4 and r["split_ms"] > 0 and r["one_call_ms"] > 0 for r in chunk.values())
