@@ -149,12 +149,10 @@ def _rank(read_rank: str) -> dict:
     return {"read_rank": rank, **({"slot_mixing": False} if rank == "partial" else {}), **({"read_pages": True} if pages else {})}
 
 
-_CACHES = {}  # id(layer) -> the cache _layer_with_memory made it in
-
-
-def _layer_with_memory(dtype, overrides, seed=1, device="cpu"):
+def _layer_with_memory(dtype, overrides, seed=1, device="cpu", with_cache=False):
     """Layer 1 of a tiny model's arm cache after a prompt and a few decode steps: merged
-    slots, tokens waiting, a left-padded row."""
+    slots, tokens waiting, a left-padded row. Returns (model, layer), or with ``with_cache``
+    (model, layer, the cache)."""
     model = tiny_model("llama").to(device, dtype).eval()
     torch.manual_seed(seed)
     ids = torch.randint(0, 100, (2, 301)).to(device)
@@ -177,10 +175,9 @@ def _layer_with_memory(dtype, overrides, seed=1, device="cpu"):
         for _ in range(3):
             model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
     layer = cache.layers[1]
-    _CACHES[id(layer)] = cache
     assert layer.pending is not None and layer.state.count.max() > 1
     assert layer.memory.router.num_buckets >= 8 and 0 < layer._route_k < layer.memory.router.num_buckets
-    return model, layer
+    return (model, layer, cache) if with_cache else (model, layer)
 
 
 def _chunk(model, layer, dtype, T: int, padded: int):
@@ -631,8 +628,7 @@ def test_summaries_carried_over_writes_equal_a_fresh_build(overrides, monkeypatc
     carried = []
     real = arm_method.carried_units
     monkeypatch.setattr(arm_method, "carried_units", lambda *a: carried.append(r := real(*a)) or r)
-    model, layer = _layer_with_memory(torch.float32, {**overrides, "read_summaries": True, "sync": 4})
-    cache = _CACHES[id(layer)]
+    model, layer, cache = _layer_with_memory(torch.float32, {**overrides, "read_summaries": True, "sync": 4}, with_cache=True)
     ids = torch.randint(0, 100, (2, 1), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         for step in range(40):

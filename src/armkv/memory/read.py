@@ -149,13 +149,15 @@ def index_summaries(state, bias: torch.Tensor, index: "BucketIndex", fused: bool
         if kept is None:
             return tuple(kernel.unit_summaries(state.key, state.key_scale, state.value, state.value_scale, bias,
                                                index.kernel_order(), index.start, index.size))
-        old, source = kept
+        (old_k, old_v, old_w), source = kept
         carried = source >= 0
-        new = kernel.unit_summaries(state.key, state.key_scale, state.value, state.value_scale, bias,
-                                    index.kernel_order(), index.start, index.size, todo=~carried)
+        keys, values, log_weight = kernel.unit_summaries(state.key, state.key_scale, state.value, state.value_scale, bias,
+                                                         index.kernel_order(), index.start, index.size, todo=~carried)
         at = source.clamp_min(0)
-        return tuple(torch.where(carried.view(*carried.shape, *([1] * (n.dim() - 2))), o.gather(1, at.view(*at.shape, *([1] * (o.dim() - 2))).expand_as(n)), n)
-                     for o, n in zip(old, new))
+        rows = at.unsqueeze(-1).expand_as(keys)
+        return (torch.where(carried.unsqueeze(-1), old_k.gather(1, rows), keys),
+                torch.where(carried.unsqueeze(-1), old_v.gather(1, rows), values),
+                torch.where(carried, old_w.gather(1, at), log_weight))
     G, S = bias.shape
     slot_k, slot_v = (t.reshape(G, S, -1) for t in state.kv(torch.float32, unmix=False))
     return unit_summaries(slot_k, slot_v, bias, slot_units(index), index.size.shape[1])[:3]
