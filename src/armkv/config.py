@@ -154,8 +154,9 @@ class ARMConfig:
     read_summaries: bool = False  # at M < N_b, each bucket (or page) a read skips still enters its softmax
     # as one entry: its slots' keys and values averaged with the weights log_count_bias gives them
     # (each slot's count), the log of their total as the logit bias (read.unit_summaries; NSA's
-    # compressed attention over the tree's buckets). Built at every read from the slots with PyTorch
-    # ops, which those reads then take (the fused kernels do not build them yet: docs/design.md)
+    # compressed attention over the tree's buckets). Kept beside the slots, counted in the budget
+    # (2 d + 1 float32 a unit), rebuilt for the buckets a write changes; read by the fused CPU
+    # kernels, elsewhere by the masked read (docs/design.md)
     policy_hidden: int = 64  # LSTM width of the top-M policy
     policy_tokens: int = 64  # l: tokens pooled into the policy's starting state
     epsilon: float = 0.1  # epsilon-greedy exploration of the policy in training
