@@ -59,6 +59,7 @@ def test_result_schema(result):
     assert set(result["read_share"]["arm"].values()) == {1.0}
     assert all(v is None for m in METHODS if m != "arm" for v in result["read_share"][m].values())
     assert "Share of ARM's occupied slots" in markdown(result)
+    assert all(v is None for m in METHODS for v in result["dense_read_ratio"][m].values())  # (no sparse read to pair)
     assert result["threads"] == torch.get_num_threads()
     assert result["device"] == "cpu"
     assert set(result["gen"]["cache_bytes"]["arm"]) == set(GEN)
@@ -212,6 +213,10 @@ def test_sparse_reads_touch_a_share_of_the_memory(one_thread):
     assert 0 < res["read_ms_per_token"]["arm"][256] < res["attention_ms_per_token"]["arm"][256]
     assert res["read_share"]["native"][256] is None and res["attention_ms_per_token"]["native"][256] is None
     assert res["read_ms_per_token"]["native"][256] is None
+    # each sparse read timed beside the dense read of the same state (figures, no timing asserted)
+    assert 0 < res["paired_read_ms_per_token"]["arm"][256] and 0 < res["dense_read_ms_per_token"]["arm"][256]
+    assert res["dense_read_ratio"]["arm"][256] > 0 and res["dense_read_ratio"]["native"][256] is None
+    assert "Dense read / sparse read" in markdown(res)
 
 
 def test_prompts_from_a_text(tiny_model_dir, tmp_path, capsys, one_thread):

@@ -377,12 +377,18 @@ class Session:
         for transformers' own). Returns (the median seconds a step spends in attention, the
         median in ARM's reads or None, the share of their occupied slots that ARM's reads
         touched or None, the next token [B, 1]). The share is counted over ``steps`` steps more,
-        untimed (counting costs host work a read does not do)."""
+        untimed (counting costs host work a read does not do). Where ARM's reads are sparse
+        (M < N_b), ``steps`` steps more time each of them and, right after it on the same
+        inputs and state, the dense read of every slot (``ARMLayer._decode_read``): the read a
+        sparse one saves, of the same pool (a pool that reserves bytes for a sparse read's index
+        and entries holds fewer slots than one that reads every bucket), in the same steps.
+        Returns also, last, (the median a step of those sparse reads, of the dense ones, and the
+        median over the steps of dense / sparse), or Nones."""
         from armkv.hf.cache import ArmkvCache
 
         layers = getattr(cache, "layers", None)
         if not isinstance(cache, ArmkvCache) or not layers:
-            return None, None, None, token
+            return None, None, None, token, (None, None, None)
         spent = [0.0, 0.0]  # attention, ARM's reads
 
         def timed(fn, k):
@@ -397,8 +403,8 @@ class Session:
         tallied = [layer for layer in layers if hasattr(layer, "read_tally")]  # ARM's layers
         wrapped = [(layer, "attend", 0) for layer in layers]
         wrapped += [(layer, name, 1) for layer in tallied for name in ("_decode_read", "_read")]
-        per_step, read_step = [], []
-        positions = torch.arange(start, start + 2 * steps, device=self.device)[None]
+        per_step, read_step, paired = [], [], (None, None, None)
+        positions = torch.arange(start, start + 3 * steps, device=self.device)[None]
         try:
             for layer, name, k in wrapped:
                 setattr(layer, name, timed(getattr(layer, name), k))  # (instance attributes over the class's methods)
@@ -422,14 +428,56 @@ class Session:
                     delattr(layer, name)
             for layer in tallied:
                 layer.read_tally = None
+        if read < occupied:  # sparse reads: each beside the dense read of the same state
+            *paired, token = self._paired_reads(cache, tallied, token, positions[:, 2 * steps :], steps, progress)
         reads = statistics.median(read_step) if tallied else None
-        return statistics.median(per_step), reads, (read / occupied if occupied else None), token
+        return statistics.median(per_step), reads, (read / occupied if occupied else None), token, paired
+
+    def _paired_reads(self, cache, layers, token: torch.Tensor, positions: torch.Tensor, steps: int, progress=None):
+        """:meth:`attention`'s paired steps: each decoded token's sparse read in ``layers`` timed,
+        then the dense read of the same state on the same inputs (its output dropped). Returns
+        (median sparse seconds a step, median dense seconds a step, median of dense / sparse, the
+        next token [B, 1])."""
+        spent = [0.0, 0.0]
+
+        def paired(layer):
+            read = layer._read
+
+            def run(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, *args, **kwargs):
+                t0 = self.clock()
+                out = read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, *args, **kwargs)
+                t1 = self.clock()
+                if query.shape[2] == 1:
+                    layer._decode_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
+                    spent[1] += self.clock() - t1
+                    spent[0] += t1 - t0
+                return out
+
+            return run
+
+        sparse, dense = [], []
+        try:
+            for layer in layers:
+                layer._read = paired(layer)
+            for i in range(steps):
+                spent[0] = spent[1] = 0.0
+                token = self.forward(token, positions[:, i : i + 1], cache)
+                sparse.append(spent[0])
+                dense.append(spent[1])
+                if progress is not None:
+                    progress(1)
+        finally:
+            for layer in layers:
+                if "_read" in vars(layer):
+                    del layer._read
+        ratios = [d / s for s, d in zip(sparse, dense) if s > 0]
+        return statistics.median(sparse), statistics.median(dense), (statistics.median(ratios) if ratios else None), token
 
 
 # the per-prompt-length entries of the result: {method: {length: value or None}}
 POINT_KEYS = ("decode_ms_per_token", "decode_mean_ms_per_token", "decode_tokens_per_s", "cache_bytes",
               "peak_cache_bytes", "prefill_tokens_per_s", "attention_ms_per_token", "read_ms_per_token",
-              "read_share")  # fmt: skip
+              "read_share", "paired_read_ms_per_token", "dense_read_ms_per_token", "dense_read_ratio")  # fmt: skip
 
 
 def _median_ms(seconds: list[float]) -> float:
@@ -478,7 +526,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
     runs = [(m, n) for m in bench.methods for n in bench.lengths]
     work = bench.floor_context + decode_steps
     work += len(bench.methods) * (bench.floor_context + max(bench.gen_lengths))
-    work += sum(n + decode_steps + 2 * bench.repeats for m, n in runs if not bench.skips(m, n))
+    work += sum(n + decode_steps + 3 * bench.repeats for m, n in runs if not bench.skips(m, n))  # (at most: paired steps)
     bar = tqdm(total=work, unit="tok", desc="bench decode", disable=not progress, file=sys.stderr, dynamic_ncols=True)
 
     empty = lambda: {m: {} for m in bench.methods}  # noqa: E731
@@ -497,6 +545,12 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
         "attention_ms_per_token": empty(),
         "read_ms_per_token": empty(),
         "read_share": empty(),
+        # where ARM reads sparsely (M < N_b): further steps each timing ARM's reads and, right
+        # after each, the dense read of every slot of the same state (Session._paired_reads):
+        # their medians a step, and the median of dense / sparse, the same pool in the same steps
+        "paired_read_ms_per_token": empty(),
+        "dense_read_ms_per_token": empty(),
+        "dense_read_ratio": empty(),
         "threads": torch.get_num_threads(),
         "device": str(session.device),
         "gen": {"decode_ms_per_token": empty(), "cache_bytes": empty()},
@@ -585,10 +639,14 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
                 result["decode_mean_ms_per_token"][method][length] = statistics.mean(times[bench.warmup :]) * 1e3
                 result["decode_tokens_per_s"][method][length] = bench.batch * 1e3 / median_ms
                 result["peak_cache_bytes"][method][length] = cache_peak_bytes(cache)
-                attention, reads, share, token = session.attention(cache, token, length + decode_steps, bench.repeats, bar.update)
+                attention, reads, share, token, paired = session.attention(cache, token, length + decode_steps, bench.repeats,
+                                                                           bar.update)
                 result["attention_ms_per_token"][method][length] = None if attention is None else attention * 1e3
                 result["read_ms_per_token"][method][length] = None if reads is None else reads * 1e3
                 result["read_share"][method][length] = share
+                for key, value in zip(("paired_read_ms_per_token", "dense_read_ms_per_token"), paired[:2]):
+                    result[key][method][length] = None if value is None else value * 1e3
+                result["dense_read_ratio"][method][length] = paired[2]
                 result["peak"]["rss_bytes"][method][length] = _peak_rss()
                 if result["peak"]["cuda_allocated_bytes"] is not None:
                     result["peak"]["cuda_allocated_bytes"][method][length] = _device_peak(session.device)
@@ -689,6 +747,11 @@ def markdown(result: dict) -> str:
         table("ARM's reads of its memory, within that attention", result["read_ms_per_token"], 1.0, 1, "ms/token")
     if any(v is not None for row in result.get("read_share", {}).values() for v in row.values()):
         table("Share of ARM's occupied slots a decode read touches", result["read_share"], 0.01, 1, "%")
+    if any(v is not None for row in result.get("dense_read_ratio", {}).values() for v in row.values()):
+        table("ARM's sparse reads, in steps that time each beside the dense read of the same state",
+              result["paired_read_ms_per_token"], 1.0, 1, "ms/token")
+        table("The dense reads of every slot of those states", result["dense_read_ms_per_token"], 1.0, 1, "ms/token")
+        table("Dense read / sparse read, the median over those steps", result["dense_read_ratio"], 1.0, 2, "x")
     table("Cache bytes after the prompt", result["cache_bytes"], 2**20, 2, "MiB")
     if result.get("peak_cache_bytes"):
         table("Peak cache bytes during prefill and decode", result["peak_cache_bytes"], 2**20, 2, "MiB")
