@@ -403,24 +403,16 @@ class Session:
         tallied = [layer for layer in layers if hasattr(layer, "read_tally")]  # ARM's layers
         wrapped = [(layer, "attend", 0) for layer in layers]
         wrapped += [(layer, name, 1) for layer in tallied for name in ("_decode_read", "_read")]
-        per_step, read_step, paired = [], [], (None, None, None)
+        paired = (None, None, None)
         positions = torch.arange(start, start + 3 * steps, device=self.device)[None]
         try:
             for layer, name, k in wrapped:
                 setattr(layer, name, timed(getattr(layer, name), k))  # (instance attributes over the class's methods)
-            for i in range(steps):
-                spent[0] = spent[1] = 0.0
-                token = self.forward(token, positions[:, i : i + 1], cache)
-                per_step.append(spent[0])
-                read_step.append(spent[1])
-                if progress is not None:
-                    progress(1)
+            rows, token = self._timed_steps(cache, token, positions[:, :steps], spent, progress)
+            per_step, read_step = [r[0] for r in rows], [r[1] for r in rows]
             for layer in tallied:
                 layer.read_tally = [0, 0]
-            for i in range(steps, 2 * steps):
-                token = self.forward(token, positions[:, i : i + 1], cache)
-                if progress is not None:
-                    progress(1)
+            _, token = self._timed_steps(cache, token, positions[:, steps : 2 * steps], spent, progress)
             read, occupied = (sum(layer.read_tally[k] for layer in tallied) for k in (0, 1))
         finally:
             for layer, name, _ in wrapped:
@@ -432,6 +424,19 @@ class Session:
             *paired, token = self._paired_reads(cache, tallied, token, positions[:, 2 * steps :], steps, progress)
         reads = statistics.median(read_step) if tallied else None
         return statistics.median(per_step), reads, (read / occupied if occupied else None), token, paired
+
+    def _timed_steps(self, cache, token: torch.Tensor, positions: torch.Tensor, spent: list, progress=None):
+        """One decode step per position of ``positions`` [1, n], ``spent`` (the timers the
+        caller's wrappers add to) zeroed before each. Returns (each step's ``spent`` as a tuple,
+        the next token [B, 1])."""
+        rows = []
+        for i in range(positions.shape[1]):
+            spent[:] = [0.0] * len(spent)
+            token = self.forward(token, positions[:, i : i + 1], cache)
+            rows.append(tuple(spent))
+            if progress is not None:
+                progress(1)
+        return rows, token
 
     def _paired_reads(self, cache, layers, token: torch.Tensor, positions: torch.Tensor, steps: int, progress=None):
         """:meth:`attention`'s paired steps: each decoded token's sparse read in ``layers`` timed,
@@ -455,21 +460,15 @@ class Session:
 
             return run
 
-        sparse, dense = [], []
         try:
             for layer in layers:
                 layer._read = paired(layer)
-            for i in range(steps):
-                spent[0] = spent[1] = 0.0
-                token = self.forward(token, positions[:, i : i + 1], cache)
-                sparse.append(spent[0])
-                dense.append(spent[1])
-                if progress is not None:
-                    progress(1)
+            rows, token = self._timed_steps(cache, token, positions[:, :steps], spent, progress)
         finally:
             for layer in layers:
                 if "_read" in vars(layer):
                     del layer._read
+        sparse, dense = [r[0] for r in rows], [r[1] for r in rows]
         ratios = [d / s for s, d in zip(sparse, dense) if s > 0]
         return statistics.median(sparse), statistics.median(dense), (statistics.median(ratios) if ratios else None), token
 
