@@ -1152,6 +1152,31 @@ __attribute__((always_inline)) inline void run_logits(const float* qm, const voi
   }
 }
 
+// Every line the runs' reads will touch (their key codes' rows, scales, value codes and bias)
+// asked for at once, into L2, before the first is read: in a decode step each layer's slots
+// come cold from memory, the runs lie apart, and each channel row of a run is a line of its
+// own, so read one after another their misses would wait in turn (a decode read at 16k,
+// budget 4,096: 4-5% less time)
+inline void prefetch_runs(const DecodeGroup& a, bool int8_keys, int64_t d, int64_t ngk, int64_t ngv,
+                          const std::vector<int64_t>& start, const std::vector<int64_t>& len) {
+  const int64_t rows = int8_keys ? d : d / 2, key_scale = a.key_scale.f32 ? 4 : 2, value_scale = a.value_scale.f32 ? 4 : 2;
+  const char* kc = static_cast<const char*>(a.key_codes);
+  auto span = [](const void* p, int64_t bytes) {  // the lines of [p, p + bytes)
+    const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+    for (uintptr_t line = first; bytes > 0 && line < reinterpret_cast<uintptr_t>(p) + bytes; line += 64)
+      __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+  };
+  for (size_t k = 0; k < start.size(); ++k) {
+    const int64_t s0 = start[k], n = len[k];
+    for (int64_t c = 0; c < rows; ++c) span(kc + c * a.ld + s0, n);
+    span(a.key_scale.f32 ? static_cast<const void*>(a.key_scale.f32 + s0 * ngk) : a.key_scale.bf16 + s0 * ngk, n * ngk * key_scale);
+    span(a.value_codes + s0 * (d / 2), n * (d / 2));
+    span(a.value_scale.f32 ? static_cast<const void*>(a.value_scale.f32 + s0 * ngv) : a.value_scale.bf16 + s0 * ngv,
+         n * ngv * value_scale);
+    span(a.bias + s0, n * 4);
+  }
+}
+
 // One group's decode read of the slots of the runs of its pool (a: the pool's), read where
 // they lie: no copy of their codes. qm, slot_w [R, W], exact_w, tmp: scratch.
 template <bool AVX>
@@ -1162,6 +1187,7 @@ __attribute__((always_inline)) inline void runs_group_body(const DecodeGroup& a,
                                                          int64_t W, float* qm, float* slot_w, float* exact_w, float* tmp,
                                                          UnitEntries* units) {
   float peaks[kMaxRep];
+  prefetch_runs(a, int8_keys, d, ngk, ngv, start, len);
   mix_query(a.q, mix, R, d, qm);
   if (units) units->qm = qm;
   run_logits<AVX>(qm, a.key_codes, int8_keys, a.key_scale, a.bias, a.value_codes, slot_w, R, d, a.ld, W, ngk, scaling, start, len,
