@@ -33,6 +33,7 @@ The last stdout line is one JSON document (:func:`run_bench`'s result).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -260,6 +261,20 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+@contextlib.contextmanager
+def _overriding(overrides):
+    """Set each (object, name, value) as an instance attribute (over the class's method of that
+    name) for the block, then remove it."""
+    try:
+        for obj, name, value in overrides:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, _ in overrides:
+            if name in vars(obj):
+                delattr(obj, name)
+
+
 class Session:
     """A model and what is needed to run it token by token through one cache."""
 
@@ -406,18 +421,14 @@ class Session:
         paired = (None, None, None)
         positions = torch.arange(start, start + 3 * steps, device=self.device)[None]
         try:
-            for layer, name, k in wrapped:
-                setattr(layer, name, timed(getattr(layer, name), k))  # (instance attributes over the class's methods)
-            rows, token = self._timed_steps(cache, token, positions[:, :steps], spent, progress)
-            per_step, read_step = [r[0] for r in rows], [r[1] for r in rows]
-            for layer in tallied:
-                layer.read_tally = [0, 0]
-            _, token = self._timed_steps(cache, token, positions[:, steps : 2 * steps], spent, progress)
-            read, occupied = (sum(layer.read_tally[k] for layer in tallied) for k in (0, 1))
+            with _overriding([(layer, name, timed(getattr(layer, name), k)) for layer, name, k in wrapped]):
+                rows, token = self._timed_steps(cache, token, positions[:, :steps], spent, progress)
+                per_step, read_step = [r[0] for r in rows], [r[1] for r in rows]
+                for layer in tallied:
+                    layer.read_tally = [0, 0]
+                _, token = self._timed_steps(cache, token, positions[:, steps : 2 * steps], spent, progress)
+                read, occupied = (sum(layer.read_tally[k] for layer in tallied) for k in (0, 1))
         finally:
-            for layer, name, _ in wrapped:
-                if name in vars(layer):
-                    delattr(layer, name)
             for layer in tallied:
                 layer.read_tally = None
         if read < occupied:  # sparse reads: each beside the dense read of the same state
@@ -460,14 +471,8 @@ class Session:
 
             return run
 
-        try:
-            for layer in layers:
-                layer._read = paired(layer)
+        with _overriding([(layer, "_read", paired(layer)) for layer in layers]):
             rows, token = self._timed_steps(cache, token, positions[:, :steps], spent, progress)
-        finally:
-            for layer in layers:
-                if "_read" in vars(layer):
-                    del layer._read
         sparse, dense = [r[0] for r in rows], [r[1] for r in rows]
         ratios = [d / s for s, d in zip(sparse, dense) if s > 0]
         return statistics.median(sparse), statistics.median(dense), (statistics.median(ratios) if ratios else None), token

@@ -508,6 +508,10 @@ struct Scales {
 
   float at(int64_t i) const { return f32 ? f32[i] : bf16_to_float(bf16[i]); }  // element i of the flat table
 
+  // where row s0 lies as stored, and the bytes of a row
+  const void* row(int64_t s0) const { return f32 ? static_cast<const void*>(f32 + s0 * ng) : bf16 + s0 * ng; }
+  int64_t row_bytes() const { return ng * (f32 ? 4 : 2); }
+
   // rows [s0, s0 + n) as float32: the table's own where it is float32, else converted into buf
   const float* rows(int64_t s0, int64_t n, std::vector<float>& buf) const {
     if (f32) return f32 + s0 * ng;
@@ -1157,9 +1161,9 @@ __attribute__((always_inline)) inline void run_logits(const float* qm, const voi
 // come cold from memory, the runs lie apart, and each channel row of a run is a line of its
 // own, so read one after another their misses would wait in turn (a decode read at 16k,
 // budget 4,096: 4-5% less time)
-inline void prefetch_runs(const DecodeGroup& a, bool int8_keys, int64_t d, int64_t ngk, int64_t ngv,
-                          const std::vector<int64_t>& start, const std::vector<int64_t>& len) {
-  const int64_t rows = int8_keys ? d : d / 2, key_scale = a.key_scale.f32 ? 4 : 2, value_scale = a.value_scale.f32 ? 4 : 2;
+inline void prefetch_runs(const DecodeGroup& a, bool int8_keys, int64_t d, const std::vector<int64_t>& start,
+                          const std::vector<int64_t>& len) {
+  const int64_t rows = int8_keys ? d : d / 2;
   const char* kc = static_cast<const char*>(a.key_codes);
   auto span = [](const void* p, int64_t bytes) {  // the lines of [p, p + bytes)
     const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
@@ -1169,10 +1173,9 @@ inline void prefetch_runs(const DecodeGroup& a, bool int8_keys, int64_t d, int64
   for (size_t k = 0; k < start.size(); ++k) {
     const int64_t s0 = start[k], n = len[k];
     for (int64_t c = 0; c < rows; ++c) span(kc + c * a.ld + s0, n);
-    span(a.key_scale.f32 ? static_cast<const void*>(a.key_scale.f32 + s0 * ngk) : a.key_scale.bf16 + s0 * ngk, n * ngk * key_scale);
+    span(a.key_scale.row(s0), n * a.key_scale.row_bytes());
     span(a.value_codes + s0 * (d / 2), n * (d / 2));
-    span(a.value_scale.f32 ? static_cast<const void*>(a.value_scale.f32 + s0 * ngv) : a.value_scale.bf16 + s0 * ngv,
-         n * ngv * value_scale);
+    span(a.value_scale.row(s0), n * a.value_scale.row_bytes());
     span(a.bias + s0, n * 4);
   }
 }
@@ -1187,7 +1190,7 @@ __attribute__((always_inline)) inline void runs_group_body(const DecodeGroup& a,
                                                          int64_t W, float* qm, float* slot_w, float* exact_w, float* tmp,
                                                          UnitEntries* units) {
   float peaks[kMaxRep];
-  prefetch_runs(a, int8_keys, d, ngk, ngv, start, len);
+  prefetch_runs(a, int8_keys, d, start, len);
   mix_query(a.q, mix, R, d, qm);
   if (units) units->qm = qm;
   run_logits<AVX>(qm, a.key_codes, int8_keys, a.key_scale, a.bias, a.value_codes, slot_w, R, d, a.ld, W, ngk, scaling, start, len,
