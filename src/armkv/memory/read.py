@@ -560,7 +560,20 @@ def fused_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_
     """One query's read through the fused CPU kernel (``armkv.memory.kernels.fused_read``):
     slots [G, ..., W] quantised (their codes and scales as stored), slot_bias [B, H, W] or
     [G, W], the rest as :func:`gathered_read` takes them with T = 1. Returns [B, 1, Hq, d]."""
-    return kernel.arm_decode_read(*_decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, slots, slot_bias, mix, scaling))
+    return dense_decode_call(kernel, slots, slot_bias, mix)(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
+
+
+def dense_decode_call(kernel, state, bias, mix):
+    """:func:`fused_decode_read` with what stays between writes bound (the slots' codes and
+    scales, ``bias``, ``mix``). Returns a callable (query, key, value, valid, exact_k, exact_v,
+    exact_valid, scaling) -> [B, 1, Hq, d]: a decode step keeps it and makes one kernel call a
+    layer, with no other Python work."""
+    fn, held = kernel.arm_decode_read, _slot_inputs(state, bias, mix)
+
+    def call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling) -> torch.Tensor:
+        return fn(query, key, value, valid, exact_k, exact_v, exact_valid, *held, float(scaling))
+
+    return call
 
 
 _NO_MIX = torch.empty(0)  # (the kernels' "unmixed slots")
@@ -578,10 +591,11 @@ def _slot_inputs(state, bias, mix) -> tuple:
     return state.key, state.key_scale, state.value, state.value_scale, bias, _NO_MIX if mix is None else mix
 
 
-def _unit_args(units) -> dict:
-    """The fused decode reads' keyword arguments for ``read_summaries``: ``units`` = the index's
-    units' (keys, values, log_weight) of :func:`index_summaries`, or None."""
-    return {} if units is None else dict(zip(("unit_keys", "unit_values", "unit_log_weight"), units))
+def _unit_args(units) -> tuple:
+    """The fused decode reads' last arguments for ``read_summaries`` (unit_keys, unit_values,
+    unit_log_weight: positional, which a call passes faster than keywords): ``units`` = the
+    index's units' (keys, values, log_weight) of :func:`index_summaries`, or None (none)."""
+    return () if units is None else tuple(units)
 
 
 def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,
@@ -595,7 +609,7 @@ def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v,
     skips joins its softmax as one entry."""
     return kernel.arm_sparse_decode_read(
         *_decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling),
-        index.kernel_order(), index.start, index.size, buckets, take, **_unit_args(units),
+        index.kernel_order(), index.start, index.size, buckets, take, *_unit_args(units),
     )
 
 
@@ -610,11 +624,10 @@ def ranked_decode_call(kernel, state, bias, mix, index: BucketIndex, m: int, tak
     (``read_summaries``): :func:`index_summaries` of ``index``, bound too."""
     fn = kernel.arm_best_decode_read if rows is None else kernel.arm_partial_decode_read
     held = _slot_inputs(state, bias, mix)
-    tail = (index.kernel_order(), index.start, index.size, m, take) + (() if rows is None else (rows,))
-    extra = _unit_args(units)
+    tail = (index.kernel_order(), index.start, index.size, m, take) + (() if rows is None else (rows,)) + _unit_args(units)
 
-    def call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(fn(query, key, value, valid, exact_k, exact_v, exact_valid, *held, float(scaling), *tail, **extra))
+    def call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling) -> list[torch.Tensor]:
+        return fn(query, key, value, valid, exact_k, exact_v, exact_valid, *held, float(scaling), *tail)
 
     return call
 

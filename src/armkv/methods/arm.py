@@ -36,7 +36,7 @@ from armkv.memory import kernels
 from armkv.memory.module import ARMModel
 from armkv.memory.pool import SlotPool
 from armkv.memory.read import (
-    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, paged_index, slot_units, fused_decode_read, fused_sparse_decode_read, gather_slots, gathered_read,
+    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, paged_index, slot_units, dense_decode_call, fused_sparse_decode_read, gather_slots, gathered_read,
     partial_row_count, partial_rows, ranked_chunk_read, ranked_decode_call, run_breaks, slots_of_buckets, sort_by_bucket,
     carried_units, index_summaries, unit_summaries, units_read,
 )
@@ -116,7 +116,8 @@ class ARMLayer(CacheLayer):
         self._pages_for = None  # (that BucketIndex, its pages' index): read_pages
         self._summaries_for = None  # (the units' index, their summaries, its buckets' sizes): read_summaries
         self._take_for = None  # (m, (cap, H), buckets each group reads): _take
-        self._ranked_for = None  # (pool state, m, its codes, the bound fused call): _sparse_read's best / partial
+        self._ranked_for = None  # (pool state, m, the bound fused call): _sparse_read's best / partial
+        self._dense_for = None  # the same for _decode_read's fused call
         self.mix: torch.Tensor | None = None  # [B] soft-cascade weight of Top(M + 1) (training)
         self.aux: dict[str, torch.Tensor] = {}
         self.generator: torch.Generator | None = None
@@ -255,6 +256,8 @@ class ARMLayer(CacheLayer):
         ``read_summaries`` (each unit a read skips one entry of its softmax) a decoded token
         takes the sparse read (fused; where the kernels do not serve, the masked read), a chunk
         ranked by its logits the ranked read, any other read the masked one."""
+        if not reads_all and (call := self._held(self._ranked_for, query)) is not None:  # (a decode step: _sparse_read's call)
+            return call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)[0]
         T, summarised = query.shape[2], self.config.read_summaries
         if self._reads_sparse(T, reads_all) and (T == 1 or not summarised):
             return self._sparse_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid)
@@ -288,6 +291,9 @@ class ARMLayer(CacheLayer):
         were a third of the step) unless ``fused=False``; the PyTorch ops below are its reference.
 
         Returns [B, 1, Hq, d]."""
+        eager = not torch.compiler.is_compiling()
+        if fused and eager and (call := self._held(self._dense_for, query)) is not None:
+            return call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
         B, Hq, _, d = query.shape
         H = key.shape[1]
         st = self._readable()
@@ -298,8 +304,11 @@ class ARMLayer(CacheLayer):
         mix = self.mixing.to(query.dtype) if st.mixed else None
         bias = self._decode_bias()
         kernel = kernels.fused_read(query, st.value) if fused and st.key_scale is not None else None
-        if kernel is not None:
-            return fused_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, bias, mix, scaling)
+        if kernel is not None:  # (what the call binds changes only with the state: kept until then)
+            call = dense_decode_call(kernel, st, bias, mix)
+            if eager:
+                self._dense_for = (self.pool.state, self.m, call)
+            return call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
         q = query.reshape(B, H, R, d)  # the query heads of a KV head share its keys
         q_slots = (q if mix is None else q @ mix).reshape(B * H, R, d)
         # the logits come out of the products in the model's dtype (accumulated in float32
@@ -641,10 +650,8 @@ class ARMLayer(CacheLayer):
         With ``read_summaries`` only the fused calls read (each skipped unit one entry,
         :meth:`_unit_summaries`); where they do not serve, the masked read does.
         Returns [B, T, Hq, d]."""
-        held = self._ranked_for  # best / partial, one query on a CPU: the kernel call kept from the last step
-        if (fused and held is not None and held[0] is self.pool.state and held[1] is self.m and self.read_tally is None
-                and query.shape[2] == 1 and kernels.fused_read(query, held[2]) is not None):
-            return held[3](query, key, value, valid, exact_k, exact_v, exact_valid, scaling)[0]
+        if fused and (call := self._held(self._ranked_for, query)) is not None:  # best / partial: the call kept from the last step
+            return call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)[0]
         B, Hq, T, d = query.shape
         H, M = key.shape[1], self._route_k
         G = B * H
@@ -664,7 +671,7 @@ class ARMLayer(CacheLayer):
                 # changes only with the state or M: kept until then, a decode step makes the one call
                 rows = self._partial_rows if self.config.read_rank == "partial" else None
                 call = ranked_decode_call(kernel, st, self._decode_bias(), mix, index, m, take, rows, units)
-                self._ranked_for = (self.pool.state, self.m, st.value, call)
+                self._ranked_for = (self.pool.state, self.m, call)
                 out, buckets = call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
             else:
                 buckets = self.memory.router.fused_group_topm(kernel, query, positions, self.rotary, M)
@@ -694,6 +701,18 @@ class ARMLayer(CacheLayer):
         return gathered_read(
             query, key, value, valid, scaling, exact_k, exact_v, exact_valid, gather_slots(st, ids, for_reading=True), bias, fused=fused
         )
+
+    def _held(self, held, query: torch.Tensor):
+        """The fused decode call ``held`` keeps ((pool state, M, the call): ``_ranked_for`` or
+        ``_dense_for``, bound where ``kernels.fused_read`` served) where it serves this read,
+        else None: the same state and M, one query, no ``read_tally``, no gradient wanted. A
+        decode step then makes one kernel call a layer and little else: in a step of the model
+        each layer's Python work comes cold, and the checks and calls it skips were about a
+        sixth of a sparse read at 16k."""
+        if (held is None or held[0] is not self.pool.state or held[1] is not self.m or self.read_tally is not None
+                or query.shape[2] != 1 or query.requires_grad):
+            return None
+        return held[2]
 
     def _unit_summaries(self, index) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``read_summaries``: the entries of ``index``'s units (buckets, or their pages) that a

@@ -1181,7 +1181,9 @@ inline void prefetch_runs(const DecodeGroup& a, bool int8_keys, int64_t d, const
 }
 
 // One group's decode read of the slots of the runs of its pool (a: the pool's), read where
-// they lie: no copy of their codes. qm, slot_w [R, W], exact_w, tmp: scratch.
+// they lie: no copy of their codes. qm, slot_w [R, W], exact_w, tmp: scratch. (A sparse read
+// asks for its runs' lines first, prefetch_runs; the dense read's one run, the whole pool, is
+// read in order, which the CPU's own prefetchers follow.)
 template <bool AVX>
 __attribute__((always_inline)) inline void runs_group_body(const DecodeGroup& a, const float* mix, const float* mix_t,
                                                          bool int8_keys, int64_t R, int64_t d, int64_t L, int64_t ngk,
@@ -1190,7 +1192,6 @@ __attribute__((always_inline)) inline void runs_group_body(const DecodeGroup& a,
                                                          int64_t W, float* qm, float* slot_w, float* exact_w, float* tmp,
                                                          UnitEntries* units) {
   float peaks[kMaxRep];
-  prefetch_runs(a, int8_keys, d, start, len);
   mix_query(a.q, mix, R, d, qm);
   if (units) units->qm = qm;
   run_logits<AVX>(qm, a.key_codes, int8_keys, a.key_scale, a.bias, a.value_codes, slot_w, R, d, a.ld, W, ngk, scaling, start, len,
@@ -2010,6 +2011,7 @@ void sparse_group(DecodeInputs& in, int64_t g, float* out, const int32_t* ORD, i
   w.qm.resize(R * d), w.exact_w.resize(R * (L + 1)), w.tmp.resize(R * d);
   armkv::UnitEntries units = in.units(g, w.uw);  // (read_summaries: the units left out, one entry each)
   if (in.U) units.skip = armkv::skipped(units.U, chosen, count, w.skip);
+  armkv::prefetch_runs(in.group(g, nullptr), in.int8_keys, d, w.run_start, w.run_len);
   armkv::runs_group(in.group(g, out), in.MX, in.MXT, in.int8_keys, R, d, L, in.ngk, in.ngv, static_cast<float>(scaling),
                     w.run_start, w.run_len, W, w.qm.data(), w.slot_w.data(), w.exact_w.data(), w.tmp.data(),
                     in.U ? &units : nullptr, vectorised);
@@ -2030,9 +2032,9 @@ torch::Tensor arm_sparse_decode_read(torch::Tensor query, torch::Tensor own_k, t
                                      torch::Tensor key_codes, torch::Tensor key_scale, torch::Tensor value_codes,
                                      torch::Tensor value_scale, torch::Tensor bias, torch::Tensor mix, double scaling,
                                      torch::Tensor order, torch::Tensor start, torch::Tensor size, torch::Tensor buckets,
-                                     torch::Tensor take, bool vectorised, const c10::optional<torch::Tensor>& unit_keys,
+                                     torch::Tensor take, const c10::optional<torch::Tensor>& unit_keys,
                                      const c10::optional<torch::Tensor>& unit_values,
-                                     const c10::optional<torch::Tensor>& unit_log_weight) {
+                                     const c10::optional<torch::Tensor>& unit_log_weight, bool vectorised) {
   DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
                   mix, "arm_sparse_decode_read");
   const int64_t G = in.G, R = in.R, d = in.d, S = in.S;
@@ -2069,9 +2071,9 @@ std::vector<torch::Tensor> arm_partial_decode_read(torch::Tensor query, torch::T
                                                    torch::Tensor value_codes, torch::Tensor value_scale, torch::Tensor bias,
                                                    torch::Tensor mix, double scaling, torch::Tensor order, torch::Tensor start,
                                                    torch::Tensor size, int64_t m, torch::Tensor take, int64_t n,
-                                                   bool vectorised, const c10::optional<torch::Tensor>& unit_keys,
+                                                   const c10::optional<torch::Tensor>& unit_keys,
                                      const c10::optional<torch::Tensor>& unit_values,
-                                     const c10::optional<torch::Tensor>& unit_log_weight) {
+                                     const c10::optional<torch::Tensor>& unit_log_weight, bool vectorised) {
   DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
                   mix, "arm_partial_decode_read");
   const int64_t G = in.G, R = in.R, d = in.d, S = in.S;
@@ -2208,10 +2210,10 @@ std::vector<torch::Tensor> arm_best_decode_read(torch::Tensor query, torch::Tens
                                                 torch::Tensor exact_ok, torch::Tensor key_codes, torch::Tensor key_scale,
                                                 torch::Tensor value_codes, torch::Tensor value_scale, torch::Tensor bias,
                                                 torch::Tensor mix, double scaling, torch::Tensor order, torch::Tensor start,
-                                                torch::Tensor size, int64_t m, torch::Tensor take, bool vectorised,
+                                                torch::Tensor size, int64_t m, torch::Tensor take,
                                                 const c10::optional<torch::Tensor>& unit_keys,
                                      const c10::optional<torch::Tensor>& unit_values,
-                                     const c10::optional<torch::Tensor>& unit_log_weight) {
+                                     const c10::optional<torch::Tensor>& unit_log_weight, bool vectorised) {
   DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
                   mix, "arm_best_decode_read");
   const int64_t G = in.G, R = in.R, d = in.d, L = in.L, S = in.S;
@@ -2557,22 +2559,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("own_k"), py::arg("own_v"), py::arg("own_ok"), py::arg("exact_k"), py::arg("exact_v"),
         py::arg("exact_ok"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
         py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("order"), py::arg("start"), py::arg("size"),
-        py::arg("buckets"), py::arg("take"), py::arg("vectorised") = true, py::arg("unit_keys") = py::none(), py::arg("unit_values") = py::none(),
-        py::arg("unit_log_weight") = py::none());
+        py::arg("buckets"), py::arg("take"), py::arg("unit_keys") = py::none(), py::arg("unit_values") = py::none(),
+        py::arg("unit_log_weight") = py::none(), py::arg("vectorised") = true);
   m.def("arm_best_decode_read", &arm_best_decode_read,
         "the decode read of read_rank=best: every slot scored once, the m best buckets by their best logit read",
         py::arg("query"), py::arg("own_k"), py::arg("own_v"), py::arg("own_ok"), py::arg("exact_k"), py::arg("exact_v"),
         py::arg("exact_ok"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
         py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("order"), py::arg("start"), py::arg("size"),
-        py::arg("m"), py::arg("take"), py::arg("vectorised") = true, py::arg("unit_keys") = py::none(), py::arg("unit_values") = py::none(),
-        py::arg("unit_log_weight") = py::none());
+        py::arg("m"), py::arg("take"), py::arg("unit_keys") = py::none(), py::arg("unit_values") = py::none(),
+        py::arg("unit_log_weight") = py::none(), py::arg("vectorised") = true);
   m.def("arm_partial_decode_read", &arm_partial_decode_read,
         "the decode read of read_rank=partial: the m best buckets by their best logit over the query's n largest key-code rows read",
         py::arg("query"), py::arg("own_k"), py::arg("own_v"), py::arg("own_ok"), py::arg("exact_k"), py::arg("exact_v"),
         py::arg("exact_ok"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
         py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("order"), py::arg("start"), py::arg("size"),
-        py::arg("m"), py::arg("take"), py::arg("n"), py::arg("vectorised") = true, py::arg("unit_keys") = py::none(), py::arg("unit_values") = py::none(),
-        py::arg("unit_log_weight") = py::none());
+        py::arg("m"), py::arg("take"), py::arg("n"), py::arg("unit_keys") = py::none(), py::arg("unit_values") = py::none(),
+        py::arg("unit_log_weight") = py::none(), py::arg("vectorised") = true);
   m.def("ranked_slot_read", &ranked_slot_read,
         "a chunk's read of the slots of each query's m best units, from its logits of every slot: the softmax's unnormalised part",
         py::arg("logits"), py::arg("bias"), py::arg("values"), py::arg("order"), py::arg("start"), py::arg("size"), py::arg("m"),
