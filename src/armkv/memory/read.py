@@ -565,28 +565,31 @@ def fused_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_
 
 def dense_decode_call(kernel, state, bias, mix):
     """:func:`fused_decode_read` with what stays between writes bound (the slots' codes and
-    scales, ``bias``, ``mix``). Returns a callable (query, key, value, valid, exact_k, exact_v,
-    exact_valid, scaling) -> [B, 1, Hq, d]: a decode step keeps it and makes one kernel call a
-    layer, with no other Python work."""
-    fn, held = kernel.arm_decode_read, _slot_inputs(state, bias, mix)
-
-    def call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling) -> torch.Tensor:
-        return fn(query, key, value, valid, exact_k, exact_v, exact_valid, *held, float(scaling))
-
-    return call
+    scales, ``bias``, ``mix``): a callable (query, key, value, valid, exact_k, exact_v,
+    exact_valid, scaling) -> [B, 1, Hq, d] (:func:`_bound_call`)."""
+    return _bound_call(kernel.arm_decode_read, state, bias, mix)
 
 
 _NO_MIX = torch.empty(0)  # (the kernels' "unmixed slots")
 
 
-def _decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling) -> tuple:
-    """The arguments the fused decode reads share, in the model's layout (the kernel flattens
-    them to G = B * H groups and returns [B, 1, Hq, d]: one call, no tensor op per argument)."""
-    return (query, key, value, valid, exact_k, exact_v, exact_valid, *_slot_inputs(state, bias, mix), float(scaling))
+def _bound_call(fn, state, bias, mix, tail: tuple = ()):
+    """A fused decode read ``fn`` with what stays between writes bound: the slots' inputs
+    (:func:`_slot_inputs`) and ``tail``, the arguments after the scaling. Returns a callable
+    (query, key, value, valid, exact_k, exact_v, exact_valid, scaling) -> what ``fn`` returns,
+    in the model's layout (the kernel flattens the inputs to G = B * H groups: one call, no
+    tensor op per argument). A decode step keeps it and makes one kernel call a layer, with no
+    other Python work."""
+    held = _slot_inputs(state, bias, mix)
+
+    def call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling):
+        return fn(query, key, value, valid, exact_k, exact_v, exact_valid, *held, float(scaling), *tail)
+
+    return call
 
 
 def _slot_inputs(state, bias, mix) -> tuple:
-    """Of :func:`_decode_inputs`, those that stay between writes: the slots' codes and scales,
+    """The fused decode reads' arguments that stay between writes: the slots' codes and scales,
     their bias and the mixing (or the kernels' "unmixed")."""
     return state.key, state.key_scale, state.value, state.value_scale, bias, _NO_MIX if mix is None else mix
 
@@ -607,10 +610,9 @@ def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v,
     :func:`gathered_read` of :func:`slots_of_buckets`' slots (tests/test_sparse_read.py).
     ``units`` (``read_summaries``): :func:`index_summaries` of ``index``; each unit the read
     skips joins its softmax as one entry."""
-    return kernel.arm_sparse_decode_read(
-        *_decode_inputs(query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling),
-        index.kernel_order(), index.start, index.size, buckets, take, *_unit_args(units),
-    )
+    tail = (index.kernel_order(), index.start, index.size, buckets, take) + _unit_args(units)
+    return _bound_call(kernel.arm_sparse_decode_read, state, bias, mix, tail)(query, key, value, valid, exact_k, exact_v,
+                                                                              exact_valid, scaling)
 
 
 def ranked_decode_call(kernel, state, bias, mix, index: BucketIndex, m: int, take: torch.Tensor, rows: int | None = None,
@@ -619,17 +621,12 @@ def ranked_decode_call(kernel, state, bias, mix, index: BucketIndex, m: int, tak
     scales, ``bias``, ``mix``, the ``index``, ``m`` and ``take``): ``read_rank="best"``
     (:func:`fused_best_decode_read`), or with ``rows`` ``"partial"``
     (:func:`fused_partial_decode_read`). Returns a callable (query, key, value, valid, exact_k,
-    exact_v, exact_valid, scaling) -> (out [B, 1, Hq, d], the m buckets [G, m]): a decode step
-    keeps it and makes one kernel call a layer, with no other Python work. ``units``
+    exact_v, exact_valid, scaling) -> (out [B, 1, Hq, d], the m buckets [G, m])
+    (:func:`_bound_call`). ``units``
     (``read_summaries``): :func:`index_summaries` of ``index``, bound too."""
     fn = kernel.arm_best_decode_read if rows is None else kernel.arm_partial_decode_read
-    held = _slot_inputs(state, bias, mix)
     tail = (index.kernel_order(), index.start, index.size, m, take) + (() if rows is None else (rows,)) + _unit_args(units)
-
-    def call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling) -> list[torch.Tensor]:
-        return fn(query, key, value, valid, exact_k, exact_v, exact_valid, *held, float(scaling), *tail)
-
-    return call
+    return _bound_call(fn, state, bias, mix, tail)
 
 
 def fused_partial_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,

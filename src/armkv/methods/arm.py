@@ -291,8 +291,7 @@ class ARMLayer(CacheLayer):
         were a third of the step) unless ``fused=False``; the PyTorch ops below are its reference.
 
         Returns [B, 1, Hq, d]."""
-        eager = not torch.compiler.is_compiling()
-        if fused and eager and (call := self._held(self._dense_for, query)) is not None:
+        if fused and (call := self._held(self._dense_for, query)) is not None:
             return call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
         B, Hq, _, d = query.shape
         H = key.shape[1]
@@ -306,8 +305,7 @@ class ARMLayer(CacheLayer):
         kernel = kernels.fused_read(query, st.value) if fused and st.key_scale is not None else None
         if kernel is not None:  # (what the call binds changes only with the state: kept until then)
             call = dense_decode_call(kernel, st, bias, mix)
-            if eager:
-                self._dense_for = (self.pool.state, self.m, call)
+            self._dense_for = (self.pool.state, self.m, call)
             return call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
         q = query.reshape(B, H, R, d)  # the query heads of a KV head share its keys
         q_slots = (q if mix is None else q @ mix).reshape(B * H, R, d)
@@ -705,12 +703,13 @@ class ARMLayer(CacheLayer):
     def _held(self, held, query: torch.Tensor):
         """The fused decode call ``held`` keeps ((pool state, M, the call): ``_ranked_for`` or
         ``_dense_for``, bound where ``kernels.fused_read`` served) where it serves this read,
-        else None: the same state and M, one query, no ``read_tally``, no gradient wanted. A
+        else None: the same state and M, one query, no ``read_tally``, no gradient wanted, not
+        while ``torch.compile`` traces (a compiled graph cannot call the extension). A
         decode step then makes one kernel call a layer and little else: in a step of the model
-        each layer's Python work comes cold, and the checks and calls it skips were about a
-        sixth of a sparse read at 16k."""
+        each layer's Python work comes cold, and the checks and calls it skips had taken
+        70-100 us a layer, about a sixth of a sparse read at 16k."""
         if (held is None or held[0] is not self.pool.state or held[1] is not self.m or self.read_tally is not None
-                or query.shape[2] != 1 or query.requires_grad):
+                or query.shape[2] != 1 or query.requires_grad or torch.compiler.is_compiling()):
             return None
         return held[2]
 
