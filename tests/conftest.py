@@ -133,4 +133,4 @@ class Vectorised:
 
     def __getattr__(self, name):
         fn = getattr(self.module, name)
-        return lambda *args: fn(*args, vectorised=self.vectorised)
+        return lambda *args, **kwargs: fn(*args, **kwargs, vectorised=self.vectorised)

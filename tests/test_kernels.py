@@ -477,6 +477,57 @@ def test_fused_reads_take_a_pools_first_slots_in_place(kernel, fmt, rank, vector
         torch.testing.assert_close(read(view), read(copy), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rank", ["dense", "sparse", "best", "partial"])
+@pytest.mark.parametrize("vectorised", [True, False])
+def test_a_bound_decode_call_reads_the_tokens_inputs_where_they_lie(kernel, rank, vectorised):
+    """kernel.DecodeCall binds the slots, the index and the entries once; each call takes a
+    step's token inputs in the model's layout or flat by group, read in place where a group's
+    rows are contiguous and copied where not (views of larger tensors, an expanded mask, a
+    non-bool valid). Every form gives the same read, bit for bit, and one bound call gives,
+    token after token, what a call bound afresh gives."""
+    from armkv.memory.read import _bound_call, _NO_MIX, index_summaries
+
+    c = _ranked_case("k4v4", 64, 203, 3, 64, 8, False, False, 17)
+    query, key, value, valid, exact_k, exact_v, exact_valid, st, bias, _, scaling = c["read"]
+    B, H, G = c["B"], c["H"], c["q"].shape[0]
+    L, d = exact_k.shape[2], exact_k.shape[3]
+    k = Vectorised(kernel, vectorised)
+    tail = {
+        "dense": {},
+        "sparse": {"buckets": torch.arange(8).expand(G, 8), "take": c["take"]},
+        "best": {"m": 8, "take": c["take"]},
+        "partial": {"m": 8, "take": c["take"], "n": 8},
+    }[rank]
+    units = index_summaries(st, bias, c["index"])
+    if rank != "dense":
+        tail.update(zip(("unit_keys", "unit_values", "unit_log_weight"), units))
+
+    def bound():
+        return _bound_call(k, rank, st, bias, None, None if rank == "dense" else c["index"], **tail)
+
+    def first(result):
+        return result if rank in ("dense", "sparse") else result[0]
+
+    def wide(x, dim):  # the same values in a view whose rows lie further apart
+        return torch.cat([x, torch.zeros_like(x)], dim).narrow(dim, 0, x.shape[dim])
+
+    model = (query, key, value, valid, exact_k, exact_v, exact_valid)
+    flat = (query.reshape(G, -1, d), key.reshape(G, d), value.reshape(G, d), valid[:, 0].repeat_interleave(H),
+            exact_k.reshape(G, L, d), exact_v.reshape(G, L, d), exact_valid.repeat_interleave(H, 0))
+    views = (wide(query, 3), wide(key, 3), wide(value, 3), valid.long(), wide(exact_k, 3), wide(exact_v, 3),
+             wide(exact_valid, 1))
+    assert not views[0].is_contiguous() and not views[4].is_contiguous() and not views[6].is_contiguous()
+    with torch.no_grad():
+        want = first(bound()(*model, scaling))
+        assert want.shape == (B, 1, query.shape[1], d)
+        torch.testing.assert_close(first(bound()(*flat, scaling)).reshape(want.shape), want, rtol=0, atol=0)
+        torch.testing.assert_close(first(bound()(*views, scaling)), want, rtol=0, atol=0)
+        call = bound()
+        for step in range(3):
+            token = tuple(x + step if x.is_floating_point() else x for x in model)
+            torch.testing.assert_close(first(call(*token, scaling)), first(bound()(*token, scaling)), rtol=0, atol=0)
+
+
 def test_partial_rows_are_where_the_query_group_is_largest():
     """read.partial_rows: row c scores q_c^2 + q_{c+d/2}^2 summed over the group's heads; the n
     largest, ties to the lower row, returned in increasing order."""

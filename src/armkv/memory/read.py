@@ -567,38 +567,31 @@ def dense_decode_call(kernel, state, bias, mix):
     """:func:`fused_decode_read` with what stays between writes bound (the slots' codes and
     scales, ``bias``, ``mix``): a callable (query, key, value, valid, exact_k, exact_v,
     exact_valid, scaling) -> [B, 1, Hq, d] (:func:`_bound_call`)."""
-    return _bound_call(kernel.arm_decode_read, state, bias, mix)
+    return _bound_call(kernel, "dense", state, bias, mix)
 
 
 _NO_MIX = torch.empty(0)  # (the kernels' "unmixed slots")
 
 
-def _bound_call(fn, state, bias, mix, tail: tuple = ()):
-    """A fused decode read ``fn`` with what stays between writes bound: the slots' inputs
-    (:func:`_slot_inputs`) and ``tail``, the arguments after the scaling. Returns a callable
-    (query, key, value, valid, exact_k, exact_v, exact_valid, scaling) -> what ``fn`` returns,
-    in the model's layout (the kernel flattens the inputs to G = B * H groups: one call, no
+def _bound_call(kernel, kind: str, state, bias, mix, index: BucketIndex | None = None, **tail):
+    """The fused decode read ``kind`` (the kernel's ``DecodeCall``: "dense", "sparse", "best"
+    or "partial") with what stays between writes bound, checked and converted once: the slots'
+    codes and scales, their ``bias``, ``mix``, and for the sparse reads ``index`` and ``tail``
+    (``m``, ``take``, ``buckets``, ``n``, the units' entries). Returns a callable (query, key,
+    value, valid, exact_k, exact_v, exact_valid, scaling) -> what the kernel's function of that
+    kind returns, in the model's layout (the kernel reads the token's inputs where they lie: no
     tensor op per argument). A decode step keeps it and makes one kernel call a layer, with no
     other Python work."""
-    held = _slot_inputs(state, bias, mix)
-
-    def call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling):
-        return fn(query, key, value, valid, exact_k, exact_v, exact_valid, *held, float(scaling), *tail)
-
-    return call
+    if index is not None:
+        tail.update(order=index.kernel_order(), start=index.start, size=index.size)
+    return kernel.DecodeCall(kind, state.key, state.key_scale, state.value, state.value_scale, bias,
+                             _NO_MIX if mix is None else mix, **tail)
 
 
-def _slot_inputs(state, bias, mix) -> tuple:
-    """The fused decode reads' arguments that stay between writes: the slots' codes and scales,
-    their bias and the mixing (or the kernels' "unmixed")."""
-    return state.key, state.key_scale, state.value, state.value_scale, bias, _NO_MIX if mix is None else mix
-
-
-def _unit_args(units) -> tuple:
-    """The fused decode reads' last arguments for ``read_summaries`` (unit_keys, unit_values,
-    unit_log_weight: positional, which a call passes faster than keywords): ``units`` = the
-    index's units' (keys, values, log_weight) of :func:`index_summaries`, or None (none)."""
-    return () if units is None else tuple(units)
+def _unit_args(units) -> dict:
+    """The fused decode reads' ``read_summaries`` arguments: ``units`` = the index's units'
+    (keys, values, log_weight) of :func:`index_summaries`, or None (none)."""
+    return {} if units is None else dict(zip(("unit_keys", "unit_values", "unit_log_weight"), units))
 
 
 def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,
@@ -610,9 +603,8 @@ def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v,
     :func:`gathered_read` of :func:`slots_of_buckets`' slots (tests/test_sparse_read.py).
     ``units`` (``read_summaries``): :func:`index_summaries` of ``index``; each unit the read
     skips joins its softmax as one entry."""
-    tail = (index.kernel_order(), index.start, index.size, buckets, take) + _unit_args(units)
-    return _bound_call(kernel.arm_sparse_decode_read, state, bias, mix, tail)(query, key, value, valid, exact_k, exact_v,
-                                                                              exact_valid, scaling)
+    call = _bound_call(kernel, "sparse", state, bias, mix, index, buckets=buckets, take=take, **_unit_args(units))
+    return call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
 
 
 def ranked_decode_call(kernel, state, bias, mix, index: BucketIndex, m: int, take: torch.Tensor, rows: int | None = None,
@@ -624,9 +616,8 @@ def ranked_decode_call(kernel, state, bias, mix, index: BucketIndex, m: int, tak
     exact_v, exact_valid, scaling) -> (out [B, 1, Hq, d], the m buckets [G, m])
     (:func:`_bound_call`). ``units``
     (``read_summaries``): :func:`index_summaries` of ``index``, bound too."""
-    fn = kernel.arm_best_decode_read if rows is None else kernel.arm_partial_decode_read
-    tail = (index.kernel_order(), index.start, index.size, m, take) + (() if rows is None else (rows,)) + _unit_args(units)
-    return _bound_call(fn, state, bias, mix, tail)
+    kind, n = ("best", 0) if rows is None else ("partial", rows)
+    return _bound_call(kernel, kind, state, bias, mix, index, m=m, take=take, n=n, **_unit_args(units))
 
 
 def fused_partial_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,

@@ -1838,55 +1838,96 @@ std::vector<torch::Tensor> int4_dequantise(torch::Tensor key_codes, torch::Tenso
   return unpack_codes(key_codes, key_scale, value_codes, value_scale, torch::Tensor(), torch::Tensor(), unmix, 1.0);
 }
 
-// The inputs of a layer's decode read, made contiguous and checked once (arm_decode_read and
-// arm_sparse_decode_read take the same ones).
+// The per-token inputs of a layer's decode read: the query, the new token and the exact
+// entries, in the model's layout (query [B, Hq, 1, d], own_k and own_v [B, H, 1, d], own_ok
+// [B, T], exact_k and exact_v [B, H, L, d], exact_ok [B, L]) or flat by group (query [G, R, d],
+// own_k and own_v [G, d], own_ok [G], exact_k and exact_v [G, L, d], exact_ok [G, L]); group
+// g = b H + h. Read where they lie, with no tensor op, where each group's rows are contiguous
+// (as the model's are); the others are copied.
+struct Tokens {
+  torch::Tensor q, kk, vv, ok, ek, ev, eok;  // (the inputs, or their contiguous copies)
+  bool model = false;                         // the model's layout: the output in it too
+  int64_t B = 0, H = 1, R = 0, L = 0;
+  const float *Q = nullptr, *K = nullptr, *V = nullptr, *EK = nullptr, *EV = nullptr;
+  const bool *OK = nullptr, *EOK = nullptr;
+  int64_t qb = 0, qh = 0, kb = 0, kh = 0, vb = 0, vh = 0, okb = 0, eb = 0, eh = 0, evb = 0, evh = 0, eokb = 0;
+
+  Tokens(const torch::Tensor& query, const torch::Tensor& own_k, const torch::Tensor& own_v, const torch::Tensor& own_ok,
+         const torch::Tensor& exact_k, const torch::Tensor& exact_v, const torch::Tensor& exact_ok, int64_t G, int64_t d,
+         const char* name)
+      : q(query), kk(own_k), vv(own_v), ok(own_ok), ek(exact_k), ev(exact_v), eok(exact_ok), model(query.dim() == 4) {
+    const int64_t x = model ? 1 : 0;  // (the model's layout has a head dimension more)
+    if (model) {
+      TORCH_CHECK(q.size(2) == 1 && kk.dim() == 4 && vv.dim() == 4 && ek.dim() == 4 && ev.dim() == 4 && ok.dim() == 2 &&
+                      eok.dim() == 2 && kk.size(1) > 0 && q.size(1) % kk.size(1) == 0 && ok.size(1) >= 1,
+                  name, ": query [B, Hq, 1, d], the token's key and value [B, H, 1, d], its valid [B, T], exact [B, H, L, d], "
+                  "exact valid [B, L]");
+      B = q.size(0), H = kk.size(1), R = q.size(1) / H, L = ek.size(2);
+      TORCH_CHECK(kk.size(0) == B && kk.size(2) == 1 && vv.sizes() == kk.sizes() && ok.size(0) == B && ek.size(0) == B &&
+                      ek.size(1) == H && ev.sizes() == ek.sizes() && eok.size(0) == B && eok.size(1) == L,
+                  name, ": the token's inputs do not match (see the comment above arm_decode_read)");
+    } else {
+      TORCH_CHECK(q.dim() == 3 && kk.dim() == 2 && vv.dim() == 2 && ok.dim() == 1 && ek.dim() == 3 && ev.dim() == 3 &&
+                      eok.dim() == 2,
+                  name, ": query [G, R, d], own_k and own_v [G, d], own_ok [G], exact [G, L, d], exact valid [G, L]");
+      B = q.size(0), R = q.size(1), L = ek.size(1);
+      TORCH_CHECK(kk.size(0) == B && vv.sizes() == kk.sizes() && ok.size(0) == B && ek.size(0) == B && ev.sizes() == ek.sizes() &&
+                      eok.size(0) == B && eok.size(1) == L,
+                  name, ": the token's inputs do not match (see the comment above arm_decode_read)");
+    }
+    TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kk.scalar_type() == torch::kFloat32 && vv.scalar_type() == torch::kFloat32 &&
+                    ek.scalar_type() == torch::kFloat32 && ev.scalar_type() == torch::kFloat32,
+                name, ": float32 queries, keys and values only");
+    TORCH_CHECK(B * H == G && q.size(-1) == d && kk.size(-1) == d && ek.size(-1) == d, name,
+                ": shapes do not match (see the comment above arm_decode_read)");
+    TORCH_CHECK(R <= armkv::kMaxRep, name, ": at most 16 query heads a KV head");
+    // a group's rows contiguous (its R query heads, its L exact entries), else a copy
+    const auto rows = [](torch::Tensor& t, int64_t row_dim, int64_t n) {
+      if (t.stride(-1) != 1 || (n > 1 && t.stride(row_dim) != t.size(-1))) t = t.contiguous();
+    };
+    rows(q, x, R), rows(kk, -1, 1), rows(vv, -1, 1), rows(ek, 1 + x, L), rows(ev, 1 + x, L);
+    if (ok.scalar_type() != torch::kBool) ok = ok.to(torch::kBool);
+    if (eok.scalar_type() != torch::kBool) eok = eok.to(torch::kBool);
+    if (L > 1 && eok.stride(1) != 1) eok = eok.contiguous();
+    Q = q.data_ptr<float>(), K = kk.data_ptr<float>(), V = vv.data_ptr<float>(), EK = ek.data_ptr<float>(),
+    EV = ev.data_ptr<float>(), OK = ok.data_ptr<bool>(), EOK = eok.data_ptr<bool>();
+    qb = q.stride(0), qh = model ? R * q.stride(1) : 0, kb = kk.stride(0), kh = model ? kk.stride(1) : 0;
+    vb = vv.stride(0), vh = model ? vv.stride(1) : 0, okb = ok.stride(0), eb = ek.stride(0), eh = model ? ek.stride(1) : 0;
+    evb = ev.stride(0), evh = model ? ev.stride(1) : 0, eokb = eok.stride(0);
+  }
+
+  // the read's output: [G, R, d], or in the model's layout [B, 1, Hq, d] (the same memory)
+  torch::Tensor empty_out(int64_t d) const {
+    const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+    return model ? torch::empty({B, 1, H * R, d}, f32) : torch::empty({B, R, d}, f32);
+  }
+};
+
+// The slots' inputs of a layer's decode read, checked and converted once: a decode step's
+// bound call (DecodeCall) keeps them from one write to the next.
 struct DecodeInputs {
-  torch::Tensor q, own_ok, kk, vv, ek, ev, eok, kc, ks, vc, vs, b, mx, mxt;
+  torch::Tensor kc, ks, vc, vs, b, mx, mxt;
   bool int8_keys;
-  int64_t G, R, d, L, S, ngk, ngv;
+  int64_t G, d, S, ngk, ngv;
   const float* MX;
   const float* MXT;
 
-  int64_t batch = 0;  // > 0: the inputs came in the model's layout (the output goes back in it)
-
-  DecodeInputs(torch::Tensor query, torch::Tensor own_k, torch::Tensor own_v, torch::Tensor own_ok_, torch::Tensor exact_k,
-               torch::Tensor exact_v, torch::Tensor exact_ok, torch::Tensor key_codes, torch::Tensor key_scale,
-               torch::Tensor value_codes, torch::Tensor value_scale, torch::Tensor bias, torch::Tensor mix, const char* name) {
-    if (query.dim() == 4) {  // the model's layout, flattened here to G = B * H groups (no Python op per tensor)
-      TORCH_CHECK(query.size(2) == 1 && own_k.dim() == 4 && own_v.dim() == 4 && exact_k.dim() == 4 && exact_v.dim() == 4 &&
-                      own_ok_.dim() == 2 && exact_ok.dim() == 2 && own_k.size(1) > 0 && query.size(1) % own_k.size(1) == 0,
-                  name, ": query [B, Hq, 1, d], the token's key and value [B, H, 1, d], its valid [B, T], exact [B, H, L, d], "
-                  "exact valid [B, L]");
-      const int64_t B = query.size(0), H = own_k.size(1), dd = query.size(3), LL = exact_k.size(2), GG = B * H;
-      batch = B;
-      query = query.reshape({GG, query.size(1) / H, dd});
-      own_k = own_k.reshape({GG, dd}), own_v = own_v.reshape({GG, dd});
-      own_ok_ = own_ok_.narrow(1, 0, 1).expand({B, H}).reshape({GG});
-      exact_k = exact_k.reshape({GG, LL, dd}), exact_v = exact_v.reshape({GG, LL, dd});
-      exact_ok = exact_ok.unsqueeze(1).expand({B, H, LL}).reshape({GG, LL});
-      bias = bias.reshape({GG, -1});
-    }
-    q = query.contiguous();
-    own_ok = own_ok_.to(torch::kBool).contiguous();
-    kk = own_k.contiguous(), vv = own_v.contiguous(), ek = exact_k.contiguous(), ev = exact_v.contiguous();
-    eok = exact_ok.to(torch::kBool).contiguous();
+  DecodeInputs(const torch::Tensor& key_codes, const torch::Tensor& key_scale, const torch::Tensor& value_codes,
+               const torch::Tensor& value_scale, const torch::Tensor& bias, const torch::Tensor& mix, const char* name) {
+    TORCH_CHECK(key_codes.dim() == 3 && value_codes.dim() == 3 && key_scale.dim() == 3 && value_scale.dim() == 3 &&
+                    (bias.dim() == 2 || bias.dim() == 3),
+                name, ": key codes, value codes and scales [G, ., .], bias [G, S] or [B, H, S]");
     kc = rows_apart(key_codes, 0), vc = rows_apart(value_codes, value_codes.size(-1));
     ks = rows_apart(as_stored(key_scale), key_scale.size(-1)), vs = rows_apart(as_stored(value_scale), value_scale.size(-1));
-    b = bias.to(torch::kFloat32).contiguous();
+    b = (bias.dim() == 3 ? bias.reshape({bias.size(0) * bias.size(1), bias.size(2)}) : bias).to(torch::kFloat32).contiguous();
     mx = mix.numel() ? mix.to(torch::kFloat32).contiguous() : mix;
-    TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kk.scalar_type() == torch::kFloat32 && ek.scalar_type() == torch::kFloat32,
-                name, ": float32 queries, keys and values only");
     TORCH_CHECK(vc.scalar_type() == torch::kUInt8, name, ": int4 value codes only");
     int8_keys = kc.scalar_type() == torch::kInt8;
     TORCH_CHECK(int8_keys || kc.scalar_type() == torch::kUInt8, name, ": int4 (uint8) or int8 key codes only");
-    G = q.size(0), R = q.size(1), d = q.size(2), L = ek.size(1), S = b.size(1);
-    ngk = ks.size(2), ngv = vs.size(2);
-    TORCH_CHECK(R <= armkv::kMaxRep, name, ": at most 16 query heads a KV head");
-    TORCH_CHECK(kk.size(0) == G && kk.size(1) == d && vv.sizes() == kk.sizes() && own_ok.size(0) == G && ek.size(0) == G &&
-                    ek.size(2) == d && ev.sizes() == ek.sizes() && eok.size(0) == G && eok.size(1) == L &&
-                    kc.size(0) == G && kc.size(1) == (int8_keys ? d : d / 2) && kc.size(2) == S && ks.size(1) == S &&
-                    vc.size(0) == G && vc.size(1) == S && vc.size(2) == d / 2 && vs.size(1) == S && b.size(0) == G &&
-                    d % ngk == 0 && d % ngv == 0 && (!int8_keys || ngk == 1) &&
+    G = kc.size(0), d = 2 * vc.size(2), S = b.size(1), ngk = ks.size(2), ngv = vs.size(2);
+    TORCH_CHECK(d > 0 && ngk > 0 && ngv > 0 && kc.size(1) == (int8_keys ? d : d / 2) && kc.size(2) == S && ks.size(0) == G &&
+                    ks.size(1) == S && vc.size(0) == G && vc.size(1) == S && vs.size(0) == G && vs.size(1) == S &&
+                    b.size(0) == G && d % ngk == 0 && d % ngv == 0 && (!int8_keys || ngk == 1) &&
                     (!mx.numel() || (mx.size(0) == d && mx.size(1) == d)),
                 name, ": shapes do not match (see the comment above arm_decode_read)");
     mxt = mx.numel() ? mx.t().contiguous() : mx;
@@ -1913,18 +1954,13 @@ struct DecodeInputs {
   }
 
   // group g's unit entries (empty where there are none), w its [R, U] scratch; skip and qm are the caller's
-  armkv::UnitEntries units(int64_t g, std::vector<float>& w) const {
+  armkv::UnitEntries units(int64_t g, int64_t R, std::vector<float>& w) const {
     armkv::UnitEntries e;
     if (!U) return e;
     w.resize(R * U);
     e.k = uk.data_ptr<float>() + g * U * d, e.v = uv.data_ptr<float>() + g * U * d, e.lw = ulw.data_ptr<float>() + g * U;
     e.w = w.data(), e.U = U;
     return e;
-  }
-
-  // the read's output: [G, R, d], or in the model's layout [B, 1, Hq, d] (the same memory)
-  torch::Tensor empty_out() const {
-    return batch ? torch::empty({batch, 1, G / batch * R, d}, q.options()) : torch::empty({G, R, d}, q.options());
   }
 
   // scales float32 or bfloat16 as they are (each read converts the rows it reads), others float32
@@ -1952,17 +1988,198 @@ struct DecodeInputs {
     return out;
   }
 
-  // group g's inputs: its query, token, exact entries and pool
-  armkv::DecodeGroup group(int64_t g, float* out) {
+  // group g's inputs: its query, token and exact entries (t), and its pool
+  armkv::DecodeGroup group(const Tokens& t, int64_t g, float* out) const {
+    const int64_t i = g / t.H, h = g % t.H;  // (batch row, KV head)
     return armkv::DecodeGroup{
-        q.data_ptr<float>() + g * R * d, kk.data_ptr<float>() + g * d, vv.data_ptr<float>() + g * d,
-        own_ok.data_ptr<bool>()[g], ek.data_ptr<float>() + g * L * d, ev.data_ptr<float>() + g * L * d,
-        eok.data_ptr<bool>() + g * L,
+        t.Q + i * t.qb + h * t.qh, t.K + i * t.kb + h * t.kh, t.V + i * t.vb + h * t.vh, t.OK[i * t.okb],
+        t.EK + i * t.eb + h * t.eh, t.EV + i * t.evb + h * t.evh, t.EOK + i * t.eokb,
         int8_keys ? static_cast<const void*>(kc.data_ptr<int8_t>() + g * kc.stride(0))
                   : static_cast<const void*>(kc.data_ptr<uint8_t>() + g * kc.stride(0)),
         kc.stride(1), scales(ks, g, ngk), vc.data_ptr<uint8_t>() + g * vc.stride(0), scales(vs, g, ngv),
         b.data_ptr<float>() + g * S, out};
   }
+};
+
+// Per-thread buffers of sparse_group and the partial ranking
+struct SparseScratch {
+  std::vector<float> qm, exact_w, tmp, slot_w, energy, top, best, uw;
+  std::vector<int64_t> run_start, run_len, rows, idx;
+  std::vector<char> skip;
+  armkv::PartialScratch partial;
+};
+
+// One group of a sparse read: the slots of the first `count` of `chosen` buckets, read run by
+// run where they lie in the pool (armkv::runs_group), as the dense read reads a pool
+void sparse_group(const DecodeInputs& in, const Tokens& t, int64_t g, float* out, const int32_t* ORD, int64_t listed,
+                  const int32_t* ST, const int32_t* SZ, int64_t nb, const int64_t* chosen, int64_t count, double scaling,
+                  bool vectorised, SparseScratch& w, const char* name) {
+  const int64_t R = t.R, d = in.d, L = t.L, S = in.S;
+  const int64_t W = armkv::bucket_runs(ORD, listed, ST, SZ, nb, chosen, count, S, w.run_start, w.run_len, name);
+  w.slot_w.resize(R * std::max<int64_t>(W, 1));
+  w.qm.resize(R * d), w.exact_w.resize(R * (L + 1)), w.tmp.resize(R * d);
+  armkv::UnitEntries units = in.units(g, R, w.uw);  // (read_summaries: the units left out, one entry each)
+  if (in.U) units.skip = armkv::skipped(units.U, chosen, count, w.skip);
+  armkv::load_runs(in.group(t, g, nullptr), in.int8_keys, d, w.run_start, w.run_len);
+  armkv::runs_group(in.group(t, g, out), in.MX, in.MXT, in.int8_keys, R, d, L, in.ngk, in.ngv, static_cast<float>(scaling),
+                    w.run_start, w.run_len, W, w.qm.data(), w.slot_w.data(), w.exact_w.data(), w.tmp.data(),
+                    in.U ? &units : nullptr, vectorised);
+}
+
+// A layer's fused decode read with what stays between writes bound: the slots, their bias and
+// the mixing, and for the sparse reads the index (order, start, size), M, take, the chosen
+// buckets (kind "sparse") or the partial ranking's rows (n), and the units' entries. Checked
+// and converted once; a call then takes the step's token inputs (Tokens) and makes no tensor
+// op on the rest. A decode step of the model calls the one bound at the last write
+// (ARMLayer._held). kind: "dense" (arm_decode_read), "sparse" (arm_sparse_decode_read),
+// "best" (arm_best_decode_read), "partial" (arm_partial_decode_read); a call returns what
+// those return.
+class DecodeCall {
+ public:
+  enum Kind { kDense, kSparse, kBest, kPartial };
+
+  DecodeCall(const std::string& kind, const torch::Tensor& key_codes, const torch::Tensor& key_scale,
+             const torch::Tensor& value_codes, const torch::Tensor& value_scale, const torch::Tensor& bias,
+             const torch::Tensor& mix, const c10::optional<torch::Tensor>& order, const c10::optional<torch::Tensor>& start,
+             const c10::optional<torch::Tensor>& size, const c10::optional<torch::Tensor>& buckets,
+             const c10::optional<torch::Tensor>& take, int64_t m, int64_t n, const c10::optional<torch::Tensor>& unit_keys,
+             const c10::optional<torch::Tensor>& unit_values, const c10::optional<torch::Tensor>& unit_log_weight,
+             bool vectorised)
+      : kind_(parse(kind)),
+        name_(kind_ == kDense    ? "arm_decode_read"
+              : kind_ == kSparse ? "arm_sparse_decode_read"
+              : kind_ == kBest   ? "arm_best_decode_read"
+                                 : "arm_partial_decode_read"),
+        in_(key_codes, key_scale, value_codes, value_scale, bias, mix, name_),
+        m_(m),
+        n_(n),
+        vectorised_(vectorised) {
+    const int64_t G = in_.G, S = in_.S;
+    if (kind_ == kDense) {
+      TORCH_CHECK(!order && !start && !size && !buckets && !take && !unit_keys, name_, ": the dense read takes no index");
+      return;
+    }
+    TORCH_CHECK(order && start && size && take, name_, ": order, start, size and take are needed");
+    ord_ = order->to(torch::kInt32).contiguous(), st_ = start->to(torch::kInt32).contiguous();
+    sz_ = size->to(torch::kInt32).contiguous(), tk_ = take->to(torch::kInt64).contiguous();
+    TORCH_CHECK(ord_.dim() == 2 && ord_.size(0) == G && ord_.size(1) <= S && st_.dim() == 2 && st_.size(0) == G &&
+                    sz_.sizes() == st_.sizes() && tk_.dim() == 1 && tk_.size(0) == G,
+                name_, ": order [G, <= S], start and size [G, N_b], take [G]");
+    nb_ = st_.size(1), listed_ = ord_.size(1);
+    if (kind_ == kSparse) {
+      TORCH_CHECK(buckets.has_value(), name_, ": buckets are needed");
+      bk_ = buckets->to(torch::kInt64).contiguous();
+      TORCH_CHECK(bk_.dim() == 2 && bk_.size(0) == G, name_, ": buckets [G, M]");
+      m_ = bk_.size(1);
+    } else {
+      TORCH_CHECK(m >= 1 && m <= nb_, name_, ": 1 <= m <= N_b");
+      TORCH_CHECK(kind_ != kPartial || (n >= 1 && n <= in_.d / 2), name_, ": 1 <= n <= d / 2");
+    }
+    in_.set_units(unit_keys, unit_values, unit_log_weight, nb_, name_);
+  }
+
+  // the read of one step: the token inputs as Tokens takes them; scaling the logits' factor
+  py::object call(const torch::Tensor& query, const torch::Tensor& own_k, const torch::Tensor& own_v,
+                  const torch::Tensor& own_ok, const torch::Tensor& exact_k, const torch::Tensor& exact_v,
+                  const torch::Tensor& exact_ok, double scaling) const {
+    const Tokens t(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, in_.G, in_.d, name_);
+    if (kind_ == kDense) return py::cast(dense(t, scaling));
+    if (kind_ == kSparse) return py::cast(sparse(t, scaling));
+    auto res = ranked(t, scaling);
+    return py::make_tuple(res[0], res[1]);
+  }
+
+  torch::Tensor dense(const Tokens& t, double scaling) const {
+    const int64_t G = in_.G, R = t.R, d = in_.d, L = t.L, S = in_.S;
+    auto out = t.empty_out(d);
+    float* O = out.data_ptr<float>();
+    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+      thread_local std::vector<float> qm, slot_w, exact_w, tmp;  // (kept from call to call: no allocation a read)
+      qm.resize(R * d), slot_w.resize(R * std::max<int64_t>(S, 1)), exact_w.resize(R * (L + 1)), tmp.resize(R * d);
+      const std::vector<int64_t> start(S ? 1 : 0, 0), len(S ? 1 : 0, S);  // every slot: one run
+      for (int64_t g = g0; g < g1; ++g)
+        armkv::runs_group(in_.group(t, g, O + g * R * d), in_.MX, in_.MXT, in_.int8_keys, R, d, L, in_.ngk, in_.ngv,
+                          static_cast<float>(scaling), start, len, S, qm.data(), slot_w.data(), exact_w.data(), tmp.data(),
+                          nullptr, vectorised_);
+    });
+    return out;
+  }
+
+  torch::Tensor sparse(const Tokens& t, double scaling) const {
+    const int64_t G = in_.G, R = t.R, d = in_.d;
+    auto out = t.empty_out(d);
+    float* O = out.data_ptr<float>();
+    const auto *ORD = ord_.data_ptr<int32_t>(), *ST = st_.data_ptr<int32_t>(), *SZ = sz_.data_ptr<int32_t>();
+    const int64_t *BK = bk_.data_ptr<int64_t>(), *TK = tk_.data_ptr<int64_t>();
+    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+      thread_local SparseScratch w;  // (kept from call to call: no allocation a read)
+      for (int64_t g = g0; g < g1; ++g)
+        sparse_group(in_, t, g, O + g * R * d, ORD + g * listed_, listed_, ST + g * nb_, SZ + g * nb_, nb_, BK + g * m_,
+                     std::min(TK[g], m_), scaling, vectorised_, w, name_);
+    });
+    return out;
+  }
+
+  // best and partial: (out, the m buckets [G, m], best first)
+  std::vector<torch::Tensor> ranked(const Tokens& t, double scaling) const {
+    const int64_t G = in_.G, R = t.R, d = in_.d, L = t.L, S = in_.S, m = m_, nb = nb_, listed = listed_;
+    auto out = t.empty_out(d);
+    auto buckets = torch::empty({G, m}, torch::TensorOptions().dtype(torch::kInt64));
+    float* O = out.data_ptr<float>();
+    int64_t* BK = buckets.data_ptr<int64_t>();
+    const auto *ORD = ord_.data_ptr<int32_t>(), *ST = st_.data_ptr<int32_t>(), *SZ = sz_.data_ptr<int32_t>();
+    const int64_t* TK = tk_.data_ptr<int64_t>();
+    const float* B = in_.b.data_ptr<float>();
+    if (kind_ == kBest) {
+      at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+        thread_local armkv::BestScratch w;  // (kept from call to call: no allocation a read)
+        w.qm.resize(R * d), w.sw.resize(R * std::max<int64_t>(S, 1)), w.top.resize(std::max<int64_t>(S, 1)), w.best.resize(nb);
+        w.exact_w.resize(R * (L + 1)), w.tmp.resize(R * d);
+        for (int64_t g = g0; g < g1; ++g) {
+          armkv::UnitEntries units = in_.units(g, R, w.uw);  // (read_summaries: the units left out, one entry each)
+          armkv::best_group(in_.group(t, g, O + g * R * d), in_.MX, in_.MXT, in_.int8_keys, R, d, L, S, in_.ngk, in_.ngv,
+                            static_cast<float>(scaling), ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, m, TK[g], w,
+                            BK + g * m, in_.U ? &units : nullptr, vectorised_);
+        }
+      });
+      return {out, buckets};
+    }
+    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+      thread_local SparseScratch w;  // (kept from call to call: no allocation a read)
+      w.qm.resize(R * d), w.top.resize(std::max<int64_t>(S, 1)), w.best.resize(nb);
+      for (int64_t g = g0; g < g1; ++g) {
+        const armkv::DecodeGroup a = in_.group(t, g, nullptr);
+        armkv::mix_query(a.q, in_.MX, R, d, w.qm.data());
+        armkv::partial_rows(w.qm.data(), R, d, n_, w.energy, w.rows);
+        float* top = w.top.data();
+        armkv::partial_top(w.qm.data(), a.key_codes, in_.int8_keys, a.key_scale, B + g * S, static_cast<float>(scaling), top, R,
+                           d, S, a.ld, in_.ngk, w.rows.data(), n_, w.partial, vectorised_);
+        armkv::bucket_maxima(top, ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, S, w.best.data(), name_, vectorised_);
+        armkv::top_buckets(w.best.data(), nb, m, w.idx);
+        int64_t* chosen = BK + g * m;
+        std::copy(w.idx.begin(), w.idx.begin() + m, chosen);
+        sparse_group(in_, t, g, O + g * R * d, ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, chosen, std::min(TK[g], m),
+                     scaling, vectorised_, w, name_);
+      }
+    });
+    return {out, buckets};
+  }
+
+ private:
+  static Kind parse(const std::string& kind) {
+    if (kind == "dense") return kDense;
+    if (kind == "sparse") return kSparse;
+    if (kind == "best") return kBest;
+    TORCH_CHECK(kind == "partial", "DecodeCall: kind is dense, sparse, best or partial, not ", kind);
+    return kPartial;
+  }
+
+  Kind kind_;
+  const char* name_;
+  DecodeInputs in_;
+  torch::Tensor ord_, st_, sz_, bk_, tk_;
+  int64_t nb_ = 0, listed_ = 0, m_ = 0, n_ = 0;
+  bool vectorised_;
 };
 
 // The decode step's read of one layer (ARMLayer._decode_read): query [G, R, d] float32;
@@ -1974,50 +2191,16 @@ struct DecodeInputs {
 // first S slots: SlotPool.readable): they are read where they lie, not copied. The per-token
 // inputs may come in the model's layout instead (query [B, Hq, 1, d], own_k and own_v
 // [B, H, 1, d], own_ok [B, T], exact_k and exact_v [B, H, L, d], exact_ok [B, L], bias
-// [B, H, S]): then the output is [B, 1, Hq, d] (DecodeInputs flattens them).
+// [B, H, S]): then the output is [B, 1, Hq, d] (Tokens reads them where they lie).
 torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::Tensor own_v, torch::Tensor own_ok,
                               torch::Tensor exact_k, torch::Tensor exact_v, torch::Tensor exact_ok, torch::Tensor key_codes,
                               torch::Tensor key_scale, torch::Tensor value_codes, torch::Tensor value_scale,
                               torch::Tensor bias, torch::Tensor mix, double scaling, bool vectorised) {
-  DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
-                  mix, "arm_decode_read");
-  const int64_t G = in.G, R = in.R, d = in.d, L = in.L, S = in.S;
-  auto out = in.empty_out();
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    thread_local std::vector<float> qm, slot_w, exact_w, tmp;  // (kept from call to call: no allocation a read)
-    qm.resize(R * d), slot_w.resize(R * std::max<int64_t>(S, 1)), exact_w.resize(R * (L + 1)), tmp.resize(R * d);
-    const std::vector<int64_t> start(S ? 1 : 0, 0), len(S ? 1 : 0, S);  // every slot: one run
-    for (int64_t g = g0; g < g1; ++g)
-      armkv::runs_group(in.group(g, out.data_ptr<float>() + g * R * d), in.MX, in.MXT, in.int8_keys, R, d, L, in.ngk, in.ngv,
-                        static_cast<float>(scaling), start, len, S, qm.data(), slot_w.data(), exact_w.data(), tmp.data(),
-                        nullptr, vectorised);
-  });
-  return out;
-}
-
-// Per-thread buffers of sparse_group and arm_partial_decode_read's ranking
-struct SparseScratch {
-  std::vector<float> qm, exact_w, tmp, slot_w, energy, top, best, uw;
-  std::vector<int64_t> run_start, run_len, rows, idx;
-  std::vector<char> skip;
-  armkv::PartialScratch partial;
-};
-
-// One group of arm_sparse_decode_read: the slots of the first `count` of `chosen` buckets,
-// read run by run where they lie in the pool (armkv::runs_group), as arm_decode_read reads a pool
-void sparse_group(DecodeInputs& in, int64_t g, float* out, const int32_t* ORD, int64_t listed, const int32_t* ST,
-                  const int32_t* SZ, int64_t nb, const int64_t* chosen, int64_t count, double scaling, bool vectorised,
-                  SparseScratch& w, const char* name) {
-  const int64_t R = in.R, d = in.d, L = in.L, S = in.S;
-  const int64_t W = armkv::bucket_runs(ORD, listed, ST, SZ, nb, chosen, count, S, w.run_start, w.run_len, name);
-  w.slot_w.resize(R * std::max<int64_t>(W, 1));
-  w.qm.resize(R * d), w.exact_w.resize(R * (L + 1)), w.tmp.resize(R * d);
-  armkv::UnitEntries units = in.units(g, w.uw);  // (read_summaries: the units left out, one entry each)
-  if (in.U) units.skip = armkv::skipped(units.U, chosen, count, w.skip);
-  armkv::load_runs(in.group(g, nullptr), in.int8_keys, d, w.run_start, w.run_len);
-  armkv::runs_group(in.group(g, out), in.MX, in.MXT, in.int8_keys, R, d, L, in.ngk, in.ngv, static_cast<float>(scaling),
-                    w.run_start, w.run_len, W, w.qm.data(), w.slot_w.data(), w.exact_w.data(), w.tmp.data(),
-                    in.U ? &units : nullptr, vectorised);
+  const DecodeCall call("dense", key_codes, key_scale, value_codes, value_scale, bias, mix, {}, {}, {}, {}, {}, 0, 0, {}, {}, {},
+                        vectorised);
+  return call.dense(Tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes.size(0), 2 * value_codes.size(-1),
+                           "arm_decode_read"),
+                    scaling);
 }
 
 // The sparse decode read (ARMLayer._sparse_read, one query): arm_decode_read over only the
@@ -2038,27 +2221,11 @@ torch::Tensor arm_sparse_decode_read(torch::Tensor query, torch::Tensor own_k, t
                                      torch::Tensor take, const c10::optional<torch::Tensor>& unit_keys,
                                      const c10::optional<torch::Tensor>& unit_values,
                                      const c10::optional<torch::Tensor>& unit_log_weight, bool vectorised) {
-  DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
-                  mix, "arm_sparse_decode_read");
-  const int64_t G = in.G, R = in.R, d = in.d, S = in.S;
-  auto ord = order.to(torch::kInt32).contiguous(), st = start.to(torch::kInt32).contiguous();
-  auto sz = size.to(torch::kInt32).contiguous(), bk = buckets.to(torch::kInt64).contiguous();
-  auto tk = take.to(torch::kInt64).contiguous();
-  TORCH_CHECK(ord.dim() == 2 && ord.size(0) == G && ord.size(1) <= S && st.dim() == 2 && st.size(0) == G &&
-                  sz.sizes() == st.sizes() && bk.dim() == 2 && bk.size(0) == G && tk.dim() == 1 && tk.size(0) == G,
-              "arm_sparse_decode_read: order [G, <= S], start and size [G, N_b], buckets [G, M], take [G]");
-  const int64_t nb = st.size(1), M = bk.size(1), listed = ord.size(1);
-  in.set_units(unit_keys, unit_values, unit_log_weight, nb, "arm_sparse_decode_read");
-  const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
-  const int64_t *BK = bk.data_ptr<int64_t>(), *TK = tk.data_ptr<int64_t>();
-  auto out = in.empty_out();
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    thread_local SparseScratch w;  // (kept from call to call: no allocation a read)
-    for (int64_t g = g0; g < g1; ++g)
-      sparse_group(in, g, out.data_ptr<float>() + g * R * d, ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, BK + g * M,
-                   std::min(TK[g], M), scaling, vectorised, w, "arm_sparse_decode_read");
-  });
-  return out;
+  const DecodeCall call("sparse", key_codes, key_scale, value_codes, value_scale, bias, mix, order, start, size, buckets, take, 0,
+                        0, unit_keys, unit_values, unit_log_weight, vectorised);
+  return call.sparse(Tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes.size(0),
+                            2 * value_codes.size(-1), "arm_sparse_decode_read"),
+                     scaling);
 }
 
 // The decode read of read_rank="partial" (ARMLayer._sparse_read, one query): each group's
@@ -2075,44 +2242,13 @@ std::vector<torch::Tensor> arm_partial_decode_read(torch::Tensor query, torch::T
                                                    torch::Tensor mix, double scaling, torch::Tensor order, torch::Tensor start,
                                                    torch::Tensor size, int64_t m, torch::Tensor take, int64_t n,
                                                    const c10::optional<torch::Tensor>& unit_keys,
-                                     const c10::optional<torch::Tensor>& unit_values,
-                                     const c10::optional<torch::Tensor>& unit_log_weight, bool vectorised) {
-  DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
-                  mix, "arm_partial_decode_read");
-  const int64_t G = in.G, R = in.R, d = in.d, S = in.S;
-  auto ord = order.to(torch::kInt32).contiguous(), st = start.to(torch::kInt32).contiguous();
-  auto sz = size.to(torch::kInt32).contiguous(), tk = take.to(torch::kInt64).contiguous();
-  TORCH_CHECK(ord.dim() == 2 && ord.size(0) == G && ord.size(1) <= S && st.dim() == 2 && st.size(0) == G &&
-                  sz.sizes() == st.sizes() && tk.dim() == 1 && tk.size(0) == G && m >= 1 && m <= st.size(1) && n >= 1 &&
-                  n <= d / 2,
-              "arm_partial_decode_read: order [G, <= S], start and size [G, N_b], take [G], 1 <= m <= N_b, 1 <= n <= d / 2");
-  const int64_t nb = st.size(1), listed = ord.size(1);
-  in.set_units(unit_keys, unit_values, unit_log_weight, nb, "arm_partial_decode_read");
-  const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
-  const int64_t* TK = tk.data_ptr<int64_t>();
-  auto out = in.empty_out();
-  auto buckets = torch::empty({G, m}, in.q.options().dtype(torch::kInt64));
-  const float* B = in.b.data_ptr<float>();
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    thread_local SparseScratch w;  // (kept from call to call: no allocation a read)
-    w.qm.resize(R * d), w.top.resize(std::max<int64_t>(S, 1)), w.best.resize(nb);
-    for (int64_t g = g0; g < g1; ++g) {
-      const armkv::DecodeGroup a = in.group(g, nullptr);
-      armkv::mix_query(a.q, in.MX, R, d, w.qm.data());
-      armkv::partial_rows(w.qm.data(), R, d, n, w.energy, w.rows);
-      float* top = w.top.data();
-      armkv::partial_top(w.qm.data(), a.key_codes, in.int8_keys, a.key_scale, B + g * S, static_cast<float>(scaling), top, R, d,
-                         S, a.ld, in.ngk, w.rows.data(), n, w.partial, vectorised);
-      armkv::bucket_maxima(top, ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, S, w.best.data(),
-                           "arm_partial_decode_read", vectorised);
-      armkv::top_buckets(w.best.data(), nb, m, w.idx);
-      int64_t* chosen = buckets.data_ptr<int64_t>() + g * m;
-      std::copy(w.idx.begin(), w.idx.begin() + m, chosen);
-      sparse_group(in, g, out.data_ptr<float>() + g * R * d, ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, chosen,
-                   std::min(TK[g], m), scaling, vectorised, w, "arm_partial_decode_read");
-    }
-  });
-  return {out, buckets};
+                                                   const c10::optional<torch::Tensor>& unit_values,
+                                                   const c10::optional<torch::Tensor>& unit_log_weight, bool vectorised) {
+  const DecodeCall call("partial", key_codes, key_scale, value_codes, value_scale, bias, mix, order, start, size, {}, take, m, n,
+                        unit_keys, unit_values, unit_log_weight, vectorised);
+  return call.ranked(Tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes.size(0),
+                            2 * value_codes.size(-1), "arm_partial_decode_read"),
+                     scaling);
 }
 
 // The m best buckets of each group of R query heads that share a KV head, for one decoded
@@ -2215,34 +2351,13 @@ std::vector<torch::Tensor> arm_best_decode_read(torch::Tensor query, torch::Tens
                                                 torch::Tensor mix, double scaling, torch::Tensor order, torch::Tensor start,
                                                 torch::Tensor size, int64_t m, torch::Tensor take,
                                                 const c10::optional<torch::Tensor>& unit_keys,
-                                     const c10::optional<torch::Tensor>& unit_values,
-                                     const c10::optional<torch::Tensor>& unit_log_weight, bool vectorised) {
-  DecodeInputs in(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes, key_scale, value_codes, value_scale, bias,
-                  mix, "arm_best_decode_read");
-  const int64_t G = in.G, R = in.R, d = in.d, L = in.L, S = in.S;
-  auto ord = order.to(torch::kInt32).contiguous(), st = start.to(torch::kInt32).contiguous();
-  auto sz = size.to(torch::kInt32).contiguous(), tk = take.to(torch::kInt64).contiguous();
-  TORCH_CHECK(ord.dim() == 2 && ord.size(0) == G && ord.size(1) <= S && st.dim() == 2 && st.size(0) == G &&
-                  sz.sizes() == st.sizes() && tk.dim() == 1 && tk.size(0) == G && m >= 1 && m <= st.size(1),
-              "arm_best_decode_read: order [G, <= S], start and size [G, N_b], take [G], 1 <= m <= N_b");
-  const int64_t nb = st.size(1), listed = ord.size(1);
-  in.set_units(unit_keys, unit_values, unit_log_weight, nb, "arm_best_decode_read");
-  const auto *ORD = ord.data_ptr<int32_t>(), *ST = st.data_ptr<int32_t>(), *SZ = sz.data_ptr<int32_t>();
-  const int64_t* TK = tk.data_ptr<int64_t>();
-  auto out = in.empty_out();
-  auto buckets = torch::empty({G, m}, in.q.options().dtype(torch::kInt64));
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    thread_local armkv::BestScratch w;  // (kept from call to call: no allocation a read)
-    w.qm.resize(R * d), w.sw.resize(R * std::max<int64_t>(S, 1)), w.top.resize(std::max<int64_t>(S, 1)), w.best.resize(nb);
-    w.exact_w.resize(R * (L + 1)), w.tmp.resize(R * d);
-    for (int64_t g = g0; g < g1; ++g) {
-      armkv::UnitEntries units = in.units(g, w.uw);  // (read_summaries: the units left out, one entry each)
-      armkv::best_group(in.group(g, out.data_ptr<float>() + g * R * d), in.MX, in.MXT, in.int8_keys, R, d, L, S, in.ngk, in.ngv,
-                        static_cast<float>(scaling), ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, m, TK[g], w,
-                        buckets.data_ptr<int64_t>() + g * m, in.U ? &units : nullptr, vectorised);
-    }
-  });
-  return {out, buckets};
+                                                const c10::optional<torch::Tensor>& unit_values,
+                                                const c10::optional<torch::Tensor>& unit_log_weight, bool vectorised) {
+  const DecodeCall call("best", key_codes, key_scale, value_codes, value_scale, bias, mix, order, start, size, {}, take, m, 0,
+                        unit_keys, unit_values, unit_log_weight, vectorised);
+  return call.ranked(Tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes.size(0),
+                            2 * value_codes.size(-1), "arm_best_decode_read"),
+                     scaling);
 }
 
 // read.unit_summaries from the codes, unit by unit of an index (the units a read at M < N_b
@@ -2578,6 +2693,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias"), py::arg("mix"), py::arg("scaling"), py::arg("order"), py::arg("start"), py::arg("size"),
         py::arg("m"), py::arg("take"), py::arg("n"), py::arg("unit_keys") = py::none(), py::arg("unit_values") = py::none(),
         py::arg("unit_log_weight") = py::none(), py::arg("vectorised") = true);
+  py::class_<DecodeCall>(m, "DecodeCall",
+                         "a layer's fused decode read with the slots, the index and the entries bound, called with a step's token")
+      .def(py::init<const std::string&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                    const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&,
+                    const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&,
+                    const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&, int64_t, int64_t,
+                    const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&,
+                    const c10::optional<torch::Tensor>&, bool>(),
+           py::arg("kind"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
+           py::arg("bias"), py::arg("mix"), py::arg("order") = py::none(), py::arg("start") = py::none(),
+           py::arg("size") = py::none(), py::arg("buckets") = py::none(), py::arg("take") = py::none(), py::arg("m") = 0,
+           py::arg("n") = 0, py::arg("unit_keys") = py::none(), py::arg("unit_values") = py::none(),
+           py::arg("unit_log_weight") = py::none(), py::arg("vectorised") = true)
+      .def("__call__", &DecodeCall::call, "query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, scaling");
   m.def("ranked_slot_read", &ranked_slot_read,
         "a chunk's read of the slots of each query's m best units, from its logits of every slot: the softmax's unnormalised part",
         py::arg("logits"), py::arg("bias"), py::arg("values"), py::arg("order"), py::arg("start"), py::arg("size"), py::arg("m"),
