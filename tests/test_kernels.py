@@ -528,6 +528,34 @@ def test_a_bound_decode_call_reads_the_tokens_inputs_where_they_lie(kernel, rank
             torch.testing.assert_close(first(call(*token, scaling)), first(bound()(*token, scaling)), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("laid", [True, False])
+@pytest.mark.parametrize("rank", ["sparse", "best", "partial"])
+def test_a_bound_call_keeps_the_orders_runs_up_to_max_runs(kernel, laid, rank):
+    """A sparse read's DecodeCall keeps the runs of consecutive slots of the index's order (a
+    laid pool: one a group; else one more than the order's breaks, read.run_breaks), two int32
+    a run and one more (nbytes), the bytes adapters.max_runs reserves in the budget; where a
+    group has more than max_runs it keeps none and finds them at each call. The read is the
+    same either way, bit for bit."""
+    from armkv.memory.read import _bound_call
+
+    c = _ranked_case("k4v4", 64, 203, 3, 16, 4, False, laid, 19)
+    query, key, value, valid, exact_k, exact_v, exact_valid, st, bias, _, scaling = c["read"]
+    G = c["q"].shape[0]
+    tail = {"sparse": {"buckets": torch.arange(4).expand(G, 4)}, "best": {"m": 4}, "partial": {"m": 4, "n": 8}}[rank]
+    runs = torch.ones(G, dtype=torch.long) if laid else c["index"].breaks.long() + 1  # (each group's)
+
+    def bound(max_runs):
+        return _bound_call(kernel, rank, st, bias, None, c["index"], take=c["take"], max_runs=max_runs, **tail)
+
+    kept, capped = bound(int(runs.max())), bound(int(runs.max()) - 1)
+    assert kept.nbytes() == int((8 * runs + 4).sum()) and bound(-1).nbytes() == kept.nbytes()
+    assert capped.nbytes() == 0
+    with torch.no_grad():
+        args = (query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
+        for a, b in zip(kept(*args), capped(*args)) if rank != "sparse" else [(kept(*args), capped(*args))]:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_partial_rows_are_where_the_query_group_is_largest():
     """read.partial_rows: row c scores q_c^2 + q_{c+d/2}^2 summed over the group's heads; the n
     largest, ties to the lower row, returned in increasing order."""

@@ -277,18 +277,24 @@ def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch, read_
     calls = []
     gathered = arm_method.ARMLayer._sparse_read
     monkeypatch.setattr(arm_method.ARMLayer, "_sparse_read", lambda self, *a, **k: calls.append(a[0].shape[2]) or gathered(self, *a, **k))
-    monkeypatch.setattr(arm_method, "RESORT_SHARE", 1_000_000)  # re-lay the pool at every write that breaks its order
-    monkeypatch.setattr(arm_method, "RESORT_PER_BUCKET", 0)
+    monkeypatch.setattr(arm_method, "relay_breaks", lambda slots, num_buckets: 0)  # re-lay the pool at every write that breaks its order
     sorts = []
     relay = arm_method.sort_by_bucket
     monkeypatch.setattr(arm_method, "sort_by_bucket", lambda st, index: sorts.append(1) or relay(st, index))
     builds, bound_calls = [], []
     bind = arm_method.ranked_decode_call
 
-    def counted(*a, **k):  # the bound fused call, counting its calls
+    class Counted:  # the bound fused call, counting its calls
+        def __init__(self, call):
+            self.call, self.nbytes = call, call.nbytes
+
+        def __call__(self, *x):
+            bound_calls.append(1)
+            return self.call(*x)
+
+    def counted(*a, **k):
         builds.append(1)
-        call = bind(*a, **k)
-        return lambda *x: bound_calls.append(1) or call(*x)
+        return Counted(bind(*a, **k))
 
     monkeypatch.setattr(arm_method, "ranked_decode_call", counted)
     sparse, cache = run()

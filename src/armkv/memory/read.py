@@ -608,16 +608,18 @@ def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v,
 
 
 def ranked_decode_call(kernel, state, bias, mix, index: BucketIndex, m: int, take: torch.Tensor, rows: int | None = None,
-                       units=None):
+                       units=None, max_runs: int = -1):
     """The fused ranked decode read with what stays between writes bound (the slots' codes and
     scales, ``bias``, ``mix``, the ``index``, ``m`` and ``take``): ``read_rank="best"``
     (:func:`fused_best_decode_read`), or with ``rows`` ``"partial"``
     (:func:`fused_partial_decode_read`). Returns a callable (query, key, value, valid, exact_k,
     exact_v, exact_valid, scaling) -> (out [B, 1, Hq, d], the m buckets [G, m])
     (:func:`_bound_call`). ``units``
-    (``read_summaries``): :func:`index_summaries` of ``index``, bound too."""
+    (``read_summaries``): :func:`index_summaries` of ``index``, bound too. The call keeps each
+    unit's runs of consecutive slots (its ``nbytes()``) where no group has more than
+    ``max_runs`` (< 0: always), else finds them at each call."""
     kind, n = ("best", 0) if rows is None else ("partial", rows)
-    return _bound_call(kernel, kind, state, bias, mix, index, m=m, take=take, n=n, **_unit_args(units))
+    return _bound_call(kernel, kind, state, bias, mix, index, m=m, take=take, n=n, max_runs=max_runs, **_unit_args(units))
 
 
 def fused_partial_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,

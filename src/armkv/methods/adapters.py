@@ -166,6 +166,28 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
 # its order, per slot, and each bucket's start and size; read_pages' pages another start and size
 # for each of their 2 N_b page_split
 INDEX_SLOT_BYTES, INDEX_BUCKET_BYTES, PAGES_BUCKET_BYTES = 4, 8, 16
+# the shared pool is re-laid bucket by bucket once its bucket order breaks in more than
+# 1 / RESORT_SHARE of its readable slots, and more than RESORT_PER_BUCKET times per bucket
+# (relay_breaks; ARMLayer._bucket_index)
+RESORT_SHARE = 64
+RESORT_PER_BUCKET = 2
+# the fused decode read's bound call (the kernel's DecodeCall) keeps the runs of consecutive
+# slots of the bucket order, two int32 a run and one more, where there are at most max_runs:
+# RUN_BYTES slots / RESORT_SHARE + RUNS_BYTES at most, counted in the budget (a pool with more
+# runs finds them at each read instead: one re-laid past RESORT_PER_BUCKET N_b breaks may)
+RUN_BYTES, RUNS_BYTES = 8, 12
+
+
+def relay_breaks(slots: int, num_buckets: int) -> int:
+    """The most breaks of its bucket order (read.run_breaks) a shared pool of ``slots`` readable
+    slots keeps before it is re-laid bucket by bucket."""
+    return max(RESORT_PER_BUCKET * num_buckets, slots // RESORT_SHARE)
+
+
+def max_runs(slots: int) -> int:
+    """The most runs of consecutive slots of the bucket order that a fused decode read's bound
+    call keeps for a pool of ``slots`` readable slots (their bytes are in the budget)."""
+    return slots // RESORT_SHARE + 1
 
 
 def summary_bytes(runtime: ARMConfig, head_dim: int) -> int:
@@ -184,7 +206,10 @@ def _with_index_bytes(runtime: ARMConfig, info: ModelInfo, budget: int) -> ARMCo
     own = slot_bytes(runtime.slot_format, d, db)
     smallest = min(slot_bytes(f, d, db) for f in [*runtime.ladder, runtime.slot_format])
     per_bucket = INDEX_BUCKET_BYTES + (PAGES_BUCKET_BYTES * runtime.page_split if runtime.read_pages else 0) + summary_bytes(runtime, d)
-    left = (runtime.pool_slots * own - runtime.num_buckets * per_bucket) * smallest // (smallest + INDEX_SLOT_BYTES)
+    # the slots' share of what is left: each (at the ladder's smallest format) with its index entry
+    # and its share of the runs the bound call keeps (max_runs: RUN_BYTES / RESORT_SHARE a slot)
+    left = ((runtime.pool_slots * own - runtime.num_buckets * per_bucket - RUNS_BYTES) * smallest * RESORT_SHARE
+            // ((smallest + INDEX_SLOT_BYTES) * RESORT_SHARE + RUN_BYTES))
     slots = left // own
     if runtime.pool == "paper":
         slots = (slots // runtime.num_buckets) * runtime.num_buckets
@@ -199,4 +224,4 @@ def _with_index_bytes(runtime: ARMConfig, info: ModelInfo, budget: int) -> ARMCo
     return dataclasses.replace(runtime, slots=int(slots), chunk=min(runtime.chunk, int(slots)))
 
 
-__all__ = ["DEFAULT_ADAPTER_ORDER", "RUNTIME_FIELDS", "SHIPPED_ADAPTERS", "arm_on_device", "resolve_arm", "shipped_adapter"]
+__all__ = ["DEFAULT_ADAPTER_ORDER", "max_runs", "relay_breaks", "RUNTIME_FIELDS", "SHIPPED_ADAPTERS", "arm_on_device", "resolve_arm", "shipped_adapter"]

@@ -45,7 +45,9 @@ from armkv.memory.state import MemoryState
 from armkv.memory.write import WriteRule
 from armkv.memory.quant import at_least_float32, mixing_matrix
 from armkv.methods.attention import decode_scores, decode_values, joint_attention, safe_softmax
-from armkv.methods.adapters import DEFAULT_ADAPTER_ORDER, SHIPPED_ADAPTERS, arm_on_device, resolve_arm, shipped_adapter
+from armkv.methods.adapters import (
+    DEFAULT_ADAPTER_ORDER, SHIPPED_ADAPTERS, arm_on_device, max_runs, relay_breaks, resolve_arm, shipped_adapter,
+)
 from armkv.methods.base import CacheLayer, ModelInfo, register_method, require_budget
 from armkv.methods.buffers import ExactBuffer
 
@@ -54,11 +56,6 @@ from armkv.methods.buffers import ExactBuffer
 # a full pool of budget 4096 the gathered read measured 2.5-2.9x faster than the masked one,
 # `armkv bench ops`)
 SPARSE_MAX_QUERIES = 64
-# the shared pool is re-laid bucket by bucket once its bucket order breaks in more than
-# 1 / RESORT_SHARE of its readable slots, and more than RESORT_PER_BUCKET times per bucket
-# (a sorted pool breaks once per bucket) (ARMLayer._bucket_index)
-RESORT_SHARE = 64
-RESORT_PER_BUCKET = 2
 
 
 _warned_slow_sparse = False
@@ -216,6 +213,8 @@ class ARMLayer(CacheLayer):
                 index += units.start.nbytes + units.size.nbytes
         if self._summaries_for is not None:  # (kept from write to write: the unchanged buckets' entries carry over)
             index += sum(t.nbytes for t in self._summaries_for[1])
+        if self._ranked_for is not None and self._ranked_for[0] is self.pool.state:  # (the bound call's units' runs)
+            index += self._ranked_for[2].nbytes()
         return self.buffer.state_bytes() + self.pool.nbytes() + waiting + index
 
     # ------------------------------------------------------------------ attention
@@ -602,7 +601,7 @@ class ARMLayer(CacheLayer):
             return self._index_for[1]
         st, num_buckets = self._readable(), self.memory.router.num_buckets
         index = bucket_index(st.bucket, st.count > 0, num_buckets)
-        if self.config.pool == "shared" and run_breaks(index) > max(RESORT_PER_BUCKET * num_buckets, st.slots // RESORT_SHARE):
+        if self.config.pool == "shared" and run_breaks(index) > relay_breaks(st.slots, num_buckets):
             self.state = sort_by_bucket(self.state, index)  # (the occupied slots stay within `reach`)
             order = torch.arange(st.slots, dtype=torch.int32, device=index.order.device).expand_as(index.order)
             index = BucketIndex(order=order, start=index.start, size=index.size, laid=True)
@@ -668,7 +667,7 @@ class ARMLayer(CacheLayer):
                 # rows of every key to rank, the chosen buckets' keys whole. What the call binds
                 # changes only with the state or M: kept until then, a decode step makes the one call
                 rows = self._partial_rows if self.config.read_rank == "partial" else None
-                call = ranked_decode_call(kernel, st, self._decode_bias(), mix, index, m, take, rows, units)
+                call = ranked_decode_call(kernel, st, self._decode_bias(), mix, index, m, take, rows, units, max_runs(st.slots))
                 self._ranked_for = (self.pool.state, self.m, call)
                 out, buckets = call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
             else:

@@ -424,34 +424,6 @@ __attribute__((target("avx2"))) inline float max_avx2(const float* x, int64_t n)
   return peak;
 }
 
-// the largest of x[idx[0]], ..., x[idx[n - 1]], 8 gathered at a time (a scalar loop is one
-// dependent max per element); bad is set where an index lies outside [0, S) (those are not read)
-__attribute__((target("avx2"))) inline float gathered_max_avx2(const float* x, const int32_t* idx, int64_t n, int64_t S,
-                                                              bool& bad) {
-  __m256 acc = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m256i zero = _mm256_setzero_si256(), last = _mm256_set1_epi32(static_cast<int>(S - 1));
-  __m256i outside = zero;
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256i at = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i));
-    const __m256i off = _mm256_or_si256(_mm256_cmpgt_epi32(zero, at), _mm256_cmpgt_epi32(at, last));
-    outside = _mm256_or_si256(outside, off);
-    acc = _mm256_max_ps(acc, _mm256_i32gather_ps(x, _mm256_andnot_si256(off, at), 4));
-  }
-  alignas(32) float part[8];
-  _mm256_store_ps(part, acc);
-  float peak = part[0];
-  for (int k = 1; k < 8; ++k) peak = std::max(peak, part[k]);
-  for (; i < n; ++i) {
-    if (idx[i] < 0 || idx[i] >= S) {
-      bad = true;
-      continue;
-    }
-    peak = std::max(peak, x[idx[i]]);
-  }
-  if (!_mm256_testz_si256(outside, outside)) bad = true;
-  return peak;
-}
 #endif
 
 template <bool AVX>
@@ -1017,34 +989,74 @@ inline void unpack_slots(ARMKV_UNPACK_ARGS) {
 // ---------------------------------------------------------------- the slots of chosen buckets
 namespace armkv {
 
-// The runs of consecutive slots that the lists of `count` buckets make (bucket ids `chosen`,
-// best first; ids outside [0, nb) are skipped): bucket b's slots are ord[st[b] : st[b] + sz[b]]
-// (listed > 0), or slots st[b] ... of a pool laid bucket by bucket (listed = 0). Returns
-// the slots they hold in all.
-inline int64_t bucket_runs(const int32_t* ord, int64_t listed, const int32_t* st, const int32_t* sz, int64_t nb,
-                           const int64_t* chosen, int64_t count, int64_t S, std::vector<int64_t>& run_start,
-                           std::vector<int64_t>& run_len, const char* name) {
+// An index's units (buckets, or their pages): unit k lists the slots ord[st[k] : st[k] + sz[k]]
+// of the order (listed > 0; listed = 0: a pool laid unit by unit, which lists slot p at p),
+// read run by run: the order's runs of consecutive slots, in list order, run j the slots
+// slot[j] .. at positions pos[j] .. pos[j + 1] - 1 (pos[runs]: where the units' lists end). Built once per
+// index (a decode step's bound call keeps them from one write to the next; a pool that is re-laid
+// once its order breaks too often has few), a read then finds each unit's best logit and its
+// chosen units' slots run by run, never slot by slot through the order.
+struct UnitRuns {
+  std::vector<int32_t> pos, slot;
+  const int32_t *st = nullptr, *sz = nullptr;
+  int64_t nb = 0;
+
+  void build(const int32_t* ord, int64_t listed, const int32_t* st_, const int32_t* sz_, int64_t nb_, int64_t S,
+             const char* name) {
+    st = st_, sz = sz_, nb = nb_;
+    int64_t end = 0;  // (the units' lists end there: the free slots listed after them are not read)
+    for (int64_t k = 0; k < nb; ++k) {
+      TORCH_CHECK(st[k] >= 0 && sz[k] >= 0 && st[k] + sz[k] <= (listed ? listed : S), name, ": a bucket's list runs past order");
+      if (sz[k]) end = std::max<int64_t>(end, st[k] + sz[k]);
+    }
+    pos.clear(), slot.clear();
+    if (!listed) {  // the pool lies unit by unit: slot p at p, one run
+      pos.push_back(0), slot.push_back(0), pos.push_back(static_cast<int32_t>(S));
+      return;
+    }
+    for (int64_t p = 0; p < end; ++p) {
+      const int32_t s = ord[p];
+      TORCH_CHECK(s >= 0 && s < S, name, ": a slot id outside the pool");
+      if (p == 0 || s != slot.back() + (p - pos.back())) pos.push_back(static_cast<int32_t>(p)), slot.push_back(s);
+    }
+    pos.push_back(static_cast<int32_t>(end));
+  }
+
+  int64_t runs() const { return static_cast<int64_t>(slot.size()); }
+  int64_t nbytes() const { return 4 * static_cast<int64_t>(pos.size() + slot.size()); }
+
+  // f(first slot, count) for each run of unit k's slots, in list order
+  template <class F>
+  void each(int64_t k, F&& f) const {
+    int64_t p = st[k], n = sz[k];
+    if (n <= 0) return;
+    int64_t j = std::upper_bound(pos.begin(), pos.end() - 1, static_cast<int32_t>(p)) - pos.begin() - 1;
+    for (; n > 0; ++j) {
+      const int64_t take = std::min<int64_t>(n, pos[j + 1] - p);
+      f(static_cast<int64_t>(slot[j]) + (p - pos[j]), take);
+      p += take, n -= take;
+    }
+  }
+};
+
+// The runs of consecutive slots that the lists of `count` units make (ids `chosen`, best first;
+// ids outside [0, nb) are skipped), joined where one ends where the next begins. Returns the
+// slots they hold in all.
+inline int64_t chosen_runs(const UnitRuns& u, const int64_t* chosen, int64_t count, std::vector<int64_t>& run_start,
+                           std::vector<int64_t>& run_len) {
   run_start.clear();
   run_len.clear();
   int64_t W = 0;
   for (int64_t j = 0; j < count; ++j) {
-    const int64_t bucket = chosen[j];
-    if (bucket < 0 || bucket >= nb) continue;
-    const int64_t p0 = st[bucket], n = sz[bucket];
-    TORCH_CHECK(p0 >= 0 && n >= 0 && p0 + n <= (listed ? listed : S), name, ": a bucket's list runs past order");
-    W += n;
-    if (!listed) {  // the pool lies bucket by bucket: the bucket is one run
-      if (n) run_start.push_back(p0), run_len.push_back(n);
-      continue;
-    }
-    for (int64_t p = p0; p < p0 + n; ++p) {
-      const int64_t s = ord[p];
-      TORCH_CHECK(s >= 0 && s < S, name, ": a slot id outside the pool");
-      if (!run_start.empty() && run_start.back() + run_len.back() == s)
-        ++run_len.back();
+    const int64_t unit = chosen[j];
+    if (unit < 0 || unit >= u.nb) continue;
+    u.each(unit, [&](int64_t s0, int64_t n) {
+      W += n;
+      if (!run_start.empty() && run_start.back() + run_len.back() == s0)
+        run_len.back() += n;
       else
-        run_start.push_back(s), run_len.push_back(1);
-    }
+        run_start.push_back(s0), run_len.push_back(n);
+    });
   }
   return W;
 }
@@ -1214,36 +1226,25 @@ ARMKV_DISPATCH(runs_group, ARMKV_RUNS_ARGS, ARMKV_RUNS_CALL)
 
 #endif
 
-// Each bucket's best logit from top [S] (each slot's largest logit over the heads), over the
-// slots its list holds (as bucket_runs reads them); -inf for a bucket with none. Where
-// `vectorised`, 8 at a time: a pool laid bucket by bucket (listed = 0) reads each bucket's
-// run, a listed one gathers the slots its list names
-inline void bucket_maxima(const float* top, const int32_t* ord, int64_t listed, const int32_t* st, const int32_t* sz,
-                          int64_t nb, int64_t S, float* best, const char* name, bool vectorised) {
+// Each unit's best logit from top [S] (each slot's largest logit over the heads), over its
+// runs; -inf for a unit with none. Where `vectorised`, 8 at a time.
+inline void unit_maxima(const float* top, const UnitRuns& u, float* best, bool vectorised) {
 #ifdef ARMKV_AVX2
   const bool avx2 = vectorised && __builtin_cpu_supports("avx2");
-  bool bad = false;
 #endif
-  for (int64_t k = 0; k < nb; ++k) {
-    const int64_t p0 = st[k], n = sz[k];
-    TORCH_CHECK(p0 >= 0 && n >= 0 && p0 + n <= (listed ? listed : S), name, ": a bucket's list runs past order");
-#ifdef ARMKV_AVX2
-    if (avx2) {
-      best[k] = listed ? gathered_max_avx2(top, ord + p0, n, S, bad) : max_avx2(top + p0, n);
-      continue;
-    }
-#endif
+  for (int64_t k = 0; k < u.nb; ++k) {
     float v = -std::numeric_limits<float>::infinity();
-    for (int64_t p = p0; p < p0 + n; ++p) {
-      const int64_t slot = listed ? ord[p] : p;
-      TORCH_CHECK(slot >= 0 && slot < S, name, ": a slot id outside the pool");
-      v = std::max(v, top[slot]);
-    }
+    u.each(k, [&](int64_t s0, int64_t n) {
+#ifdef ARMKV_AVX2
+      if (avx2) {
+        v = std::max(v, max_avx2(top + s0, n));
+        return;
+      }
+#endif
+      for (int64_t p = s0; p < s0 + n; ++p) v = std::max(v, top[p]);
+    });
     best[k] = v;
   }
-#ifdef ARMKV_AVX2
-  TORCH_CHECK(!bad, name, ": a slot id outside the pool");
-#endif
 }
 
 // the m largest of best [nb] into idx (best first, ties to the lower id)
@@ -1277,8 +1278,7 @@ inline const char* skipped(int64_t U, const int64_t* chosen, int64_t count, std:
 template <bool AVX>
 __attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a, const float* mix, const float* mix_t,
                                                          bool int8_keys, int64_t R, int64_t d, int64_t L, int64_t S,
-                                                         int64_t ngk, int64_t ngv, float scaling, const int32_t* ord,
-                                                         int64_t listed, const int32_t* st, const int32_t* sz, int64_t nb,
+                                                         int64_t ngk, int64_t ngv, float scaling, const UnitRuns& u,
                                                          int64_t m, int64_t take, BestScratch& w, int64_t* chosen,
                                                          UnitEntries* units) {
   thread_local std::vector<float> kbuf;
@@ -1294,11 +1294,10 @@ __attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a,
   std::copy(sw, sw + S, top);
   for (int64_t r = 1; r < R; ++r)
     for (int64_t s = 0; s < S; ++s) top[s] = std::max(top[s], sw[r * S + s]);
-  bucket_maxima(top, ord, listed, st, sz, nb, S, w.best.data(), "arm_best_decode_read", AVX);
-  top_buckets(w.best.data(), nb, m, w.idx);
+  unit_maxima(top, u, w.best.data(), AVX);
+  top_buckets(w.best.data(), u.nb, m, w.idx);
   std::copy(w.idx.begin(), w.idx.begin() + m, chosen);
-  const int64_t W = bucket_runs(ord, listed, st, sz, nb, chosen, std::min(take, m), S, w.run_start, w.run_len,
-                                "arm_best_decode_read");
+  const int64_t W = chosen_runs(u, chosen, std::min(take, m), w.run_start, w.run_len);
   w.cw.resize(R * std::max<int64_t>(W, 1));
   for (size_t k = 0, at = 0; k < w.run_start.size(); at += w.run_len[k], ++k) {
     const int64_t s0 = w.run_start[k], n = w.run_len[k];
@@ -1321,17 +1320,16 @@ __attribute__((always_inline)) inline void best_group_body(const DecodeGroup& a,
 // their values.
 template <bool AVX>
 __attribute__((always_inline)) inline void ranked_query_body(const float* l, int64_t hs, const float* bias, const float* values,
-                                                           int64_t S, int64_t R, int64_t d, const int32_t* ord, int64_t listed,
-                                                           const int32_t* st, const int32_t* sz, int64_t nb, int64_t m,
+                                                           int64_t S, int64_t R, int64_t d, const UnitRuns& u, int64_t m,
                                                            BestScratch& w, float* acc, int64_t as, float* peak, float* den,
                                                            int64_t ps, const float* ul, int64_t uhs, const float* uv, int64_t U) {
   float* top = w.top.data();
   for (int64_t s = 0; s < S; ++s) top[s] = l[s] + bias[s];
   for (int64_t r = 1; r < R; ++r)
     for (int64_t s = 0; s < S; ++s) top[s] = std::max(top[s], l[r * hs + s] + bias[s]);
-  bucket_maxima(top, ord, listed, st, sz, nb, S, w.best.data(), "ranked_slot_read", AVX);
-  top_buckets(w.best.data(), nb, m, w.idx);
-  const int64_t W = bucket_runs(ord, listed, st, sz, nb, w.idx.data(), m, S, w.run_start, w.run_len, "ranked_slot_read");
+  unit_maxima(top, u, w.best.data(), AVX);
+  top_buckets(w.best.data(), u.nb, m, w.idx);
+  const int64_t W = chosen_runs(u, w.idx.data(), m, w.run_start, w.run_len);
   w.cw.resize(R * std::max<int64_t>(W, 1));
   float* sw = w.cw.data();
   for (size_t k = 0, at = 0; k < w.run_start.size(); at += w.run_len[k], ++k) {
@@ -1374,10 +1372,9 @@ __attribute__((always_inline)) inline void ranked_query_body(const float* l, int
 
 #define ARMKV_RANKED_ARGS                                                                                            \
   const float *l, int64_t hs, const float *bias, const float *values, int64_t S, int64_t R, int64_t d,             \
-      const int32_t *ord, int64_t listed, const int32_t *st, const int32_t *sz, int64_t nb, int64_t m,               \
-      BestScratch &w, float *acc, int64_t as, float *peak, float *den, int64_t ps, const float *ul, int64_t uhs,      \
-      const float *uv, int64_t U
-#define ARMKV_RANKED_CALL l, hs, bias, values, S, R, d, ord, listed, st, sz, nb, m, w, acc, as, peak, den, ps, ul, uhs, uv, U
+      const UnitRuns &u, int64_t m, BestScratch &w, float *acc, int64_t as, float *peak, float *den, int64_t ps,     \
+      const float *ul, int64_t uhs, const float *uv, int64_t U
+#define ARMKV_RANKED_CALL l, hs, bias, values, S, R, d, u, m, w, acc, as, peak, den, ps, ul, uhs, uv, U
 ARMKV_DISPATCH(ranked_query, ARMKV_RANKED_ARGS, ARMKV_RANKED_CALL)
 
 // ---------------------------------------------------------------- read_rank="partial"
@@ -1670,9 +1667,9 @@ inline void partial_top(const float* qm, const void* codes, bool int8_keys, cons
 
 #define ARMKV_BEST_ARGS                                                                                             \
   const DecodeGroup &a, const float *mix, const float *mix_t, bool int8_keys, int64_t R, int64_t d, int64_t L,     \
-      int64_t S, int64_t ngk, int64_t ngv, float scaling, const int32_t *ord, int64_t listed, const int32_t *st,   \
-      const int32_t *sz, int64_t nb, int64_t m, int64_t take, BestScratch &w, int64_t *chosen, UnitEntries *units
-#define ARMKV_BEST_CALL a, mix, mix_t, int8_keys, R, d, L, S, ngk, ngv, scaling, ord, listed, st, sz, nb, m, take, w, chosen, units
+      int64_t S, int64_t ngk, int64_t ngv, float scaling, const UnitRuns &u, int64_t m, int64_t take, BestScratch &w, \
+      int64_t *chosen, UnitEntries *units
+#define ARMKV_BEST_CALL a, mix, mix_t, int8_keys, R, d, L, S, ngk, ngv, scaling, u, m, take, w, chosen, units
 ARMKV_DISPATCH(best_group, ARMKV_BEST_ARGS, ARMKV_BEST_CALL)
 
 }  // namespace armkv
@@ -2011,11 +2008,10 @@ struct SparseScratch {
 
 // One group of a sparse read: the slots of the first `count` of `chosen` buckets, read run by
 // run where they lie in the pool (armkv::runs_group), as the dense read reads a pool
-void sparse_group(const DecodeInputs& in, const Tokens& t, int64_t g, float* out, const int32_t* ORD, int64_t listed,
-                  const int32_t* ST, const int32_t* SZ, int64_t nb, const int64_t* chosen, int64_t count, double scaling,
-                  bool vectorised, SparseScratch& w, const char* name) {
-  const int64_t R = t.R, d = in.d, L = t.L, S = in.S;
-  const int64_t W = armkv::bucket_runs(ORD, listed, ST, SZ, nb, chosen, count, S, w.run_start, w.run_len, name);
+void sparse_group(const DecodeInputs& in, const Tokens& t, int64_t g, float* out, const armkv::UnitRuns& u,
+                  const int64_t* chosen, int64_t count, double scaling, bool vectorised, SparseScratch& w) {
+  const int64_t R = t.R, d = in.d, L = t.L;
+  const int64_t W = armkv::chosen_runs(u, chosen, count, w.run_start, w.run_len);
   w.slot_w.resize(R * std::max<int64_t>(W, 1));
   w.qm.resize(R * d), w.exact_w.resize(R * (L + 1)), w.tmp.resize(R * d);
   armkv::UnitEntries units = in.units(g, R, w.uw);  // (read_summaries: the units left out, one entry each)
@@ -2029,8 +2025,10 @@ void sparse_group(const DecodeInputs& in, const Tokens& t, int64_t g, float* out
 // A layer's fused decode read with what stays between writes bound: the slots, their bias and
 // the mixing, and for the sparse reads the index (order, start, size), M, take, the chosen
 // buckets (kind "sparse") or the partial ranking's rows (n), and the units' entries. Checked
-// and converted once; a call then takes the step's token inputs (Tokens) and makes no tensor
-// op on the rest. A decode step of the model calls the one bound at the last write
+// and converted once, with each group's units' runs (armkv::UnitRuns) built from the index
+// and kept, unless a group has more than max_runs of them (>= 0; then each call builds them
+// again: the bytes a cache keeps for them are bounded); a call then takes the step's token
+// inputs (Tokens) and makes no tensor op on the rest. A decode step of the model calls the one bound at the last write
 // (ARMLayer._held). kind: "dense" (arm_decode_read), "sparse" (arm_sparse_decode_read),
 // "best" (arm_best_decode_read), "partial" (arm_partial_decode_read); a call returns what
 // those return.
@@ -2044,7 +2042,7 @@ class DecodeCall {
              const c10::optional<torch::Tensor>& size, const c10::optional<torch::Tensor>& buckets,
              const c10::optional<torch::Tensor>& take, int64_t m, int64_t n, const c10::optional<torch::Tensor>& unit_keys,
              const c10::optional<torch::Tensor>& unit_values, const c10::optional<torch::Tensor>& unit_log_weight,
-             bool vectorised)
+             bool vectorised, int64_t max_runs)
       : kind_(parse(kind)),
         name_(kind_ == kDense    ? "arm_decode_read"
               : kind_ == kSparse ? "arm_sparse_decode_read"
@@ -2065,7 +2063,16 @@ class DecodeCall {
     TORCH_CHECK(ord_.dim() == 2 && ord_.size(0) == G && ord_.size(1) <= S && st_.dim() == 2 && st_.size(0) == G &&
                     sz_.sizes() == st_.sizes() && tk_.dim() == 1 && tk_.size(0) == G,
                 name_, ": order [G, <= S], start and size [G, N_b], take [G]");
-    nb_ = st_.size(1), listed_ = ord_.size(1);
+    nb_ = st_.size(1);
+    runs_.resize(G);  // each group's units' runs, kept for every call unless a group has more than max_runs
+    at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) build(g, runs_[g]);
+    });
+    for (auto& u : runs_) kept_ = kept_ && (max_runs < 0 || u.runs() <= max_runs);
+    for (auto& u : runs_) {
+      if (!kept_) u = armkv::UnitRuns();  // (then built at each call)
+      u.pos.shrink_to_fit(), u.slot.shrink_to_fit();
+    }
     if (kind_ == kSparse) {
       TORCH_CHECK(buckets.has_value(), name_, ": buckets are needed");
       bk_ = buckets->to(torch::kInt64).contiguous();
@@ -2089,6 +2096,13 @@ class DecodeCall {
     return py::make_tuple(res[0], res[1]);
   }
 
+  // bytes kept beside the index from call to call: the units' runs
+  int64_t nbytes() const {
+    int64_t total = 0;
+    for (const auto& u : runs_) total += u.nbytes();
+    return total;
+  }
+
   torch::Tensor dense(const Tokens& t, double scaling) const {
     const int64_t G = in_.G, R = t.R, d = in_.d, L = t.L, S = in_.S;
     auto out = t.empty_out(d);
@@ -2109,36 +2123,35 @@ class DecodeCall {
     const int64_t G = in_.G, R = t.R, d = in_.d;
     auto out = t.empty_out(d);
     float* O = out.data_ptr<float>();
-    const auto *ORD = ord_.data_ptr<int32_t>(), *ST = st_.data_ptr<int32_t>(), *SZ = sz_.data_ptr<int32_t>();
     const int64_t *BK = bk_.data_ptr<int64_t>(), *TK = tk_.data_ptr<int64_t>();
     at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
       thread_local SparseScratch w;  // (kept from call to call: no allocation a read)
+      thread_local armkv::UnitRuns own;
       for (int64_t g = g0; g < g1; ++g)
-        sparse_group(in_, t, g, O + g * R * d, ORD + g * listed_, listed_, ST + g * nb_, SZ + g * nb_, nb_, BK + g * m_,
-                     std::min(TK[g], m_), scaling, vectorised_, w, name_);
+        sparse_group(in_, t, g, O + g * R * d, runs(g, own), BK + g * m_, std::min(TK[g], m_), scaling, vectorised_, w);
     });
     return out;
   }
 
   // best and partial: (out, the m buckets [G, m], best first)
   std::vector<torch::Tensor> ranked(const Tokens& t, double scaling) const {
-    const int64_t G = in_.G, R = t.R, d = in_.d, L = t.L, S = in_.S, m = m_, nb = nb_, listed = listed_;
+    const int64_t G = in_.G, R = t.R, d = in_.d, L = t.L, S = in_.S, m = m_, nb = nb_;
     auto out = t.empty_out(d);
     auto buckets = torch::empty({G, m}, torch::TensorOptions().dtype(torch::kInt64));
     float* O = out.data_ptr<float>();
     int64_t* BK = buckets.data_ptr<int64_t>();
-    const auto *ORD = ord_.data_ptr<int32_t>(), *ST = st_.data_ptr<int32_t>(), *SZ = sz_.data_ptr<int32_t>();
     const int64_t* TK = tk_.data_ptr<int64_t>();
     const float* B = in_.b.data_ptr<float>();
     if (kind_ == kBest) {
       at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
         thread_local armkv::BestScratch w;  // (kept from call to call: no allocation a read)
+        thread_local armkv::UnitRuns own;
         w.qm.resize(R * d), w.sw.resize(R * std::max<int64_t>(S, 1)), w.top.resize(std::max<int64_t>(S, 1)), w.best.resize(nb);
         w.exact_w.resize(R * (L + 1)), w.tmp.resize(R * d);
         for (int64_t g = g0; g < g1; ++g) {
           armkv::UnitEntries units = in_.units(g, R, w.uw);  // (read_summaries: the units left out, one entry each)
           armkv::best_group(in_.group(t, g, O + g * R * d), in_.MX, in_.MXT, in_.int8_keys, R, d, L, S, in_.ngk, in_.ngv,
-                            static_cast<float>(scaling), ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, m, TK[g], w,
+                            static_cast<float>(scaling), runs(g, own), m, TK[g], w,
                             BK + g * m, in_.U ? &units : nullptr, vectorised_);
         }
       });
@@ -2146,26 +2159,41 @@ class DecodeCall {
     }
     at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
       thread_local SparseScratch w;  // (kept from call to call: no allocation a read)
+      thread_local armkv::UnitRuns own;
       w.qm.resize(R * d), w.top.resize(std::max<int64_t>(S, 1)), w.best.resize(nb);
       for (int64_t g = g0; g < g1; ++g) {
+        const armkv::UnitRuns& u = runs(g, own);
         const armkv::DecodeGroup a = in_.group(t, g, nullptr);
         armkv::mix_query(a.q, in_.MX, R, d, w.qm.data());
         armkv::partial_rows(w.qm.data(), R, d, n_, w.energy, w.rows);
         float* top = w.top.data();
         armkv::partial_top(w.qm.data(), a.key_codes, in_.int8_keys, a.key_scale, B + g * S, static_cast<float>(scaling), top, R,
                            d, S, a.ld, in_.ngk, w.rows.data(), n_, w.partial, vectorised_);
-        armkv::bucket_maxima(top, ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, S, w.best.data(), name_, vectorised_);
+        armkv::unit_maxima(top, u, w.best.data(), vectorised_);
         armkv::top_buckets(w.best.data(), nb, m, w.idx);
         int64_t* chosen = BK + g * m;
         std::copy(w.idx.begin(), w.idx.begin() + m, chosen);
-        sparse_group(in_, t, g, O + g * R * d, ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, chosen, std::min(TK[g], m),
-                     scaling, vectorised_, w, name_);
+        sparse_group(in_, t, g, O + g * R * d, u, chosen, std::min(TK[g], m), scaling, vectorised_, w);
       }
     });
     return {out, buckets};
   }
 
  private:
+  // group g's units' runs from the index, into u
+  void build(int64_t g, armkv::UnitRuns& u) const {
+    const int64_t listed = ord_.size(1);
+    u.build(ord_.data_ptr<int32_t>() + g * listed, listed, st_.data_ptr<int32_t>() + g * nb_, sz_.data_ptr<int32_t>() + g * nb_,
+            nb_, in_.S, name_);
+  }
+
+  // group g's units' runs: kept since the call was bound, or built now into `own`
+  const armkv::UnitRuns& runs(int64_t g, armkv::UnitRuns& own) const {
+    if (kept_) return runs_[g];
+    build(g, own);
+    return own;
+  }
+
   static Kind parse(const std::string& kind) {
     if (kind == "dense") return kDense;
     if (kind == "sparse") return kSparse;
@@ -2178,7 +2206,9 @@ class DecodeCall {
   const char* name_;
   DecodeInputs in_;
   torch::Tensor ord_, st_, sz_, bk_, tk_;
-  int64_t nb_ = 0, listed_ = 0, m_ = 0, n_ = 0;
+  std::vector<armkv::UnitRuns> runs_;
+  bool kept_ = true;
+  int64_t nb_ = 0, m_ = 0, n_ = 0;
   bool vectorised_;
 };
 
@@ -2197,7 +2227,7 @@ torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::T
                               torch::Tensor key_scale, torch::Tensor value_codes, torch::Tensor value_scale,
                               torch::Tensor bias, torch::Tensor mix, double scaling, bool vectorised) {
   const DecodeCall call("dense", key_codes, key_scale, value_codes, value_scale, bias, mix, {}, {}, {}, {}, {}, 0, 0, {}, {}, {},
-                        vectorised);
+                        vectorised, -1);
   return call.dense(Tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes.size(0), 2 * value_codes.size(-1),
                            "arm_decode_read"),
                     scaling);
@@ -2222,7 +2252,7 @@ torch::Tensor arm_sparse_decode_read(torch::Tensor query, torch::Tensor own_k, t
                                      const c10::optional<torch::Tensor>& unit_values,
                                      const c10::optional<torch::Tensor>& unit_log_weight, bool vectorised) {
   const DecodeCall call("sparse", key_codes, key_scale, value_codes, value_scale, bias, mix, order, start, size, buckets, take, 0,
-                        0, unit_keys, unit_values, unit_log_weight, vectorised);
+                        0, unit_keys, unit_values, unit_log_weight, vectorised, -1);
   return call.sparse(Tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes.size(0),
                             2 * value_codes.size(-1), "arm_sparse_decode_read"),
                      scaling);
@@ -2245,7 +2275,7 @@ std::vector<torch::Tensor> arm_partial_decode_read(torch::Tensor query, torch::T
                                                    const c10::optional<torch::Tensor>& unit_values,
                                                    const c10::optional<torch::Tensor>& unit_log_weight, bool vectorised) {
   const DecodeCall call("partial", key_codes, key_scale, value_codes, value_scale, bias, mix, order, start, size, {}, take, m, n,
-                        unit_keys, unit_values, unit_log_weight, vectorised);
+                        unit_keys, unit_values, unit_log_weight, vectorised, -1);
   return call.ranked(Tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes.size(0),
                             2 * value_codes.size(-1), "arm_partial_decode_read"),
                      scaling);
@@ -2354,7 +2384,7 @@ std::vector<torch::Tensor> arm_best_decode_read(torch::Tensor query, torch::Tens
                                                 const c10::optional<torch::Tensor>& unit_values,
                                                 const c10::optional<torch::Tensor>& unit_log_weight, bool vectorised) {
   const DecodeCall call("best", key_codes, key_scale, value_codes, value_scale, bias, mix, order, start, size, {}, take, m, 0,
-                        unit_keys, unit_values, unit_log_weight, vectorised);
+                        unit_keys, unit_values, unit_log_weight, vectorised, -1);
   return call.ranked(Tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes.size(0),
                             2 * value_codes.size(-1), "arm_best_decode_read"),
                      scaling);
@@ -2400,6 +2430,11 @@ std::vector<torch::Tensor> unit_summaries(torch::Tensor key_codes, torch::Tensor
   auto keys = torch::zeros({G, U, d}, b.options()), values = torch::zeros({G, U, d}, b.options());
   auto log_weight = torch::empty({G, U}, b.options());
   float *K = keys.data_ptr<float>(), *V = values.data_ptr<float>(), *LW = log_weight.data_ptr<float>();
+  std::vector<armkv::UnitRuns> runs(G);
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      runs[g].build(ORD + g * listed, listed, ST + g * U, SZ + g * U, U, S, "unit_summaries");
+  });
   at::parallel_for(0, G * U, 1, [&](int64_t i0, int64_t i1) {
     thread_local std::vector<int64_t> run_start, run_len;
     thread_local std::vector<float> w;
@@ -2409,8 +2444,7 @@ std::vector<torch::Tensor> unit_summaries(torch::Tensor key_codes, torch::Tensor
         LW[i] = -std::numeric_limits<float>::infinity();
         continue;
       }
-      const int64_t W = armkv::bucket_runs(ORD + g * listed, listed, ST + g * U, SZ + g * U, U, &unit, 1, S, run_start, run_len,
-                                           "unit_summaries");
+      const int64_t W = armkv::chosen_runs(runs[g], &unit, 1, run_start, run_len);
       w.resize(std::max<int64_t>(W, 1));
       float total = 0.0f;
       for (size_t k = 0, at = 0; k < run_start.size(); at += run_len[k], ++k)
@@ -2474,14 +2508,19 @@ std::vector<torch::Tensor> ranked_slot_read(torch::Tensor logits, torch::Tensor 
   auto acc = torch::empty({G, R, T, d}, lg.options());
   auto peak = torch::empty({G, R, T}, lg.options()), den = torch::empty({G, R, T}, lg.options());
   float *ACC = acc.data_ptr<float>(), *PK = peak.data_ptr<float>(), *DN = den.data_ptr<float>();
+  std::vector<armkv::UnitRuns> runs(G);  // (each group's, for its T queries)
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      runs[g].build(ORD + g * listed, listed, ST + g * nb, SZ + g * nb, nb, S, "ranked_slot_read");
+  });
   at::parallel_for(0, G * T, 1, [&](int64_t i0, int64_t i1) {
     thread_local armkv::BestScratch w;  // (kept from call to call; ranked_query uses top, best, cw and the runs)
     w.top.resize(std::max<int64_t>(S, 1)), w.best.resize(std::max<int64_t>(nb, 1));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t g = i / T, t = i % T, head0 = g * R * T + t;
       const int64_t take = std::max<int64_t>(0, std::min<int64_t>(M[g], nb));
-      armkv::ranked_query(LG + head0 * S, T * S, BS + g * S, VS + g * S * d, S, R, d, ORD + g * listed, listed, ST + g * nb,
-                          SZ + g * nb, nb, take, w, ACC + head0 * d, T * d, PK + head0, DN + head0, T,
+      armkv::ranked_query(LG + head0 * S, T * S, BS + g * S, VS + g * S * d, S, R, d, runs[g], take, w, ACC + head0 * d, T * d,
+                          PK + head0, DN + head0, T,
                           U ? UL + head0 * U : nullptr, T * U, U ? UV + g * U * d : nullptr, U, vectorised);
     }
   });
@@ -2700,13 +2739,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&,
                     const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&, int64_t, int64_t,
                     const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&,
-                    const c10::optional<torch::Tensor>&, bool>(),
+                    const c10::optional<torch::Tensor>&, bool, int64_t>(),
            py::arg("kind"), py::arg("key_codes"), py::arg("key_scale"), py::arg("value_codes"), py::arg("value_scale"),
            py::arg("bias"), py::arg("mix"), py::arg("order") = py::none(), py::arg("start") = py::none(),
            py::arg("size") = py::none(), py::arg("buckets") = py::none(), py::arg("take") = py::none(), py::arg("m") = 0,
            py::arg("n") = 0, py::arg("unit_keys") = py::none(), py::arg("unit_values") = py::none(),
-           py::arg("unit_log_weight") = py::none(), py::arg("vectorised") = true)
-      .def("__call__", &DecodeCall::call, "query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, scaling");
+           py::arg("unit_log_weight") = py::none(), py::arg("vectorised") = true, py::arg("max_runs") = -1)
+      .def("__call__", &DecodeCall::call, "query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, scaling")
+      .def("nbytes", &DecodeCall::nbytes, "bytes it keeps beside the index: each unit's runs of slots (none past max_runs)");
   m.def("ranked_slot_read", &ranked_slot_read,
         "a chunk's read of the slots of each query's m best units, from its logits of every slot: the softmax's unnormalised part",
         py::arg("logits"), py::arg("bias"), py::arg("values"), py::arg("order"), py::arg("start"), py::arg("size"), py::arg("m"),
