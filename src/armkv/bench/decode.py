@@ -149,7 +149,7 @@ class DecodeBench:
         return opts.get(key)
 
     def positions_needed(self) -> int:
-        decode = self.warmup + 3 * self.repeats  # timed, attention timed apart, reads counted
+        decode = self.warmup + 4 * self.repeats  # timed, attention timed apart, reads counted, paired reads (twice)
         return max(max(self.lengths) + decode, self.floor_context + max(max(self.gen_lengths), decode)) + 1
 
 
@@ -393,12 +393,13 @@ class Session:
         median in ARM's reads or None, the share of their occupied slots that ARM's reads
         touched or None, the next token [B, 1]). The share is counted over ``steps`` steps more,
         untimed (counting costs host work a read does not do). Where ARM's reads are sparse
-        (M < N_b), ``steps`` steps more time each of them and, right after it on the same
-        inputs and state, the dense read of every slot (``ARMLayer._decode_read``): the read a
-        sparse one saves, of the same pool (a pool that reserves bytes for a sparse read's index
-        and entries holds fewer slots than one that reads every bucket), in the same steps.
-        Returns also, last, (the median a step of those sparse reads, of the dense ones, and the
-        median over the steps of dense / sparse), or Nones."""
+        (M < N_b), 2 ``steps`` steps more make each of its reads and the dense read of every
+        slot of the same state on the same inputs (``ARMLayer._decode_read``: the read a sparse
+        one saves, of the same pool; a pool that reserves bytes for a sparse read's index and
+        entries holds fewer slots than one that reads every bucket), one after the other, the
+        first of the two in turn (:meth:`_paired_reads`). Returns also, last, (the median a step
+        of the sparse reads, of the dense ones, each timed in the steps where it ran first, and
+        dense / sparse of those medians), or Nones."""
         from armkv.hf.cache import ArmkvCache
 
         layers = getattr(cache, "layers", None)
@@ -419,7 +420,7 @@ class Session:
         wrapped = [(layer, "attend", 0) for layer in layers]
         wrapped += [(layer, name, 1) for layer in tallied for name in ("_decode_read", "_read")]
         paired = (None, None, None)
-        positions = torch.arange(start, start + 3 * steps, device=self.device)[None]
+        positions = torch.arange(start, start + 4 * steps, device=self.device)[None]
         try:
             with _overriding([(layer, name, timed(getattr(layer, name), k)) for layer, name, k in wrapped]):
                 rows, token = self._timed_steps(cache, token, positions[:, :steps], spent, progress)
@@ -432,7 +433,7 @@ class Session:
             for layer in tallied:
                 layer.read_tally = None
         if read < occupied:  # sparse reads: each beside the dense read of the same state
-            *paired, token = self._paired_reads(cache, tallied, token, positions[:, 2 * steps :], steps, progress)
+            *paired, token = self._paired_reads(cache, tallied, token, positions[:, 2 * steps :], progress)
         reads = statistics.median(read_step) if tallied else None
         return statistics.median(per_step), reads, (read / occupied if occupied else None), token, paired
 
@@ -449,33 +450,50 @@ class Session:
                 progress(1)
         return rows, token
 
-    def _paired_reads(self, cache, layers, token: torch.Tensor, positions: torch.Tensor, steps: int, progress=None):
-        """:meth:`attention`'s paired steps: each decoded token's sparse read in ``layers`` timed,
-        then the dense read of the same state on the same inputs (its output dropped). Returns
-        (median sparse seconds a step, median dense seconds a step, median of dense / sparse, the
-        next token [B, 1])."""
-        spent = [0.0, 0.0]
+    def _paired_reads(self, cache, layers, token: torch.Tensor, positions: torch.Tensor, progress=None):
+        """:meth:`attention`'s paired steps, one per position of ``positions`` [1, n]: in
+        ``layers`` each decoded token's sparse read and the dense read of the same state on the
+        same inputs (its output dropped), one right after the other, the sparse read first in
+        even steps and the dense one first in odd steps. Each read is timed in the steps where
+        it runs first, as a decode step makes it: the second finds what the first just loaded
+        of the same pool in the CPU's caches (the ranking's rows, the chosen slots): timed second,
+        either read measured cheaper (at 16k the sparse one by a fifth, the dense one by an eighth). Returns (the median seconds a step
+        of the sparse reads, of the dense ones, dense / sparse of those medians, the next token
+        [B, 1])."""
+        spent, step = [0.0, 0.0], [0]
 
         def paired(layer):
             read = layer._read
 
             def run(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, *args, **kwargs):
+                if query.shape[2] != 1:  # (only decode steps pair)
+                    return read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, *args, **kwargs)
+                dense_first = step[0] % 2 == 1
+                if dense_first:
+                    t0 = self.clock()
+                    layer._decode_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
+                    spent[1] += self.clock() - t0
                 t0 = self.clock()
                 out = read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, *args, **kwargs)
-                t1 = self.clock()
-                if query.shape[2] == 1:
+                spent[0] += self.clock() - t0
+                if not dense_first:
                     layer._decode_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
-                    spent[1] += self.clock() - t1
-                    spent[0] += t1 - t0
                 return out
 
             return run
 
+        rows = []
         with _overriding([(layer, "_read", paired(layer)) for layer in layers]):
-            rows, token = self._timed_steps(cache, token, positions[:, :steps], spent, progress)
-        sparse, dense = [r[0] for r in rows], [r[1] for r in rows]
-        ratios = [d / s for s, d in zip(sparse, dense) if s > 0]
-        return statistics.median(sparse), statistics.median(dense), (statistics.median(ratios) if ratios else None), token
+            for i in range(positions.shape[1]):
+                step[0] = i
+                row, token = self._timed_steps(cache, token, positions[:, i : i + 1], spent, progress)
+                rows += row
+        sparse = [r[0] for i, r in enumerate(rows) if i % 2 == 0 and r[0] > 0]
+        dense = [r[1] for i, r in enumerate(rows) if i % 2 == 1 and r[1] > 0]
+        if not sparse or not dense:
+            return None, None, None, token
+        sparse, dense = statistics.median(sparse), statistics.median(dense)
+        return sparse, dense, dense / sparse, token
 
 
 # the per-prompt-length entries of the result: {method: {length: value or None}}
@@ -530,7 +548,7 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
     runs = [(m, n) for m in bench.methods for n in bench.lengths]
     work = bench.floor_context + decode_steps
     work += len(bench.methods) * (bench.floor_context + max(bench.gen_lengths))
-    work += sum(n + decode_steps + 3 * bench.repeats for m, n in runs if not bench.skips(m, n))  # (at most: paired steps)
+    work += sum(n + decode_steps + 4 * bench.repeats for m, n in runs if not bench.skips(m, n))  # (at most: paired steps)
     bar = tqdm(total=work, unit="tok", desc="bench decode", disable=not progress, file=sys.stderr, dynamic_ncols=True)
 
     empty = lambda: {m: {} for m in bench.methods}  # noqa: E731
@@ -549,9 +567,9 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
         "attention_ms_per_token": empty(),
         "read_ms_per_token": empty(),
         "read_share": empty(),
-        # where ARM reads sparsely (M < N_b): further steps each timing ARM's reads and, right
-        # after each, the dense read of every slot of the same state (Session._paired_reads):
-        # their medians a step, and the median of dense / sparse, the same pool in the same steps
+        # where ARM reads sparsely (M < N_b): further steps each making ARM's reads and the dense
+        # read of every slot of the same state, one after the other, the first in turn
+        # (Session._paired_reads): each read's median a step where it ran first, and dense / sparse
         "paired_read_ms_per_token": empty(),
         "dense_read_ms_per_token": empty(),
         "dense_read_ratio": empty(),
@@ -752,10 +770,11 @@ def markdown(result: dict) -> str:
     if any(v is not None for row in result.get("read_share", {}).values() for v in row.values()):
         table("Share of ARM's occupied slots a decode read touches", result["read_share"], 0.01, 1, "%")
     if any(v is not None for row in result.get("dense_read_ratio", {}).values() for v in row.values()):
-        table("ARM's sparse reads, in steps that time each beside the dense read of the same state",
+        table("ARM's sparse reads, in steps that make each beside the dense read of the same state (timed where it runs first)",
               result["paired_read_ms_per_token"], 1.0, 1, "ms/token")
-        table("The dense reads of every slot of those states", result["dense_read_ms_per_token"], 1.0, 1, "ms/token")
-        table("Dense read / sparse read, the median over those steps", result["dense_read_ratio"], 1.0, 2, "x")
+        table("The dense reads of every slot of those states (timed where they run first)", result["dense_read_ms_per_token"],
+              1.0, 1, "ms/token")
+        table("Dense read / sparse read, of those medians", result["dense_read_ratio"], 1.0, 2, "x")
     table("Cache bytes after the prompt", result["cache_bytes"], 2**20, 2, "MiB")
     if result.get("peak_cache_bytes"):
         table("Peak cache bytes during prefill and decode", result["peak_cache_bytes"], 2**20, 2, "MiB")
