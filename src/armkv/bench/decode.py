@@ -456,10 +456,10 @@ class Session:
         same inputs (its output dropped), one right after the other, the sparse read first in
         even steps and the dense one first in odd steps. Each read is timed in the steps where
         it runs first, as a decode step makes it: the second finds what the first just loaded
-        of the same pool in the CPU's caches (the ranking's rows, the chosen slots): timed second,
-        either read measured cheaper (at 16k the sparse one by a fifth, the dense one by an eighth). Returns (the median seconds a step
-        of the sparse reads, of the dense ones, dense / sparse of those medians, the next token
-        [B, 1])."""
+        of the same pool in the CPU's caches (the ranking's rows, the chosen slots), and timed
+        second either read measured cheaper (at 16k the sparse one by a fifth, the dense one by
+        an eighth). Returns (the median seconds a step of the sparse reads, of the dense ones,
+        dense / sparse of those medians, the next token [B, 1])."""
         spent, step = [0.0, 0.0], [0]
 
         def paired(layer):

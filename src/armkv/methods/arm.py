@@ -213,7 +213,7 @@ class ARMLayer(CacheLayer):
                 index += units.start.nbytes + units.size.nbytes
         if self._summaries_for is not None:  # (kept from write to write: the unchanged buckets' entries carry over)
             index += sum(t.nbytes for t in self._summaries_for[1])
-        if self._ranked_for is not None and self._ranked_for[0] is self.pool.state:  # (the bound call's units' runs)
+        if self._ranked_for is not None:  # (the bound call's runs of slots, kept until the next one is bound)
             index += self._ranked_for[2].nbytes()
         return self.buffer.state_bytes() + self.pool.nbytes() + waiting + index
 
