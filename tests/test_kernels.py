@@ -522,6 +522,9 @@ def test_a_bound_decode_call_reads_the_tokens_inputs_where_they_lie(kernel, rank
         assert want.shape == (B, 1, query.shape[1], d)
         torch.testing.assert_close(first(bound()(*flat, scaling)).reshape(want.shape), want, rtol=0, atol=0)
         torch.testing.assert_close(first(bound()(*views, scaling)), want, rtol=0, atol=0)
+        flat_views = (flat[0].transpose(0, 1).contiguous().transpose(0, 1), *flat[1:])  # (a group's heads G d apart)
+        assert flat_views[0].stride(0) == d
+        torch.testing.assert_close(first(bound()(*flat_views, scaling)).reshape(want.shape), want, rtol=0, atol=0)
         call = bound()
         for step in range(3):
             token = tuple(x + step if x.is_floating_point() else x for x in model)

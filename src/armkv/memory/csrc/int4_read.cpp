@@ -1853,7 +1853,7 @@ struct Tokens {
          const torch::Tensor& exact_k, const torch::Tensor& exact_v, const torch::Tensor& exact_ok, int64_t G, int64_t d,
          const char* name)
       : q(query), kk(own_k), vv(own_v), ok(own_ok), ek(exact_k), ev(exact_v), eok(exact_ok), model(query.dim() == 4) {
-    const int64_t x = model ? 1 : 0;  // (the model's layout has a head dimension more)
+    const int64_t x = model ? 1 : 0;  // (the model's layout has a head dimension more before the exact entries)
     if (model) {
       TORCH_CHECK(q.size(2) == 1 && kk.dim() == 4 && vv.dim() == 4 && ek.dim() == 4 && ev.dim() == 4 && ok.dim() == 2 &&
                       eok.dim() == 2 && kk.size(1) > 0 && q.size(1) % kk.size(1) == 0 && ok.size(1) >= 1,
@@ -1882,7 +1882,7 @@ struct Tokens {
     const auto rows = [](torch::Tensor& t, int64_t row_dim, int64_t n) {
       if (t.stride(-1) != 1 || (n > 1 && t.stride(row_dim) != t.size(-1))) t = t.contiguous();
     };
-    rows(q, x, R), rows(kk, -1, 1), rows(vv, -1, 1), rows(ek, 1 + x, L), rows(ev, 1 + x, L);
+    rows(q, 1, R), rows(kk, -1, 1), rows(vv, -1, 1), rows(ek, 1 + x, L), rows(ev, 1 + x, L);
     if (ok.scalar_type() != torch::kBool) ok = ok.to(torch::kBool);
     if (eok.scalar_type() != torch::kBool) eok = eok.to(torch::kBool);
     if (L > 1 && eok.stride(1) != 1) eok = eok.contiguous();
@@ -2085,11 +2085,18 @@ class DecodeCall {
     in_.set_units(unit_keys, unit_values, unit_log_weight, nb_, name_);
   }
 
+  // a step's token inputs, as Tokens takes them, for this call's slots
+  Tokens tokens(const torch::Tensor& query, const torch::Tensor& own_k, const torch::Tensor& own_v,
+                const torch::Tensor& own_ok, const torch::Tensor& exact_k, const torch::Tensor& exact_v,
+                const torch::Tensor& exact_ok) const {
+    return Tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, in_.G, in_.d, name_);
+  }
+
   // the read of one step: the token inputs as Tokens takes them; scaling the logits' factor
   py::object call(const torch::Tensor& query, const torch::Tensor& own_k, const torch::Tensor& own_v,
                   const torch::Tensor& own_ok, const torch::Tensor& exact_k, const torch::Tensor& exact_v,
                   const torch::Tensor& exact_ok, double scaling) const {
-    const Tokens t(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, in_.G, in_.d, name_);
+    const Tokens t = tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok);
     if (kind_ == kDense) return py::cast(dense(t, scaling));
     if (kind_ == kSparse) return py::cast(sparse(t, scaling));
     auto res = ranked(t, scaling);
@@ -2228,9 +2235,7 @@ torch::Tensor arm_decode_read(torch::Tensor query, torch::Tensor own_k, torch::T
                               torch::Tensor bias, torch::Tensor mix, double scaling, bool vectorised) {
   const DecodeCall call("dense", key_codes, key_scale, value_codes, value_scale, bias, mix, {}, {}, {}, {}, {}, 0, 0, {}, {}, {},
                         vectorised, -1);
-  return call.dense(Tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes.size(0), 2 * value_codes.size(-1),
-                           "arm_decode_read"),
-                    scaling);
+  return call.dense(call.tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok), scaling);
 }
 
 // The sparse decode read (ARMLayer._sparse_read, one query): arm_decode_read over only the
@@ -2253,9 +2258,7 @@ torch::Tensor arm_sparse_decode_read(torch::Tensor query, torch::Tensor own_k, t
                                      const c10::optional<torch::Tensor>& unit_log_weight, bool vectorised) {
   const DecodeCall call("sparse", key_codes, key_scale, value_codes, value_scale, bias, mix, order, start, size, buckets, take, 0,
                         0, unit_keys, unit_values, unit_log_weight, vectorised, -1);
-  return call.sparse(Tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes.size(0),
-                            2 * value_codes.size(-1), "arm_sparse_decode_read"),
-                     scaling);
+  return call.sparse(call.tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok), scaling);
 }
 
 // The decode read of read_rank="partial" (ARMLayer._sparse_read, one query): each group's
@@ -2276,9 +2279,7 @@ std::vector<torch::Tensor> arm_partial_decode_read(torch::Tensor query, torch::T
                                                    const c10::optional<torch::Tensor>& unit_log_weight, bool vectorised) {
   const DecodeCall call("partial", key_codes, key_scale, value_codes, value_scale, bias, mix, order, start, size, {}, take, m, n,
                         unit_keys, unit_values, unit_log_weight, vectorised, -1);
-  return call.ranked(Tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes.size(0),
-                            2 * value_codes.size(-1), "arm_partial_decode_read"),
-                     scaling);
+  return call.ranked(call.tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok), scaling);
 }
 
 // The m best buckets of each group of R query heads that share a KV head, for one decoded
@@ -2385,9 +2386,7 @@ std::vector<torch::Tensor> arm_best_decode_read(torch::Tensor query, torch::Tens
                                                 const c10::optional<torch::Tensor>& unit_log_weight, bool vectorised) {
   const DecodeCall call("best", key_codes, key_scale, value_codes, value_scale, bias, mix, order, start, size, {}, take, m, 0,
                         unit_keys, unit_values, unit_log_weight, vectorised, -1);
-  return call.ranked(Tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, key_codes.size(0),
-                            2 * value_codes.size(-1), "arm_best_decode_read"),
-                     scaling);
+  return call.ranked(call.tokens(query, own_k, own_v, own_ok, exact_k, exact_v, exact_ok), scaling);
 }
 
 // read.unit_summaries from the codes, unit by unit of an index (the units a read at M < N_b
