@@ -100,8 +100,17 @@ DRY = {
     "small_config": None,  # the tiny shape
     "small_length": "96",
 }
-DRY_SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=256, bos_token_id=1, eos_token_id=2)  # fmt: skip
+DRY_SHAPE = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 # seconds a run may take at most (the whole call also stops at --budget-s); ARM's prefill
 # of 161k tokens at 1.3k-2k tokens/s is the longest
 LIMITS = {"eager-arm": 240, "compiled-arm": 240, "batch32-arm": 240}
@@ -112,9 +121,23 @@ DRY_LIMIT = 240
 def plan(p: dict) -> list[tuple[str, list[str]]]:
     """[(run name, bench decode arguments)], in the order they run. The names are the same
     in a dry run (whose batches are smaller)."""
+
     def head(config: str, budget: str) -> list[str]:
-        return ["--model-config", config, "--dtype", p["dtype"], "--device", p["device"],
-                "--budget", budget, "--chunk", p["chunk"], "--warmup", p["warmup"], "--no-progress"]  # fmt: skip
+        return [
+            "--model-config",
+            config,
+            "--dtype",
+            p["dtype"],
+            "--device",
+            p["device"],
+            "--budget",
+            budget,
+            "--chunk",
+            p["chunk"],
+            "--warmup",
+            p["warmup"],
+            "--no-progress",
+        ]
 
     common = head(p["model_config"], p["budget"])
     length = ["--lengths", p["lengths"], "--gen-lengths", p["gen_lengths"], "--repeats", p["repeats"]]
@@ -122,13 +145,26 @@ def plan(p: dict) -> list[tuple[str, list[str]]]:
     batch = ["--lengths", p["batch_length"], "--gen-lengths", p["gen_lengths"], "--repeats", p["batch_repeats"]]
     runs = {f"eager-{m}": common + length + ["--methods", m] for m in ("arm", "full", "native", "sink")}
     for m in ("native", "full", "arm", "sink"):
-        runs[f"compiled-{m}"] = common + length + ["--methods", m, "--compile"] + (fill if m in ("native", "full") else [])
+        runs[f"compiled-{m}"] = (
+            common + length + ["--methods", m, "--compile"] + (fill if m in ("native", "full") else [])
+        )
     for name_b, b in zip(REAL["batches"], p["batches"]):
         for m in ("arm", "full"):
             runs[f"batch{name_b}-{m}"] = common + batch + ["--methods", m, "--batch", str(b)]
-    sparse = ["--gen-lengths", p["gen_lengths"], "--repeats", p["repeats"], "--methods", "arm", "--option", "arm.slot_mixing=false"]
-    for prefix, config, length in (("", p["model_config"], p["sparse_length"]),
-                                   ("smollm2-", p["small_config"] or p["model_config"], p["small_length"])):  # fmt: skip
+    sparse = [
+        "--gen-lengths",
+        p["gen_lengths"],
+        "--repeats",
+        p["repeats"],
+        "--methods",
+        "arm",
+        "--option",
+        "arm.slot_mixing=false",
+    ]
+    for prefix, config, length in (
+        ("", p["model_config"], p["sparse_length"]),
+        ("smollm2-", p["small_config"] or p["model_config"], p["small_length"]),
+    ):
         args = head(config, p["sparse_budget"]) + sparse + ["--lengths", length]
         runs[f"{prefix}sparse-every"] = args
         runs[f"{prefix}sparse-pages"] = args + SPARSE_PAGES
@@ -136,13 +172,36 @@ def plan(p: dict) -> list[tuple[str, list[str]]]:
 
 
 # ARM's read of the best pages of M = N_b / 8 buckets (partial ranking; unmixed slots)
-SPARSE_PAGES = ["--option", "arm.top_m=fixed", "--option", "arm.m_fixed=1/8", "--option", "arm.read_rank=partial",
-                "--option", "arm.read_pages=true"]  # fmt: skip
+SPARSE_PAGES = [
+    "--option",
+    "arm.top_m=fixed",
+    "--option",
+    "arm.m_fixed=1/8",
+    "--option",
+    "arm.read_rank=partial",
+    "--option",
+    "arm.read_pages=true",
+]
 
 
-ORDER = ["eager-arm", "eager-full", "compiled-native", "compiled-full", "compiled-arm", "eager-native",
-         "batch8-arm", "batch8-full", "batch32-arm", "batch32-full", "eager-sink", "compiled-sink",
-         "sparse-every", "sparse-pages", "smollm2-sparse-every", "smollm2-sparse-pages"]  # fmt: skip
+ORDER = [
+    "eager-arm",
+    "eager-full",
+    "compiled-native",
+    "compiled-full",
+    "compiled-arm",
+    "eager-native",
+    "batch8-arm",
+    "batch8-full",
+    "batch32-arm",
+    "batch32-full",
+    "eager-sink",
+    "compiled-sink",
+    "sparse-every",
+    "sparse-pages",
+    "smollm2-sparse-every",
+    "smollm2-sparse-pages",
+]
 
 
 def _version(text: str) -> tuple[int, int]:
@@ -155,8 +214,12 @@ def in_range(version: str) -> bool:
 
 
 def installed_transformers(env: dict) -> str | None:
-    out = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
-                         env=env, capture_output=True, text=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     return out.stdout.strip() if out.returncode == 0 else None
 
 
@@ -175,12 +238,26 @@ def prepare_env(log) -> tuple[dict, dict]:
     wheels = sorted(p for p in (ROOT / ".whl").glob("transformers-*.whl") if in_range(p.name.split("-")[1]))
     if not wheels:
         info["transformers"] = None
-        info["error"] = (f"transformers {info['transformers_found']} is outside >=5.20,<5.24 and no wheel is under "
-                         ".whl/: run `python scripts/gpu_bench.py --fetch-wheel` where pip works, carry .whl")
+        info["error"] = (
+            f"transformers {info['transformers_found']} is outside >=5.20,<5.24 and no wheel is under "
+            ".whl/: run `python scripts/gpu_bench.py --fetch-wheel` where pip works, carry .whl"
+        )
         return env, info
     site = Path(tempfile.mkdtemp(prefix="armkv-site-"))
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-           "--no-cache-dir", "--target", str(site), str(wheels[-1])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--target",
+        str(site),
+        str(wheels[-1]),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     log(f"$ {' '.join(cmd)}\n{done.stdout}{done.stderr}")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -193,14 +270,19 @@ def prepare_env(log) -> tuple[dict, dict]:
 
 def environment(env: dict) -> dict:
     """GPU, driver, torch and CUDA versions, as the runs will see them."""
-    code = ("import json, torch; c = torch.cuda.is_available(); print(json.dumps({'torch': torch.__version__, "
-            "'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0) if c else None, "
-            "'gpu_memory_bytes': torch.cuda.get_device_properties(0).total_memory if c else None}))")  # fmt: skip
+    code = (
+        "import json, torch; c = torch.cuda.is_available(); print(json.dumps({'torch': torch.__version__, "
+        "'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0) if c else None, "
+        "'gpu_memory_bytes': torch.cuda.get_device_properties(0).total_memory if c else None}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     info = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-2000:]}
     if shutil.which("nvidia-smi"):
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True)  # fmt: skip
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        )
         info["nvidia_smi"] = smi.stdout.strip()
     return info
 
@@ -242,8 +324,17 @@ def table(name: str, record: dict, out: Path) -> str:
 
 def fetch_wheel() -> int:
     """Download the transformers wheel into .whl/ (here, where pip reaches the index)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(ROOT / ".whl"),
-           f"transformers=={WHEEL_VERSION}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-d",
+        str(ROOT / ".whl"),
+        f"transformers=={WHEEL_VERSION}",
+    ]
     print("$", " ".join(cmd))
     return subprocess.run(cmd).returncode
 
@@ -252,13 +343,25 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="the same plan on the CPU with a tiny shape, in seconds")
     p.add_argument("--only", default="", help="comma-separated run names to do (default: all)")
-    p.add_argument("--budget-s", type=float, default=540.0,
-                   help="stop starting runs, and cut the one running, at this many seconds (default 540)")  # fmt: skip
-    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "out" / "gpu_bench"),
-                   help="where the three files go (default $OUT, else out/gpu_bench)")  # fmt: skip
-    p.add_argument("--lengths", default="",
-                   help="prompt lengths of the length runs instead of the plan's (e.g. 4,32k: ARM's cache is full by then)")  # fmt: skip
-    p.add_argument("--fetch-wheel", action="store_true", help=f"download transformers {WHEEL_VERSION} into .whl/ and stop")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=540.0,
+        help="stop starting runs, and cut the one running, at this many seconds (default 540)",
+    )
+    p.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or str(ROOT / "out" / "gpu_bench"),
+        help="where the three files go (default $OUT, else out/gpu_bench)",
+    )
+    p.add_argument(
+        "--lengths",
+        default="",
+        help="prompt lengths of the length runs instead of the plan's (e.g. 4,32k: ARM's cache is full by then)",
+    )
+    p.add_argument(
+        "--fetch-wheel", action="store_true", help=f"download transformers {WHEEL_VERSION} into .whl/ and stop"
+    )
     a = p.parse_args()
     if a.fetch_wheel:
         return fetch_wheel()
@@ -289,8 +392,13 @@ def main() -> int:
         return 2
 
     env, found = prepare_env(log)
-    doc = {"settings": {k: v for k, v in settings.items()}, "dry_run": a.dry_run, "transformers": found,
-           "environment": environment(env), "runs": {}}  # fmt: skip
+    doc = {
+        "settings": {k: v for k, v in settings.items()},
+        "dry_run": a.dry_run,
+        "transformers": found,
+        "environment": environment(env),
+        "runs": {},
+    }
     tables = []
     for name, args in runs:
         if only and name not in only:
@@ -307,15 +415,19 @@ def main() -> int:
         logs.append(f"===== {name}: {record['command']}\n{text}")
         doc["runs"][name] = record
         tables.append(table(name, record, work / name))
-        log(f"[{name}] exit {record['exit_code']} after {record['seconds']} s, {record.get('result_kind', 'no')} result")
+        log(
+            f"[{name}] exit {record['exit_code']} after {record['seconds']} s, {record.get('result_kind', 'no')} result"
+        )
         (out / "gpu_bench.json").write_text(json.dumps(doc, indent=1) + "\n")  # what is done survives a kill
 
     (out / "gpu_bench.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out / "gpu_bench.log").write_text("\n".join(logs) + "\n")
     (out / "tables.md").write_text("\n".join(tables))
     shutil.rmtree(work, ignore_errors=True)
-    summary = {name: {"exit_code": r["exit_code"], "seconds": r.get("seconds"), "result": r.get("result_kind")}
-               for name, r in doc["runs"].items()}  # fmt: skip
+    summary = {
+        name: {"exit_code": r["exit_code"], "seconds": r.get("seconds"), "result": r.get("result_kind")}
+        for name, r in doc["runs"].items()
+    }
     print(json.dumps({"out": str(out), "environment": doc["environment"], "runs": summary}))
     return 0
 

@@ -15,7 +15,8 @@ random tokens, ``--warmup`` untimed steps (a compiled step compiles and records 
         --option arm.read_rank=partial --option arm.slot_mixing=false --option arm.read_pages=true   # sparse reads
 
 Writes ``profile.md`` (per method: the figures, the top operators by device and by host
-time, and for a compiled run torch's log of graph breaks, recompiles and CUDA-graph skips) and ``profile.json`` under ``--out`` (default ``$OUT``, else ``out/gpu_profile``); the
+time, and for a compiled run torch's log of graph breaks, recompiles and CUDA-graph skips) and
+``profile.json`` under ``--out`` (default ``$OUT``, else ``out/gpu_profile``); the
 last stdout line is a one-line JSON summary.
 """
 
@@ -39,15 +40,62 @@ sys.path.insert(0, str(ROOT / "src"))
 from armkv.bench.decode import DecodeBench, Session, build_bench_model  # noqa: E402
 
 # host calls that put work on the device: kernel launches, copies and graph replays
-LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
-            "cudaMemcpyAsync", "cudaMemsetAsync")  # fmt: skip
+LAUNCHES = (
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaGraphLaunch",
+    "cudaMemcpyAsync",
+    "cudaMemsetAsync",
+)
 # operators that launch no kernel: views, allocations and metadata
-NO_KERNEL = {f"aten::{n}" for n in ("empty", "empty_strided", "empty_like", "as_strided", "view", "_unsafe_view", "reshape",
-             "slice", "select", "narrow", "transpose", "t", "permute", "expand", "unsqueeze", "squeeze", "alias",
-             "detach", "lift_fresh", "resolve_conj", "resolve_neg", "unbind", "split", "chunk", "view_as_real",
-             "_reshape_alias", "set_", "is_nonzero", "item", "_local_scalar_dense")}  # fmt: skip
-DRY_SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=256, bos_token_id=1, eos_token_id=2)  # fmt: skip
+NO_KERNEL = {
+    f"aten::{n}"
+    for n in (
+        "empty",
+        "empty_strided",
+        "empty_like",
+        "as_strided",
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "slice",
+        "select",
+        "narrow",
+        "transpose",
+        "t",
+        "permute",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "alias",
+        "detach",
+        "lift_fresh",
+        "resolve_conj",
+        "resolve_neg",
+        "unbind",
+        "split",
+        "chunk",
+        "view_as_real",
+        "_reshape_alias",
+        "set_",
+        "is_nonzero",
+        "item",
+        "_local_scalar_dense",
+    )
+}
+DRY_SHAPE = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def run_spec(name: str) -> tuple[str, bool]:
@@ -102,8 +150,17 @@ def _profile_run(model, name: str, method: str, compiled: bool, a, lines: Lines)
     from armkv.options import parse_options
 
     options = {m: o for m, o in parse_options(a.option).items() if m == method}
-    bench = DecodeBench(methods=[method], lengths=[a.prompt], budget=a.budget, chunk=a.chunk, compile=compiled,
-                        clock="wall", repeats=a.steps, warmup=a.warmup, options=options)  # fmt: skip
+    bench = DecodeBench(
+        methods=[method],
+        lengths=[a.prompt],
+        budget=a.budget,
+        chunk=a.chunk,
+        compile=compiled,
+        clock="wall",
+        repeats=a.steps,
+        warmup=a.warmup,
+        options=options,
+    )
     session = Session(model, bench)
     horizon = a.prompt + a.warmup + 2 * a.steps + 1
     cache = session.cache(method, horizon=horizon)
@@ -128,8 +185,14 @@ def _profile_run(model, name: str, method: str, compiled: bool, a, lines: Lines)
     launches = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name in LAUNCHES)
     busy_us = sum(e.time_range.elapsed_us() for e in device_events)
     # operators that call no other and move data: what a device runs as kernels, counted on any device
-    leaves = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::")
-                 and e.name not in NO_KERNEL and not any(c.name.startswith("aten::") for c in e.cpu_children))  # fmt: skip
+    leaves = sum(
+        1
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CPU
+        and e.name.startswith("aten::")
+        and e.name not in NO_KERNEL
+        and not any(c.name.startswith("aten::") for c in e.cpu_children)
+    )
     record = {
         "method": method,
         "compiled": compiled,
@@ -147,14 +210,33 @@ def _profile_run(model, name: str, method: str, compiled: bool, a, lines: Lines)
     averages = prof.key_averages()
     text = [f"## {name}", "", "| figure | value |", "|---|---:|"]
     text += [f"| {k} | {v} |" for k, v in record.items()]
-    text += ["", f"Top operators by {sort} ({a.steps} steps)", "", "```", averages.table(sort_by=sort, row_limit=a.rows), "```"]
+    text += [
+        "",
+        f"Top operators by {sort} ({a.steps} steps)",
+        "",
+        "```",
+        averages.table(sort_by=sort, row_limit=a.rows),
+        "```",
+    ]
     if compiled:
         record["compile_log_lines"] = len(lines.lines)
-        text += ["", f"torch's compile log ({len(lines.lines)} lines; the last {a.rows * 4})", "", "```",
-                 *lines.lines[-a.rows * 4 :], "```"]  # fmt: skip
+        text += [
+            "",
+            f"torch's compile log ({len(lines.lines)} lines; the last {a.rows * 4})",
+            "",
+            "```",
+            *lines.lines[-a.rows * 4 :],
+            "```",
+        ]
     if on_cuda:
-        text += ["", f"Top operators by self_cpu_time_total ({a.steps} steps)", "", "```",
-                 averages.table(sort_by="self_cpu_time_total", row_limit=a.rows), "```"]  # fmt: skip
+        text += [
+            "",
+            f"Top operators by self_cpu_time_total ({a.steps} steps)",
+            "",
+            "```",
+            averages.table(sort_by="self_cpu_time_total", row_limit=a.rows),
+            "```",
+        ]
     del cache
     if on_cuda:
         torch.cuda.empty_cache()
@@ -171,12 +253,22 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=4096, help="prompt tokens before the decode steps (default 4096)")
     p.add_argument("--warmup", type=int, default=6, help="untimed decode steps (default 6)")
     p.add_argument("--steps", type=int, default=32, help="timed, then profiled, decode steps (default 32)")
-    p.add_argument("--runs", default="native,full,arm,full-compiled,arm-compiled",
-                   help="comma-separated METHOD or METHOD-compiled (default native,full,arm,full-compiled,arm-compiled)")  # fmt: skip
+    p.add_argument(
+        "--runs",
+        default="native,full,arm,full-compiled,arm-compiled",
+        help="comma-separated METHOD or METHOD-compiled (default native,full,arm,full-compiled,arm-compiled)",
+    )
     p.add_argument("--rows", type=int, default=20, help="operators per table (default 20)")
-    p.add_argument("--option", action="append", default=[], metavar="METHOD.KEY=VALUE",
-                   help="a cache option of a run's method, as bench decode's --option (repeatable)")  # fmt: skip
-    p.add_argument("--dry-run", action="store_true", help="a two-layer toy of the shape, float32 on the CPU, small sizes")
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="METHOD.KEY=VALUE",
+        help="a cache option of a run's method, as bench decode's --option (repeatable)",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="a two-layer toy of the shape, float32 on the CPU, small sizes"
+    )
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "out" / "gpu_profile"))
     a = p.parse_args()
     runs = [r.strip() for r in a.runs.split(",") if r.strip()]
@@ -190,8 +282,12 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model = build_bench_model(a.model_config, a.device, a.dtype)
-    doc = {"settings": {k: v for k, v in vars(a).items() if k != "out"}, "torch": torch.__version__,
-           "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else None, "runs": {}}  # fmt: skip
+    doc = {
+        "settings": {k: v for k, v in vars(a).items() if k != "out"},
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else None,
+        "runs": {},
+    }
     texts = []
     for name in runs:
         try:
@@ -200,7 +296,10 @@ def main() -> int:
         except Exception as e:  # one run's failure keeps the others
             if os.environ.get("ARMKV_PROFILE_RAISE"):
                 raise
-            record, text = {"error": f"{type(e).__name__}: {e}"[:2000]}, f"## {name}\n\nfailed: {type(e).__name__}: {e}\n"
+            record, text = (
+                {"error": f"{type(e).__name__}: {e}"[:2000]},
+                f"## {name}\n\nfailed: {type(e).__name__}: {e}\n",
+            )
         doc["runs"][name] = record
         texts.append(text)
         print(f"[{name}] {json.dumps(record)}", file=sys.stderr, flush=True)

@@ -20,9 +20,18 @@ def nan_empty(monkeypatch):
     yield
 
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, max_position_embeddings=512, pad_token_id=0,
-            bos_token_id=1, eos_token_id=2)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 # The dtypes and devices a cache runs in. CUDA cases run wherever a GPU is visible and are
@@ -91,12 +100,17 @@ def tiny_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"])
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"],
+    )
     tok.train_from_iterator(["The grass is green. The sky is blue. The magic number is 1234567."] * 10, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    tokenizer.chat_template = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
-                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     return tokenizer
 
 

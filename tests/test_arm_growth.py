@@ -25,12 +25,22 @@ def run(model, ids, mask, prompt: int, **kw):
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     got = []
     with torch.no_grad():
-        out = model(ids[:, :prompt], attention_mask=mask[:, :prompt], position_ids=positions[:, :prompt],
-                    past_key_values=cache, use_cache=True)  # fmt: skip
+        out = model(
+            ids[:, :prompt],
+            attention_mask=mask[:, :prompt],
+            position_ids=positions[:, :prompt],
+            past_key_values=cache,
+            use_cache=True,
+        )
         got.append(out.logits)
         for t in range(prompt, ids.shape[1]):
-            out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=positions[:, t : t + 1],
-                        past_key_values=cache, use_cache=True)  # fmt: skip
+            out = model(
+                ids[:, t : t + 1],
+                attention_mask=mask[:, : t + 1],
+                position_ids=positions[:, t : t + 1],
+                past_key_values=cache,
+                use_cache=True,
+            )
             got.append(out.logits)
     return torch.cat(got, 1), cache
 

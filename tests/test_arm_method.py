@@ -34,18 +34,34 @@ def test_large_memory_reads_equal_exact_attention(dtype, device):
     assert cache.layers[0].state.key.dtype == dtype  # the "model" format: the model's dtype
 
 
-@pytest.mark.parametrize("overrides", [{"position_mode": "fixed"}, {"sync": 1}, {"write": "mean"},
-                                       {"top_m": "fixed", "m_fixed": 1}, {"empty_slot_rule": False},
-                                       {"log_count_bias": False}, {"pool": "paper"}, {"slot_format": "bfloat16"},
-                                       {"slot_format": "int8"}, {"slot_format": "k8v4"}, {"slot_format": "k4v4"},
-                                       {"protect_recent": 0.5}, {"lazy_merge": False},
-                                       {"slot_ladder": "k8v4"}, {"slot_ladder": "bfloat16,int8,k8v4"}])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"position_mode": "fixed"},
+        {"sync": 1},
+        {"write": "mean"},
+        {"top_m": "fixed", "m_fixed": 1},
+        {"empty_slot_rule": False},
+        {"log_count_bias": False},
+        {"pool": "paper"},
+        {"slot_format": "bfloat16"},
+        {"slot_format": "int8"},
+        {"slot_format": "k8v4"},
+        {"slot_format": "k4v4"},
+        {"protect_recent": 0.5},
+        {"lazy_merge": False},
+        {"slot_ladder": "k8v4"},
+        {"slot_ladder": "bfloat16,int8,k8v4"},
+    ],
+)
 def test_ablation_switches_run_within_budget(overrides):
     model = tiny_model("llama").eval()
     ids = torch.randint(0, 100, (1, 200))
     logits, cache = _run(model, ids, budget=48, arm_overrides=overrides)
     assert torch.isfinite(logits).all()
-    info_budget = 48 * 2 * model.config.num_key_value_heads * (model.config.hidden_size // model.config.num_attention_heads) * 4
+    info_budget = (
+        48 * 2 * model.config.num_key_value_heads * (model.config.hidden_size // model.config.num_attention_heads) * 4
+    )
     assert all(layer.peak_bytes <= info_budget for layer in cache.layers)
 
 
@@ -93,7 +109,9 @@ def test_slot_ladder_keeps_precise_codes_until_a_write_would_merge(monkeypatch):
             assert torch.equal(new.bucket[:, :S], old.bucket) and (new.count[:, S:] == 0).all()
             assert (new.bucket[:, S:] == -1).all() and (new.key[:, S:] == 0).all()
             want = MemoryState(old.key, old.value, old.pos, old.count, old.bucket).pack(self.slot_format, mix=True)
-            torch.testing.assert_close(out.unpack(torch.float32).key[:, :S], want.unpack(torch.float32).key, rtol=0, atol=1e-6)
+            torch.testing.assert_close(
+                out.unpack(torch.float32).key[:, :S], want.unpack(torch.float32).key, rtol=0, atol=1e-6
+            )
             climbs.append(self.rung)
         writes.append((self.rung, len(self.rungs) - 1, int((out.count == 0).sum(1).min()), int(valid.sum(1).max())))
         return out
@@ -112,7 +130,9 @@ def test_slot_ladder_keeps_precise_codes_until_a_write_would_merge(monkeypatch):
     whole = layer.state.groups * max(s * slot_bytes(f, layer.info.head_dim, 4) for f, s in layer.pool.rungs)
     assert layer.pool.reserve is None and layer.state.nbytes() < whole
     # the same reads as a plain int8 pool with the first rung's slots
-    plain = make_cache(model, "arm", budget=96, chunk=16, arm_overrides={"slot_format": "int8", "slots": layer.pool.rungs[0][1]})
+    plain = make_cache(
+        model, "arm", budget=96, chunk=16, arm_overrides={"slot_format": "int8", "slots": layer.pool.rungs[0][1]}
+    )
     with torch.no_grad():
         torch.testing.assert_close(short, model(ids[:, :60], past_key_values=plain, use_cache=True).logits)
         model(ids[:, 60:], past_key_values=ladder, use_cache=True)
@@ -176,18 +196,22 @@ def test_adapter_options_are_checked(tmp_path):
     with pytest.raises(ArmkvError, match="slot_ladder.*'int3' is not one of"):
         make_cache(model, "arm", budget=64, arm_overrides={"slot_ladder": "k8v4,int3"})
     paper = make_cache(model, "arm", budget=64, arm_overrides={"slot_ladder": "k8v4", "pool": "paper"})
-    assert [len(layer.pool.rungs) for layer in paper.layers] == [1] * len(paper.layers)  # fixed slots a bucket: no ladder
+    assert [len(layer.pool.rungs) for layer in paper.layers] == [1] * len(
+        paper.layers
+    )  # fixed slots a bucket: no ladder
 
 
 def test_shipped_adapters_load_for_the_default_model_shape():
     """The shipped adapter fits SmolLM2-135M (30 layers, 3 KV heads, head size 64) and is what
     --method arm uses when no adapter is named; it is the only one that ships."""
+    from armkv.memory.module import ARMModel
     from armkv.methods.arm import DEFAULT_ADAPTER_ORDER, SHIPPED_ADAPTERS, shipped_adapter
     from armkv.methods.base import ModelInfo
-    from armkv.memory.module import ARMModel
 
     info = ModelInfo(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_positions=8192)
-    assert shipped_adapter(info).name.endswith("-" + DEFAULT_ADAPTER_ORDER[0]) and DEFAULT_ADAPTER_ORDER[0] == "calibrated"
+    assert (
+        shipped_adapter(info).name.endswith("-" + DEFAULT_ADAPTER_ORDER[0]) and DEFAULT_ADAPTER_ORDER[0] == "calibrated"
+    )
     assert DEFAULT_ADAPTER_ORDER == ("calibrated",)
     (folder,) = SHIPPED_ADAPTERS.iterdir()
     assert folder.name.endswith("-calibrated")
@@ -197,8 +221,8 @@ def test_shipped_adapters_load_for_the_default_model_shape():
 def test_the_calibrated_adapters_shares_are_the_default_rule_on_its_scores():
     """The shipped calibrated adapter's budget shares are what calibrate's default rule
     (lift-late, docs/design.md) gives for the retrieval scores stored with them."""
-    from armkv.methods.arm import SHIPPED_ADAPTERS, retrieval_layer_weights
     from armkv.memory.module import ARMModel
+    from armkv.methods.arm import SHIPPED_ADAPTERS, retrieval_layer_weights
 
     (folder,) = SHIPPED_ADAPTERS.glob("*-calibrated")
     config = ARMModel.load(folder).config
@@ -210,9 +234,15 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 @pytest.mark.parametrize(
     "overrides,dtype",
-    [({"slot_format": "k8v4"}, F32), ({"slot_format": "k8v4", "slot_mixing": False}, F32), ({"slot_format": "model"}, F32),
-     ({"slot_format": "k4v4", "log_count_bias": False}, F32), ({"slot_ladder": "int8,k8v4"}, F32),
-     ({"slot_format": "k4v4"}, BF16), ({"slot_format": "model"}, BF16)],
+    [
+        ({"slot_format": "k8v4"}, F32),
+        ({"slot_format": "k8v4", "slot_mixing": False}, F32),
+        ({"slot_format": "model"}, F32),
+        ({"slot_format": "k4v4", "log_count_bias": False}, F32),
+        ({"slot_ladder": "int8,k8v4"}, F32),
+        ({"slot_format": "k4v4"}, BF16),
+        ({"slot_format": "model"}, BF16),
+    ],
     ids=lambda x: dtype_id(x) if isinstance(x, torch.dtype) else None,
 )
 def test_decode_read_equals_the_chunk_read(overrides, dtype):
@@ -229,7 +259,7 @@ def test_decode_read_equals_the_chunk_read(overrides, dtype):
     cache = make_cache(model, "arm", budget=48, chunk=16, arm_overrides={"sync": 5, "lazy_merge": False, **overrides})
     with torch.no_grad():
         out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-        for t in range(3):  # leave tokens waiting to be written
+        for _ in range(3):  # leave tokens waiting to be written
             model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
     layer = cache.layers[1]
     assert layer.pending is not None and layer.state.count.max() > 1  # merged slots, waiting tokens
@@ -245,14 +275,22 @@ def test_decode_read_equals_the_chunk_read(overrides, dtype):
     tol = 1e-5 if dtype == F32 else 2 * torch.finfo(dtype).eps
     torch.testing.assert_close(fast, ref, rtol=tol, atol=tol)
     # the fused kernel (quantised slots on a CPU) against the PyTorch ops it replaces
-    torch.testing.assert_close(fast, layer._decode_read(query, key, value, valid, 0.3, *exact, fused=False), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        fast, layer._decode_read(query, key, value, valid, 0.3, *exact, fused=False), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"slot_format": "k4v4"}, {"slot_format": "k8v4", "slot_mixing": False}, {"slot_format": "int8"},
-     {"slot_format": "bfloat16"}, {"slot_format": "model", "position_mode": "fixed"}, {"slot_format": "k4v4", "sync": 1},
-     {"slot_ladder": "int8,k8v4"}],
+    [
+        {"slot_format": "k4v4"},
+        {"slot_format": "k8v4", "slot_mixing": False},
+        {"slot_format": "int8"},
+        {"slot_format": "bfloat16"},
+        {"slot_format": "model", "position_mode": "fixed"},
+        {"slot_format": "k4v4", "sync": 1},
+        {"slot_ladder": "int8,k8v4"},
+    ],
 )
 def test_incremental_repack_equals_packing_every_slot(overrides, monkeypatch):
     """A write re-packs only the slots it changed (SlotPool.restored); at every write of a
@@ -334,7 +372,8 @@ def test_fused_write_passes_equal_their_pytorch_forms(overrides, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "overrides", [{}, {"slot_format": "k4v4"}, {"empty_slot_rule": False}, {"slot_format": "model", "position_mode": "fixed"}]
+    "overrides",
+    [{}, {"slot_format": "k4v4"}, {"empty_slot_rule": False}, {"slot_format": "model", "position_mode": "fixed"}],
 )
 def test_a_roomy_write_skips_the_unpack_and_leaves_the_same_state(overrides, monkeypatch):
     """A write whose tokens all fit in free slots reads no stored slot, so _flush gives it
@@ -401,8 +440,8 @@ def test_arm_parameters_stay_float32_on_the_models_device(dtype):
 def test_arm_parameters_are_copied_to_another_device_once():
     """Shipped or random ARM parameters are copied to the model's device (once per device,
     shared); parameters the caller gave (being trained) are never copied: an error instead."""
-    from armkv.memory.module import ARMModel
     from armkv.config import ARMConfig
+    from armkv.memory.module import ARMModel
     from armkv.methods.arm import arm_on_device
 
     arm = ARMModel(ARMConfig(), 2, 2, 16)
@@ -455,7 +494,9 @@ def test_a_larger_sync_or_window_is_paid_for_with_slots():
 
     model = tiny_model("llama").eval()
     base = make_cache(model, "arm", budget=96, arm_overrides={"layer_weights": "even", "slot_ladder": ""}).layers[0]
-    more = make_cache(model, "arm", budget=96, arm_overrides={"layer_weights": "even", "slot_ladder": "", "sync": 20, "window": 30}).layers[0]
+    more = make_cache(
+        model, "arm", budget=96, arm_overrides={"layer_weights": "even", "slot_ladder": "", "sync": 20, "window": 30}
+    ).layers[0]
     c0, c1 = base.config, more.config
     assert (c1.sync, c1.window) == (20, 30)
     d = model.config.hidden_size // model.config.num_attention_heads

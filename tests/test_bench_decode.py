@@ -101,8 +101,9 @@ def test_max_full_length_skips_unbounded_only():
 
 
 def test_beyond_full_fill_times_decode_without_prefill(one_thread):
-    out = run_bench(tiny_model("llama"), small_bench(methods=["full"], max_full_length=150, beyond_full="fill"),
-                    progress=False)  # fmt: skip
+    out = run_bench(
+        tiny_model("llama"), small_bench(methods=["full"], max_full_length=150, beyond_full="fill"), progress=False
+    )
     assert out["filled"]["full"] == [192, 256]
     assert out["prefill_tokens_per_s"]["full"][256] is None
     assert out["decode_ms_per_token"]["full"][256] > 0
@@ -114,14 +115,42 @@ def test_beyond_full_fill_times_decode_without_prefill(one_thread):
 
 
 def test_cli_last_line_is_the_json(model_dir, tmp_path, capsys):
-    argv = ["bench", "decode", "--model", str(model_dir), "--methods", "full,arm", "--budget", "64",
-            "--lengths", "96,128", "--gen-lengths", "8", "--chunk", "32", "--repeats", "2", "--warmup", "1",
-            "--threads", "1", "--no-progress", "--output", str(tmp_path / "out")]  # fmt: skip
+    argv = [
+        "bench",
+        "decode",
+        "--model",
+        str(model_dir),
+        "--methods",
+        "full,arm",
+        "--budget",
+        "64",
+        "--lengths",
+        "96,128",
+        "--gen-lengths",
+        "8",
+        "--chunk",
+        "32",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--output",
+        str(tmp_path / "out"),
+    ]
     assert cli_main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     doc = json.loads(lines[-1])
-    assert set(doc) >= {"decode_ms_per_token", "floor_ms_per_token", "cache_bytes", "prefill_tokens_per_s",
-                        "threads", "device"}  # fmt: skip
+    assert set(doc) >= {
+        "decode_ms_per_token",
+        "floor_ms_per_token",
+        "cache_bytes",
+        "prefill_tokens_per_s",
+        "threads",
+        "device",
+    }
     assert set(doc["decode_ms_per_token"]["arm"]) == {"96", "128"}
     assert doc["threads"] == 1
     assert any(line.startswith("| method |") for line in lines)
@@ -132,15 +161,38 @@ def test_cli_last_line_is_the_json(model_dir, tmp_path, capsys):
 
 def test_checkpoint_sees_every_point(one_thread):
     seen = []
-    run_bench(tiny_model("llama"), small_bench(methods=["swa"]), progress=False, checkpoint=lambda r: seen.append(
-        sum(v is not None for v in r["decode_ms_per_token"]["swa"].values())))
+    run_bench(
+        tiny_model("llama"),
+        small_bench(methods=["swa"]),
+        progress=False,
+        checkpoint=lambda r: seen.append(sum(v is not None for v in r["decode_ms_per_token"]["swa"].values())),
+    )
     assert seen == [0, 1, 2, 3]  # after the generation curve, then after each prompt length
 
 
 def test_cli_json_flag_prints_one_line(model_dir, capsys):
-    argv = ["bench", "decode", "--model", str(model_dir), "--methods", "swa", "--budget", "16",
-            "--lengths", "24", "--gen-lengths", "4", "--chunk", "8", "--repeats", "1", "--warmup", "0",
-            "--json", "--no-progress"]  # fmt: skip
+    argv = [
+        "bench",
+        "decode",
+        "--model",
+        str(model_dir),
+        "--methods",
+        "swa",
+        "--budget",
+        "16",
+        "--lengths",
+        "24",
+        "--gen-lengths",
+        "4",
+        "--chunk",
+        "8",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        "--no-progress",
+    ]
     assert cli_main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
@@ -194,13 +246,19 @@ def test_options_reach_the_method(one_thread):
     k4v4: fewer slots in the same budget, so other bytes), recorded in the settings and the table."""
     model = tiny_model("llama")
     plain = run_bench(model, small_bench(methods=["arm", "swa"], lengths=[128]), progress=False)
-    fp32 = run_bench(model, small_bench(methods=["arm", "swa"], lengths=[128], options={"arm": {"slot_format": "model"}}), progress=False)
+    fp32 = run_bench(
+        model,
+        small_bench(methods=["arm", "swa"], lengths=[128], options={"arm": {"slot_format": "model"}}),
+        progress=False,
+    )
     assert fp32["cache_bytes"]["arm"][128] != plain["cache_bytes"]["arm"][128]
     assert fp32["cache_bytes"]["swa"] == plain["cache_bytes"]["swa"]
     assert fp32["settings"]["options"] == {"arm": {"slot_format": "model"}}
     assert 'arm options: {"slot_format": "model"}' in markdown(fp32)
     with pytest.raises(ArmkvError, match="no_such_option"):
-        run_bench(model, small_bench(methods=["arm"], lengths=[128], options={"arm": {"no_such_option": 1}}), progress=False)
+        run_bench(
+            model, small_bench(methods=["arm"], lengths=[128], options={"arm": {"no_such_option": 1}}), progress=False
+        )
 
 
 def test_sparse_reads_touch_a_share_of_the_memory(one_thread):
@@ -231,9 +289,30 @@ def test_prompts_from_a_text(tiny_model_dir, tmp_path, capsys, one_thread):
     bench = small_bench(methods=["arm"], lengths=[96], prompt_ids=ids, prompt_name="text.txt")
     prompt = Session(tiny_model("llama"), bench).prompt(2 * len(ids) + 1)
     assert prompt[0].tolist() == ids + ids + ids[:1]
-    argv = ["bench", "decode", "--model", str(tiny_model_dir), "--methods", "arm", "--lengths", "96", "--gen-lengths", "8",
-            "--budget", "64", "--chunk", "32", "--repeats", "2", "--warmup", "1", "--prompt-file", str(text), "--json",
-            "--no-progress"]
+    argv = [
+        "bench",
+        "decode",
+        "--model",
+        str(tiny_model_dir),
+        "--methods",
+        "arm",
+        "--lengths",
+        "96",
+        "--gen-lengths",
+        "8",
+        "--budget",
+        "64",
+        "--chunk",
+        "32",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--prompt-file",
+        str(text),
+        "--json",
+        "--no-progress",
+    ]
     assert cli_main(argv) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["settings"]["prompt"] == "text.txt" and res["read_share"]["arm"]["96"] == 1.0
@@ -258,9 +337,9 @@ def test_process_clock(one_thread):
 
 
 def test_ops_missing_or_present(capsys):
-    from armkv.bench import cli
-
     import importlib.util
+
+    from armkv.bench import cli
 
     if importlib.util.find_spec("armkv.bench.ops") is None:
         assert cli_main(["bench", "ops"]) == 2
@@ -276,9 +355,34 @@ def test_bench_ops_times_the_int4_read_against_pytorch(capsys, one_thread):
 
     from armkv.memory.kernels import int4_read
 
-    assert cli_main(["bench", "ops", "--tokens", "64", "--chunk", "32", "--slots", "16", "--buckets", "16",
-                     "--queries", "4", "--int4-slots", "37,8", "--sparse-budgets", "256", "--sparse-queries", "1,3",
-                     "--repeats", "1", "--json"]) == 0
+    assert (
+        cli_main(
+            [
+                "bench",
+                "ops",
+                "--tokens",
+                "64",
+                "--chunk",
+                "32",
+                "--slots",
+                "16",
+                "--buckets",
+                "16",
+                "--queries",
+                "4",
+                "--int4-slots",
+                "37,8",
+                "--sparse-budgets",
+                "256",
+                "--sparse-queries",
+                "1,3",
+                "--repeats",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     int4 = result["int4_read_us_per_layer"]
     if int4_read() is None:
@@ -289,8 +393,13 @@ def test_bench_ops_times_the_int4_read_against_pytorch(capsys, one_thread):
     sparse = result["sparse_read_us_per_layer"]["256"]
     # every ranking timed, each equal to its masked reference; with summaries their build timed too
     assert set(sparse) == {"best", "partial", "tree", "partial-pages", "partial-pages-summaries"}
-    assert all(row[t]["max_abs_diff"] < 1e-4 and row[t]["sparse_us"] > 0 for row in sparse.values() for t in ("T1", "T3"))
-    assert sparse["partial-pages-summaries"]["summaries_build_ms"] > 0 and "summaries_build_ms" not in sparse["partial-pages"]
+    assert all(
+        row[t]["max_abs_diff"] < 1e-4 and row[t]["sparse_us"] > 0 for row in sparse.values() for t in ("T1", "T3")
+    )
+    assert (
+        sparse["partial-pages-summaries"]["summaries_build_ms"] > 0
+        and "summaries_build_ms" not in sparse["partial-pages"]
+    )
     chunk = result["chunk_read_ms_per_layer"]
     assert set(chunk) == {"37", "8"}  # this torch has the CPU flash op (test_methods checks the split form)
     assert all(r["max_abs_diff"] < 1e-4 and r["split_ms"] > 0 and r["one_call_ms"] > 0 for r in chunk.values())
@@ -300,6 +409,10 @@ def test_bench_ops_refuses_an_unknown_ranking_before_timing(capsys):
     """A misspelt --sparse-ranks fails at once with the rankings there are, not after the scan timing."""
     assert cli_main(["bench", "ops", "--sparse-ranks", "best,partal"]) == 2
     err = capsys.readouterr().err
-    assert "--sparse-ranks partal" in err and "best, partial, tree, best-pages, partial-pages" in err and "scan of" not in err
+    assert (
+        "--sparse-ranks partal" in err
+        and "best, partial, tree, best-pages, partial-pages" in err
+        and "scan of" not in err
+    )
     assert cli_main(["bench", "ops", "--sparse-ranks", "tree-pages"]) == 2  # the tree ranks whole buckets
     assert "--sparse-ranks tree-pages" in capsys.readouterr().err

@@ -21,20 +21,29 @@ def load_script():
 
 
 def run(tmp_path, *args, timeout=600):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     return done
 
 
 def test_the_plan_is_the_issue_s_matrix():
     gpu = load_script()
     runs = dict(gpu.plan(gpu.REAL | {"model_config": "llama-3.1-8b"}))
-    assert sorted(runs) == sorted([f"{kind}-{m}" for kind in ("eager", "compiled") for m in ("native", "full", "sink", "arm")]
-                                  + [f"batch{b}-{m}" for b in (8, 32) for m in ("full", "arm")]
-                                  + [f"{s}sparse-{r}" for s in ("", "smollm2-") for r in ("every", "pages")])  # fmt: skip
+    assert sorted(runs) == sorted(
+        [f"{kind}-{m}" for kind in ("eager", "compiled") for m in ("native", "full", "sink", "arm")]
+        + [f"batch{b}-{m}" for b in (8, 32) for m in ("full", "arm")]
+        + [f"{s}sparse-{r}" for s in ("", "smollm2-") for r in ("every", "pages")]
+    )
     assert list(runs)[:5] == ["eager-arm", "eager-full", "compiled-native", "compiled-full", "compiled-arm"]
     for name, args in runs.items():
-        assert len([a for a in args if a.startswith("--") and a != "--option"]) == len({a for a in args if a.startswith("--")} - {"--option"})
+        assert len([a for a in args if a.startswith("--") and a != "--option"]) == len(
+            {a for a in args if a.startswith("--")} - {"--option"}
+        )
         settings = dict(zip(args, args[1:]))
         assert settings["--dtype"] == "bfloat16" and settings["--device"] == "cuda" and settings["--chunk"] == "1024"
         if "sparse" in name:  # budget 4096, unmixed slots; every bucket, or pages of M = N_b / 8
@@ -89,7 +98,6 @@ def test_dry_run_fails_soft(tmp_path):
     assert "## eager-native" in tables and "| native |" in tables and "## compiled-native" in tables
 
 
-
 def test_dry_run_of_a_sparse_run_reads_a_share_of_the_slots(tmp_path):
     """sparse-pages on the tiny shape: ARM at M = N_b / 8 reading pages, its options in the
     result's settings, and its decode reads touching a share of the occupied slots."""
@@ -98,10 +106,16 @@ def test_dry_run_of_a_sparse_run_reads_a_share_of_the_slots(tmp_path):
     record = json.loads((tmp_path / "gpu_bench.json").read_text())["runs"]["sparse-pages"]
     assert record["exit_code"] == 0 and record["result_kind"] == "complete"
     result = record["result"]
-    assert result["settings"]["options"]["arm"] == {"slot_mixing": False, "top_m": "fixed", "m_fixed": "1/8",
-                                                    "read_rank": "partial", "read_pages": True}  # fmt: skip
+    assert result["settings"]["options"]["arm"] == {
+        "slot_mixing": False,
+        "top_m": "fixed",
+        "m_fixed": "1/8",
+        "read_rank": "partial",
+        "read_pages": True,
+    }
     share = result["read_share"]["arm"]["160"]
     assert 0 < share < 0.5
+
 
 def test_spent_budget_runs_nothing_and_says_so(tmp_path):
     done = run(tmp_path, "--dry-run", "--budget-s", "0", timeout=120)

@@ -22,8 +22,17 @@ PUBLISHED = {
     "smollm2-135m": ("llama", 30, 576, 1536, 9, 3, 64, 49152, True, 134_515_008),
 }
 # A shipped shape made tiny: its architecture, RoPE kind and norms, at toy widths.
-SHRINK = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, vocab_size=256, bos_token_id=1, eos_token_id=2)  # fmt: skip
+SHRINK = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,7 +92,9 @@ def test_seeded_builds():
 
 
 def test_config_file_and_folder(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({**json.loads(shipped_model_configs()["qwen3-8b"].read_text()), **SHRINK}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({**json.loads(shipped_model_configs()["qwen3-8b"].read_text()), **SHRINK})
+    )
     for where in (tmp_path, tmp_path / "config.json"):
         model = build_model_from_config(where, torch.float32, "cpu")
         assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.num_hidden_layers == 2
@@ -103,7 +114,10 @@ def test_bad_config_is_one_line_error(tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--model-config", "llama-9b"], "neither a shipped name (llama-3.1-8b, llama-3.2-1b, mistral-7b, qwen3-8b, smollm2-135m)"),
+        (
+            ["--model-config", "llama-9b"],
+            "neither a shipped name (llama-3.1-8b, llama-3.2-1b, mistral-7b, qwen3-8b, smollm2-135m)",
+        ),
         (["--model-config", "llama-3.2-1b", "--model", "somewhere"], "not both"),
         (["--model-config", "llama-3.2-1b", "--batch", "0"], "--batch 0 must be >= 1"),
         (["--model-config", "llama-3.2-1b", "--option", "native.cache=paged"], "expected one of dynamic, static"),
@@ -130,8 +144,9 @@ def test_native_cache_gives_the_full_caches_logits(name, kind):
     """transformers' own cache and armkv's full cache hold the same context, so a chunked
     prefill and decode at batch 2 gives the same logits through either."""
     model = tiny(name)
-    bench = DecodeBench(methods=[NATIVE, "full"], lengths=[40], budget=64, chunk=16, batch=2,
-                        options={NATIVE: {"cache": kind}})  # fmt: skip
+    bench = DecodeBench(
+        methods=[NATIVE, "full"], lengths=[40], budget=64, chunk=16, batch=2, options={NATIVE: {"cache": kind}}
+    )
     session = Session(model, bench)
     ids = session.random_ids(40)
     logits = {}
@@ -148,8 +163,9 @@ def test_native_cache_gives_the_full_caches_logits(name, kind):
                 rows.append(out)
                 token = out.argmax(-1)
             logits[method] = torch.cat(rows, 1)
-            assert type(cache).__name__ == ({"dynamic": "DynamicCache", "static": "StaticCache"}[kind]
-                                            if method == NATIVE else "ArmkvCache")  # fmt: skip
+            assert type(cache).__name__ == (
+                {"dynamic": "DynamicCache", "static": "StaticCache"}[kind] if method == NATIVE else "ArmkvCache"
+            )
     assert logits[NATIVE].shape == (2, 43, 256)
     torch.testing.assert_close(logits[NATIVE], logits["full"], atol=1e-5, rtol=1e-5)
 
@@ -158,8 +174,9 @@ def test_native_cache_gives_the_full_caches_logits(name, kind):
 def batch_results(one_thread):
     """The same tiny shape at batch 1 and 2: native, full and arm at one budget."""
     model = tiny()
-    fields = dict(methods=[NATIVE, "full", "arm"], lengths=[96, 160], gen_lengths=[8], budget=64, chunk=32,
-                  repeats=2, warmup=1)  # fmt: skip
+    fields = dict(
+        methods=[NATIVE, "full", "arm"], lengths=[96, 160], gen_lengths=[8], budget=64, chunk=32, repeats=2, warmup=1
+    )
     return {b: run_bench(model, DecodeBench(**fields, batch=b), progress=False) for b in (1, 2)}
 
 
@@ -188,8 +205,18 @@ def test_native_static_and_fill(one_thread):
     """A static native cache holds its whole length from the start; --beyond-full fill gives
     native and full random KV of the prompt's length (same bytes, no prefill figure)."""
     model = tiny()
-    fields = dict(methods=[NATIVE, "full"], lengths=[64, 96], gen_lengths=[4], budget=64, chunk=32, repeats=2,
-                  warmup=1, batch=2, max_full_length=80, beyond_full="fill")  # fmt: skip
+    fields = dict(
+        methods=[NATIVE, "full"],
+        lengths=[64, 96],
+        gen_lengths=[4],
+        budget=64,
+        chunk=32,
+        repeats=2,
+        warmup=1,
+        batch=2,
+        max_full_length=80,
+        beyond_full="fill",
+    )
     dynamic = run_bench(model, DecodeBench(**fields), progress=False)
     static = run_bench(model, DecodeBench(**fields, options={NATIVE: {"cache": "static", "chunk": 16}}), progress=False)
     assert dynamic["filled"] == static["filled"] == {NATIVE: [96], "full": [96]}
@@ -213,9 +240,31 @@ def test_compiled_runs_default_to_a_static_native_cache():
 def test_cli_model_config_batch_and_native(tmp_path, capsys):
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps({**json.loads(shipped_model_configs()["mistral-7b"].read_text()), **SHRINK}))
-    argv = ["bench", "decode", "--model-config", str(config), "--methods", "native,full,arm", "--budget", "64",
-            "--lengths", "96", "--gen-lengths", "8", "--chunk", "32", "--repeats", "2", "--warmup", "1",
-            "--threads", "1", "--batch", "3", "--no-progress"]  # fmt: skip
+    argv = [
+        "bench",
+        "decode",
+        "--model-config",
+        str(config),
+        "--methods",
+        "native,full,arm",
+        "--budget",
+        "64",
+        "--lengths",
+        "96",
+        "--gen-lengths",
+        "8",
+        "--chunk",
+        "32",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--threads",
+        "1",
+        "--batch",
+        "3",
+        "--no-progress",
+    ]
     assert cli_main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     doc = json.loads(lines[-1])

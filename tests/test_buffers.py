@@ -41,12 +41,16 @@ def random_chunk(batch, heads, t, d, start, generator):
 
 def check_equal(buf, ref):
     keys, values, valid, positions = buf.kv()
-    assert (keys.transpose(1, 2)[~valid] == 0).all() and (values.transpose(1, 2)[~valid] == 0).all(), "entries without a token are zero"
+    assert (keys.transpose(1, 2)[~valid] == 0).all() and (values.transpose(1, 2)[~valid] == 0).all(), (
+        "entries without a token are zero"
+    )
     for b, row in enumerate(ref.rows):
         # sinks first; the window in time order after a chunk push, in ring order after
         # decode steps: compare in time order
         sinks = [i for i in range(buf.sinks) if valid[b, i]]
-        window = sorted((i for i in range(buf.sinks, valid.shape[1]) if valid[b, i]), key=lambda i: int(positions[b, i]))
+        window = sorted(
+            (i for i in range(buf.sinks, valid.shape[1]) if valid[b, i]), key=lambda i: int(positions[b, i])
+        )
         got = sinks + window
         want = row["sinks"] + row["window"]
         assert len(got) == len(want)
@@ -55,9 +59,11 @@ def check_equal(buf, ref):
 
 
 @pytest.mark.parametrize("sinks,window", [(0, 5), (3, 7), (4, 1), (2, 0), (5, 13)])
-@pytest.mark.parametrize("chunks", [[1] * 7, [3] * 7, [11] * 7, [1, 1, 1, 4, 1, 1, 1, 1, 1, 11, 1, 1, 2, 1],
-                                    [2, 1, 1, 1, 1, 1, 1, 1, 3, 1, 1, 1]],
-                         ids=["decode", "chunk3", "chunk11", "decode-then-chunks", "decode-fills-the-sinks"])
+@pytest.mark.parametrize(
+    "chunks",
+    [[1] * 7, [3] * 7, [11] * 7, [1, 1, 1, 4, 1, 1, 1, 1, 1, 11, 1, 1, 2, 1], [2, 1, 1, 1, 1, 1, 1, 1, 3, 1, 1, 1]],
+    ids=["decode", "chunk3", "chunk11", "decode-then-chunks", "decode-fills-the-sinks"],
+)
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-push", "torch-push"])
 def test_push_matches_naive(sinks, window, chunks, nan_empty, fused):
     """Chunk pushes, one-token pushes (the ring) and both in turn (the ring put back in order;
@@ -82,7 +88,9 @@ def test_push_matches_naive(sinks, window, chunks, nan_empty, fused):
             for i, (k, v, p) in zip(idx, w):
                 assert torch.equal(lost.key[b, :, i], k) and torch.equal(lost.value[b, :, i], v)
                 assert int(lost.positions[b, i]) == p
-        assert (lost.key.transpose(1, 2)[~lost.valid] == 0).all() and (lost.value.transpose(1, 2)[~lost.valid] == 0).all()
+        assert (lost.key.transpose(1, 2)[~lost.valid] == 0).all() and (
+            lost.value.transpose(1, 2)[~lost.valid] == 0
+        ).all()
         check_equal(buf, ref)
 
 
@@ -104,6 +112,10 @@ def test_fixed_size_and_bytes():
     assert before == 2 * 2 * 3 * 12 * 16 * 4
     ptr = buf.win_k.data_ptr()
     for _ in range(5):
-        buf.push(torch.randn(2, 3, 9, 16), torch.randn(2, 3, 9, 16), torch.ones(2, 9, dtype=torch.bool),
-                 torch.zeros(2, 9, dtype=torch.long))
+        buf.push(
+            torch.randn(2, 3, 9, 16),
+            torch.randn(2, 3, 9, 16),
+            torch.ones(2, 9, dtype=torch.bool),
+            torch.zeros(2, 9, dtype=torch.long),
+        )
     assert buf.state_bytes() == before and buf.win_k.data_ptr() == ptr

@@ -28,47 +28,206 @@ GOOD = json.dumps({"id": "q1", "prompt": "The sky is blue."})
 # folder/, plain.txt, utf16.jsonl (UTF-16), text.txt and done.jsonl (one result made at budget 64)
 CASES = [
     ("output is a folder", ["generate", "--method", "full", "--input", "in.jsonl", "--output", "folder"], [GOOD]),
-    ("output under a file", ["generate", "--method", "full", "--input", "in.jsonl", "--output", "plain.txt/out.jsonl"], [GOOD]),
+    (
+        "output under a file",
+        ["generate", "--method", "full", "--input", "in.jsonl", "--output", "plain.txt/out.jsonl"],
+        [GOOD],
+    ),
     ("output is the input", ["generate", "--method", "full", "--input", "in.jsonl", "--output", "in.jsonl"], [GOOD]),
-    ("rerun into an output made with another budget",
-     ["generate", "--method", "sink", "--budget", "128", "--input", "in.jsonl", "--output", "done.jsonl"], [GOOD]),
-    ("budget far beyond the model (sink)", ["generate", "--method", "sink", "--budget", "1000000000", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("budget far beyond the model (kivi)", ["generate", "--method", "kivi", "--budget", "1000000000", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("budget far beyond the model (arm)", ["generate", "--method", "arm", "--budget", "1000000000", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("budget too small", ["generate", "--method", "sink", "--budget", "3", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("budget 0", ["generate", "--method", "sink", "--budget", "0", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("budget given to full", ["generate", "--method", "full", "--budget", "64", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
+    (
+        "rerun into an output made with another budget",
+        ["generate", "--method", "sink", "--budget", "128", "--input", "in.jsonl", "--output", "done.jsonl"],
+        [GOOD],
+    ),
+    (
+        "budget far beyond the model (sink)",
+        ["generate", "--method", "sink", "--budget", "1000000000", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "budget far beyond the model (kivi)",
+        ["generate", "--method", "kivi", "--budget", "1000000000", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "budget far beyond the model (arm)",
+        ["generate", "--method", "arm", "--budget", "1000000000", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "budget too small",
+        ["generate", "--method", "sink", "--budget", "3", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "budget 0",
+        ["generate", "--method", "sink", "--budget", "0", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "budget given to full",
+        [
+            "generate",
+            "--method",
+            "full",
+            "--budget",
+            "64",
+            "--max-new-tokens",
+            "2",
+            "--input",
+            "in.jsonl",
+            "--output",
+            "o.jsonl",
+        ],
+        [GOOD],
+    ),
     ("unknown method", ["generate", "--method", "nope", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("typo in an option key (arm)", ["generate", "--method", "arm", "--option", "arm.slot_formt=int8", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("typo in an option key (kivi)", ["generate", "--method", "kivi", "--option", "kivi.bitz=2", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("bad option value", ["generate", "--method", "kivi", "--option", "kivi.bits=3", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("option without its method", ["generate", "--method", "kivi", "--option", "bits=2", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("another method's option", ["generate", "--method", "kivi", "--option", "sink.sinks=2", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("adapter for a method without one", ["generate", "--method", "sink", "--adapter", "random", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("adapter folder missing", ["generate", "--method", "arm", "--adapter", "no/such/adapter", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("--chunk 0", ["generate", "--method", "full", "--chunk", "0", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("--max-new-tokens 0", ["generate", "--method", "full", "--max-new-tokens", "0", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("negative temperature", ["generate", "--method", "full", "--temperature", "-1", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("top-p above 1", ["generate", "--method", "full", "--top-p", "1.5", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
-    ("greedy with top-k", ["generate", "--method", "full", "--temperature", "0", "--top-k", "5", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD]),
+    (
+        "typo in an option key (arm)",
+        [
+            "generate",
+            "--method",
+            "arm",
+            "--option",
+            "arm.slot_formt=int8",
+            "--input",
+            "in.jsonl",
+            "--output",
+            "o.jsonl",
+        ],
+        [GOOD],
+    ),
+    (
+        "typo in an option key (kivi)",
+        ["generate", "--method", "kivi", "--option", "kivi.bitz=2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "bad option value",
+        ["generate", "--method", "kivi", "--option", "kivi.bits=3", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "option without its method",
+        ["generate", "--method", "kivi", "--option", "bits=2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "another method's option",
+        ["generate", "--method", "kivi", "--option", "sink.sinks=2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "adapter for a method without one",
+        ["generate", "--method", "sink", "--adapter", "random", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "adapter folder missing",
+        ["generate", "--method", "arm", "--adapter", "no/such/adapter", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "--chunk 0",
+        ["generate", "--method", "full", "--chunk", "0", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "--max-new-tokens 0",
+        ["generate", "--method", "full", "--max-new-tokens", "0", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "negative temperature",
+        ["generate", "--method", "full", "--temperature", "-1", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "top-p above 1",
+        ["generate", "--method", "full", "--top-p", "1.5", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "greedy with top-k",
+        [
+            "generate",
+            "--method",
+            "full",
+            "--temperature",
+            "0",
+            "--top-k",
+            "5",
+            "--input",
+            "in.jsonl",
+            "--output",
+            "o.jsonl",
+        ],
+        [GOOD],
+    ),
     ("input missing", ["generate", "--method", "full", "--input", "missing.jsonl", "--output", "o.jsonl"], [GOOD]),
     ("input is a folder", ["generate", "--method", "full", "--input", "folder", "--output", "o.jsonl"], [GOOD]),
-    ("input not UTF-8 (UTF-16)", ["generate", "--method", "full", "--input", "utf16.jsonl", "--output", "o.jsonl"], [GOOD]),
+    (
+        "input not UTF-8 (UTF-16)",
+        ["generate", "--method", "full", "--input", "utf16.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
     ("input holds no request", ["generate", "--method", "full", "--input", "in.jsonl", "--output", "o.jsonl"], []),
-    ("line not JSON", ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"], ["{not json", GOOD]),
-    ("line not an object", ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"], ["[1, 2, 3]", GOOD]),
-    ("line without id", ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"], ['{"prompt": "hi"}', GOOD]),
-    ("neither context nor prompt", ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"], ['{"id": 1}', GOOD]),
-    ("a field not a string", ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"], ['{"id": 1, "prompt": 5}', GOOD]),
-    ("empty prompt", ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"], ['{"id": 1, "prompt": ""}', GOOD]),
-    ("duplicate id", ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"], [GOOD, GOOD]),
-    ("prompt longer than the model's positions",
-     ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
-     [json.dumps({"id": "long", "prompt": "The grass is green. " * 2000})]),
-    ("eval ppl: option without its method", ["eval", "ppl", "--method", "arm", "--option", "slot_format=int8", "--input", "text.txt"], []),
-    ("eval ppl: typo in an option key", ["eval", "ppl", "--method", "kivi", "--option", "kivi.bitz=2", "--input", "text.txt"], []),
+    (
+        "line not JSON",
+        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        ["{not json", GOOD],
+    ),
+    (
+        "line not an object",
+        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        ["[1, 2, 3]", GOOD],
+    ),
+    (
+        "line without id",
+        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        ['{"prompt": "hi"}', GOOD],
+    ),
+    (
+        "neither context nor prompt",
+        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        ['{"id": 1}', GOOD],
+    ),
+    (
+        "a field not a string",
+        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        ['{"id": 1, "prompt": 5}', GOOD],
+    ),
+    (
+        "empty prompt",
+        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        ['{"id": 1, "prompt": ""}', GOOD],
+    ),
+    (
+        "duplicate id",
+        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD, GOOD],
+    ),
+    (
+        "prompt longer than the model's positions",
+        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [json.dumps({"id": "long", "prompt": "The grass is green. " * 2000})],
+    ),
+    (
+        "eval ppl: option without its method",
+        ["eval", "ppl", "--method", "arm", "--option", "slot_format=int8", "--input", "text.txt"],
+        [],
+    ),
+    (
+        "eval ppl: typo in an option key",
+        ["eval", "ppl", "--method", "kivi", "--option", "kivi.bitz=2", "--input", "text.txt"],
+        [],
+    ),
     ("eval ruler: budget far beyond the model", ["eval", "ruler", "--budget", "1000000000", "--output", "ruler"], []),
-    ("bench decode: option of a method not run", ["bench", "decode", "--methods", "swa", "--option", "kivi.bits=2"], []),
+    (
+        "bench decode: option of a method not run",
+        ["bench", "decode", "--methods", "swa", "--option", "kivi.bits=2"],
+        [],
+    ),
     ("unknown command", ["frobnicate"], []),
 ]
 
@@ -79,9 +238,21 @@ def scratch(folder: Path, lines: list[str]) -> None:
     (folder / "plain.txt").write_text("x\n")
     (folder / "utf16.jsonl").write_bytes((GOOD + "\n").encode("utf-16"))
     (folder / "text.txt").write_text("The grass is green. " * 20)
-    done = {"id": "q0", "method": "sink", "output": "", "settings": {
-        "model": "default", "method": "sink", "budget": 64, "chunk": 256, "chat": False, "max_new_tokens": 64,
-        "options": {}, "sampling": None}}  # fmt: skip
+    done = {
+        "id": "q0",
+        "method": "sink",
+        "output": "",
+        "settings": {
+            "model": "default",
+            "method": "sink",
+            "budget": 64,
+            "chunk": 256,
+            "chat": False,
+            "max_new_tokens": 64,
+            "options": {},
+            "sampling": None,
+        },
+    }
     (folder / "done.jsonl").write_text(json.dumps(done) + "\n")
 
 
@@ -131,7 +302,9 @@ def render() -> str:
 
 @pytest.mark.real_model
 def test_doc_matches_the_cli():
-    assert DOC.read_text(encoding="utf-8") == render(), "docs/cli-errors.md is stale: python tests/test_cli_errors_doc.py"
+    assert DOC.read_text(encoding="utf-8") == render(), (
+        "docs/cli-errors.md is stale: python tests/test_cli_errors_doc.py"
+    )
 
 
 if __name__ == "__main__":

@@ -8,8 +8,16 @@ import pytest
 
 from armkv.cli import main
 
-FIELDS = {"id", "method", "output", "prompt_tokens", "cache_bytes", "prefill_seconds", "decode_seconds_per_token",
-          "settings"}
+FIELDS = {
+    "id",
+    "method",
+    "output",
+    "prompt_tokens",
+    "cache_bytes",
+    "prefill_seconds",
+    "decode_seconds_per_token",
+    "settings",
+}
 
 
 def write_lines(path, lines):
@@ -18,16 +26,39 @@ def write_lines(path, lines):
 
 
 def run(tmp_path, model_dir, *extra, lines=None):
-    src = write_lines(tmp_path / "in.jsonl", lines if lines is not None else [
-        json.dumps({"id": "a", "context": "The grass is green. The magic number is 1234567.",
-                    "question": " What is the magic number?", "answer_prefix": " It is"}),
-        "{not json",
-        json.dumps({"id": "b", "prompt": "The sky is blue."}),
-        json.dumps({"id": "c"}),
-    ])
+    src = write_lines(
+        tmp_path / "in.jsonl",
+        lines
+        if lines is not None
+        else [
+            json.dumps(
+                {
+                    "id": "a",
+                    "context": "The grass is green. The magic number is 1234567.",
+                    "question": " What is the magic number?",
+                    "answer_prefix": " It is",
+                }
+            ),
+            "{not json",
+            json.dumps({"id": "b", "prompt": "The sky is blue."}),
+            json.dumps({"id": "c"}),
+        ],
+    )
     out = tmp_path / "out.jsonl"
-    args = ["generate", "--model", str(model_dir), "--input", str(src), "--output", str(out),
-            "--max-new-tokens", "5", "--chunk", "8", *extra]
+    args = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "--input",
+        str(src),
+        "--output",
+        str(out),
+        "--max-new-tokens",
+        "5",
+        "--chunk",
+        "8",
+        *extra,
+    ]
     return main(args), out
 
 
@@ -55,7 +86,11 @@ def test_generate_chat_mode(tmp_path, tiny_model_dir):
         (["--method", "nope"], None, "unknown method 'nope'"),
         (["--method", "sink", "--budget", "3"], None, "too small"),
         (["--method", "full"], [], "holds no request"),
-        (["--method", "full", "--adapter", "random"], None, "--adapter applies to the arm and fifo methods, not 'full'"),
+        (
+            ["--method", "full", "--adapter", "random"],
+            None,
+            "--adapter applies to the arm and fifo methods, not 'full'",
+        ),
     ],
 )
 def test_generate_errors_are_one_line(tmp_path, tiny_model_dir, capsys, extra, lines, message):
@@ -72,8 +107,10 @@ def test_missing_model_folder(tmp_path, capsys):
 
 
 def test_prompt_too_long_is_reported_and_others_go_on(tmp_path, tiny_model_dir, capsys):
-    lines = [json.dumps({"id": "long", "prompt": "The grass is green. " * 400}),
-             json.dumps({"id": "short", "prompt": "The sky is blue."})]
+    lines = [
+        json.dumps({"id": "long", "prompt": "The grass is green. " * 400}),
+        json.dumps({"id": "short", "prompt": "The sky is blue."}),
+    ]
     code, out = run(tmp_path, tiny_model_dir, "--method", "full", lines=lines)
     assert code == 1
     assert "limit of 1024 positions" in capsys.readouterr().err
@@ -83,14 +120,41 @@ def test_prompt_too_long_is_reported_and_others_go_on(tmp_path, tiny_model_dir, 
 @pytest.mark.real_model
 def test_generate_real_default_model(tmp_path):
     """The console script on the default model (SmolLM2-135M-Instruct), a short chat prompt."""
-    src = write_lines(tmp_path / "in.jsonl", [json.dumps({
-        "id": "q", "context": "The magic number is 4321.", "question": "What is the magic number?",
-        "answer_prefix": "The magic number is"})])
+    src = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            json.dumps(
+                {
+                    "id": "q",
+                    "context": "The magic number is 4321.",
+                    "question": "What is the magic number?",
+                    "answer_prefix": "The magic number is",
+                }
+            )
+        ],
+    )
     out = tmp_path / "out.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "armkv.cli", "generate", "--method", "sink", "--budget", "64", "--chat",
-         "--max-new-tokens", "8", "--input", str(src), "--output", str(out)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "armkv.cli",
+            "generate",
+            "--method",
+            "sink",
+            "--budget",
+            "64",
+            "--chat",
+            "--max-new-tokens",
+            "8",
+            "--input",
+            str(src),
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     (result,) = [json.loads(line) for line in out.read_text().splitlines()]

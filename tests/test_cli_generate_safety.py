@@ -13,7 +13,9 @@ from armkv.hf.runner import Runner
 
 
 def write_requests(path, requests, raw=()):
-    path.write_text("".join(json.dumps(r) + "\n" for r in requests) + "".join(line + "\n" for line in raw), encoding="utf-8")
+    path.write_text(
+        "".join(json.dumps(r) + "\n" for r in requests) + "".join(line + "\n" for line in raw), encoding="utf-8"
+    )
     return path
 
 
@@ -22,8 +24,22 @@ def requests(n):
 
 
 def generate(model_dir, src, out, *extra):
-    return main(["generate", "--model", str(model_dir), "--input", str(src), "--output", str(out),
-                 "--max-new-tokens", "3", "--chunk", "8", *extra])  # fmt: skip
+    return main(
+        [
+            "generate",
+            "--model",
+            str(model_dir),
+            "--input",
+            str(src),
+            "--output",
+            str(out),
+            "--max-new-tokens",
+            "3",
+            "--chunk",
+            "8",
+            *extra,
+        ]
+    )
 
 
 def lines(path):
@@ -62,10 +78,20 @@ def calls(monkeypatch):
 
 def test_rerun_resumes_and_keeps_earlier_results(tmp_path, tiny_model_dir, calls):
     out = tmp_path / "out.jsonl"
-    assert generate(tiny_model_dir, write_requests(tmp_path / "a.jsonl", requests(2)), out, "--method", "sink", "--budget", "16") == 0
+    assert (
+        generate(
+            tiny_model_dir, write_requests(tmp_path / "a.jsonl", requests(2)), out, "--method", "sink", "--budget", "16"
+        )
+        == 0
+    )
     first = lines(out)
     assert calls.n == 2
-    assert generate(tiny_model_dir, write_requests(tmp_path / "b.jsonl", requests(3)), out, "--method", "sink", "--budget", "16") == 0
+    assert (
+        generate(
+            tiny_model_dir, write_requests(tmp_path / "b.jsonl", requests(3)), out, "--method", "sink", "--budget", "16"
+        )
+        == 0
+    )
     assert calls.n == 3  # only the new id was answered
     after = lines(out)
     assert after[:2] == first and [r["id"] for r in after] == ["r0", "r1", "r2"]
@@ -143,8 +169,16 @@ def test_a_killed_run_is_resumed_from_its_partial_file(tmp_path, tiny_model_dir,
         (None, ["--method", "kivi", "--budget", "1000000000"], "is more than the model's 1024 positions"),
         (None, ["--method", "arm", "--budget", "1000000000"], "is more than the model's 1024 positions"),
         (None, ["--method", "sink", "--budget", "3"], "too small"),
-        (None, ["--method", "arm", "--option", "arm.slot_formt=int8"], "method 'arm' has no option slot_formt; its options: adapter,"),
-        (None, ["--method", "kivi", "--option", "kivi.bitz=2"], "its options: bits, group, residual, sinks, value_group"),
+        (
+            None,
+            ["--method", "arm", "--option", "arm.slot_formt=int8"],
+            "method 'arm' has no option slot_formt; its options: adapter,",
+        ),
+        (
+            None,
+            ["--method", "kivi", "--option", "kivi.bitz=2"],
+            "its options: bits, group, residual, sinks, value_group",
+        ),
         (None, ["--method", "kivi", "--option", "kivi.bits=3"], "bits=3 must be 2 or 4"),
         (None, ["--method", "kivi", "--option", "sink.sinks=2"], "this run's method is 'kivi', not 'sink'"),
         (None, ["--method", "kivi", "--option", "bits=2"], "expected METHOD.KEY=VALUE"),
@@ -157,7 +191,9 @@ def test_a_killed_run_is_resumed_from_its_partial_file(tmp_path, tiny_model_dir,
         (None, ["--method", "full", "--temperature", "0", "--top-k", "5"], "--temperature 0 is greedy"),
     ],
 )
-def test_bad_input_is_one_line_before_the_model_loads(tmp_path, tiny_model_dir, capsys, no_model, setup, extra, message):
+def test_bad_input_is_one_line_before_the_model_loads(
+    tmp_path, tiny_model_dir, capsys, no_model, setup, extra, message
+):
     src = write_requests(tmp_path / "in.jsonl", requests(1))
     out = tmp_path / "out.jsonl"
     if setup == "dir":
@@ -186,15 +222,20 @@ def test_budget_for_full_is_a_warning_and_bounded_methods_default_to_512(tmp_pat
 
 def test_jsonl_edges_are_reported_with_line_numbers_before_the_model_loads(tmp_path, tiny_model_dir, capsys):
     src = tmp_path / "in.jsonl"
-    body = "\n".join([
-        json.dumps({"id": "a", "prompt": "The sky is blue."}),
-        "[1, 2, 3]",
-        json.dumps({"id": "b", "prompt": ""}),
-        json.dumps({"id": "c", "context": "", "question": ""}),
-        json.dumps({"id": "a", "prompt": "again"}),
-        json.dumps({"id": 1, "prompt": "The grass is green."}),
-        json.dumps({"id": "1", "prompt": "The grass is green."}),
-    ]) + "\n"  # fmt: skip
+    body = (
+        "\n".join(
+            [
+                json.dumps({"id": "a", "prompt": "The sky is blue."}),
+                "[1, 2, 3]",
+                json.dumps({"id": "b", "prompt": ""}),
+                json.dumps({"id": "c", "context": "", "question": ""}),
+                json.dumps({"id": "a", "prompt": "again"}),
+                json.dumps({"id": 1, "prompt": "The grass is green."}),
+                json.dumps({"id": "1", "prompt": "The grass is green."}),
+            ]
+        )
+        + "\n"
+    )
     src.write_bytes(b"\xef\xbb\xbf" + body.encode("utf-8"))  # a UTF-8 byte-order mark, as some editors save
     out = tmp_path / "out.jsonl"
     assert generate(tiny_model_dir, src, out, "--method", "full") == 0
@@ -223,7 +264,12 @@ def test_sampling_is_seeded_per_request(tmp_path, tiny_model_dir):
     a = lines(tmp_path / "a.jsonl")
     assert a[0]["settings"]["sampling"] == {"temperature": 1.5, "top_p": None, "top_k": 50, "seed": 7}
     # the last request alone gives the answer it gave after the others (a resumed run equals a whole one)
-    assert generate(tiny_model_dir, write_requests(tmp_path / "last.jsonl", requests(3)[2:]), tmp_path / "b.jsonl", *sample) == 0
+    assert (
+        generate(
+            tiny_model_dir, write_requests(tmp_path / "last.jsonl", requests(3)[2:]), tmp_path / "b.jsonl", *sample
+        )
+        == 0
+    )
     assert lines(tmp_path / "b.jsonl")[0]["output"] == a[2]["output"]
     # sampling differs from greedy somewhere over a few seeds (a random tiny model, temperature 1.5)
     assert generate(tiny_model_dir, src, tmp_path / "g.jsonl", "--method", "full") == 0
@@ -257,7 +303,16 @@ def test_a_run_that_produces_nothing_leaves_no_output(tmp_path, tiny_model_dir, 
     import armkv.errors
 
     monkeypatch.setattr(armkv.hf.model, "load_model", broken)
-    assert generate(tiny_model_dir, write_requests(tmp_path / "in.jsonl", requests(1)), tmp_path / "out.jsonl", "--method", "full") == 2
+    assert (
+        generate(
+            tiny_model_dir,
+            write_requests(tmp_path / "in.jsonl", requests(1)),
+            tmp_path / "out.jsonl",
+            "--method",
+            "full",
+        )
+        == 2
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 

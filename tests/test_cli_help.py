@@ -5,10 +5,10 @@ names the extra a tool needs."""
 import argparse
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from armkv.cli import EXTRAS, build_parser, main
 
@@ -102,7 +102,9 @@ def test_core_install_runs_help_and_names_the_missing_extra(tmp_path):
     assert proc.returncode == 0 and "generate" in proc.stdout, proc.stderr
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": 1, "prompt": "hi"}\n')
-    proc = run_without_extras("generate", "--method", "full", "--input", str(src), "--output", str(tmp_path / "o.jsonl"))
+    proc = run_without_extras(
+        "generate", "--method", "full", "--input", str(src), "--output", str(tmp_path / "o.jsonl")
+    )
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1, proc.stderr
     assert "needs the 'hf' extra" in err[0] and "pip install 'armkv[hf]'" in err[0]

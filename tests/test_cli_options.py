@@ -2,8 +2,6 @@
 ``--adapter``; a typo in a key is named with the keys the method takes; budget checks come
 before any model loads."""
 
-import argparse
-
 import pytest
 
 import armkv.hf.model
@@ -83,7 +81,10 @@ def no_model(monkeypatch):
         (["eval", "ppl", "--method", "sink", "--budget", "1000000000"], "is more than the model's 1024 positions"),
         (["eval", "ppl", "--method", "sink", "--adapter", "random"], "--adapter applies to the arm and fifo methods"),
         (["eval", "ruler", "--output", "OUT", "--budget", "1000000000"], "is more than the model's 1024 positions"),
-        (["eval", "ruler", "--output", "OUT", "--methods", "arm", "--option", "arm.m_fixed=1/x"], "or a share of them (1/8)"),
+        (
+            ["eval", "ruler", "--output", "OUT", "--methods", "arm", "--option", "arm.m_fixed=1/x"],
+            "or a share of them (1/8)",
+        ),
         (["eval", "ruler", "--output", "OUT", "--methods", "arm", "--option", "arm.m_fixed=3/2"], "must be in (0, 1]"),
     ],
 )
@@ -112,6 +113,8 @@ def test_machine_memory_check(monkeypatch, tiny_model_dir):
     from armkv.tools import preflight
 
     monkeypatch.setattr(preflight, "machine_memory_bytes", lambda: 2**16)
-    with pytest.raises(ArmkvError, match=r"--budget 1000 needs up to .* GiB of cache \(2 layers\), more than this machine's"):
+    with pytest.raises(
+        ArmkvError, match=r"--budget 1000 needs up to .* GiB of cache \(2 layers\), more than this machine's"
+    ):
         preflight.check_budget(1000, tiny_model_dir)
     preflight.check_budget(1, tiny_model_dir)

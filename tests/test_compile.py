@@ -17,8 +17,10 @@ CASES = {
     "kivi": dict(budget=64, group=4, residual=8),
     "arm": dict(budget=48, arm_overrides={"sync": 4}),
     "arm-routed": dict(budget=48, arm_overrides={"sync": 4, "top_m": "fixed", "m_fixed": 2}),
-    "arm-partial": dict(budget=48, arm_overrides={"sync": 4, "top_m": "fixed", "m_fixed": 2, "read_rank": "partial",
-                                          "slot_mixing": False}),
+    "arm-partial": dict(
+        budget=48,
+        arm_overrides={"sync": 4, "top_m": "fixed", "m_fixed": 2, "read_rank": "partial", "slot_mixing": False},
+    ),
     "arm-tree": dict(budget=48, arm_overrides={"sync": 4, "top_m": "fixed", "m_fixed": 2, "read_rank": "tree"}),
     "arm-summaries": dict(budget=48, arm_overrides={"sync": 4, "top_m": "fixed", "m_fixed": 2, "read_summaries": True}),
     "fifo": dict(budget=48),
@@ -37,7 +39,7 @@ def decode_logits(model, method, options, compile, device, steps=14):
         for t in range(steps):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
             step = positions[:, -1:] + 1 + t
-            out.append(model(fed[:, t:t + 1], attention_mask=mask, position_ids=step, past_key_values=cache).logits)
+            out.append(model(fed[:, t : t + 1], attention_mask=mask, position_ids=step, past_key_values=cache).logits)
     return torch.cat(out, 1), cache
 
 

@@ -7,9 +7,27 @@ from armkv.cli import main
 
 def test_demo_writes_table_plot_and_json(tmp_path, tiny_model_dir, capsys):
     out = tmp_path / "demo"
-    code = main(["demo", "--model", str(tiny_model_dir), "--methods", "full,sink,kivi", "--budget", "64",
-                 "--lengths", "96,160", "--samples", "1", "--max-new-tokens", "4", "--chunk", "32",
-                 "--output", str(out)])
+    code = main(
+        [
+            "demo",
+            "--model",
+            str(tiny_model_dir),
+            "--methods",
+            "full,sink,kivi",
+            "--budget",
+            "64",
+            "--lengths",
+            "96,160",
+            "--samples",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--chunk",
+            "32",
+            "--output",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "| method | budget | accuracy % | cache MB @96 | cache MB @160 | ms / token |" in printed

@@ -42,7 +42,12 @@ def test_help_texts_have_no_diary(capsys):
     texts = [parser.format_help()]
     for p in sub.choices.values():
         texts.append(p.format_help())
-        texts += [q.format_help() for a in p._actions if a.__class__.__name__ == "_SubParsersAction" for q in a.choices.values()]
+        texts += [
+            q.format_help()
+            for a in p._actions
+            if a.__class__.__name__ == "_SubParsersAction"
+            for q in a.choices.values()
+        ]
     bad = [m.group(0) for t in texts for m in DIARY.finditer(t)] + [t for t in texts if "DESIGN.md" in t]
     assert not bad, bad
 

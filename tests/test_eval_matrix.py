@@ -9,7 +9,15 @@ from armkv.cli import main
 from armkv.errors import ArmkvError
 from armkv.evals.matrix import collect
 
-CONFIG = {"eval": "ruler", "model": "default", "budget": 512, "chunk": 256, "chat": False, "seed": 42, "haystack": "noise"}
+CONFIG = {
+    "eval": "ruler",
+    "model": "default",
+    "budget": 512,
+    "chunk": 256,
+    "chat": False,
+    "seed": 42,
+    "haystack": "noise",
+}
 
 
 def _folder(root, name, cells, **config):
@@ -29,11 +37,18 @@ def _run(capsys, *args) -> str:
 
 
 def test_bar_marks_cells_and_counts_stale_sources(tmp_path, capsys):
-    old = _folder(tmp_path, "old", {
-        ("full", "niah_single_1", 2048): [100, 100], ("full", "niah_multikey_1", 2048): [100, 80],
-        ("sink", "niah_single_1", 2048): [50, 50], ("sink", "niah_multikey_1", 2048): [100, 60],
-        ("arm", "niah_single_1", 2048): [0, 0], ("arm", "niah_multikey_1", 2048): [100, 100],
-    })
+    old = _folder(
+        tmp_path,
+        "old",
+        {
+            ("full", "niah_single_1", 2048): [100, 100],
+            ("full", "niah_multikey_1", 2048): [100, 80],
+            ("sink", "niah_single_1", 2048): [50, 50],
+            ("sink", "niah_multikey_1", 2048): [100, 60],
+            ("arm", "niah_single_1", 2048): [0, 0],
+            ("arm", "niah_multikey_1", 2048): [100, 100],
+        },
+    )
     new = _folder(tmp_path, "new", {("arm", "niah_single_1", 2048): [100, 80]})
     out = _run(capsys, old, new, "--bar", "arm", "--current", new, "--output", tmp_path / "m")
     cells = json.loads(out.strip().splitlines()[-1])["noise"]
@@ -48,11 +63,18 @@ def test_bar_marks_cells_and_counts_stale_sources(tmp_path, capsys):
 
 
 def test_bar_fails_a_cell_below_the_line_or_not_above_another_row(tmp_path, capsys):
-    folder = _folder(tmp_path, "f", {
-        ("full", "niah_single_1", 2048): [100, 100], ("full", "niah_multikey_1", 2048): [50, 50],
-        ("swa", "niah_single_1", 2048): [0, 0], ("swa", "niah_multikey_1", 2048): [50, 50],
-        ("arm", "niah_single_1", 2048): [100, 70], ("arm", "niah_multikey_1", 2048): [50, 50],
-    })
+    folder = _folder(
+        tmp_path,
+        "f",
+        {
+            ("full", "niah_single_1", 2048): [100, 100],
+            ("full", "niah_multikey_1", 2048): [50, 50],
+            ("swa", "niah_single_1", 2048): [0, 0],
+            ("swa", "niah_multikey_1", 2048): [50, 50],
+            ("arm", "niah_single_1", 2048): [100, 70],
+            ("arm", "niah_multikey_1", 2048): [50, 50],
+        },
+    )
     out = _run(capsys, folder, "--bar", "arm")
     assert "| arm | 50 (2) | 85 (2) |" in out  # 15 under full; ties swa instead of beating it
     assert "arm meets the bar in 0 of 2 cells." in out

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_evals_fixtures import DATA, tiny_model, tiny_tokenizer
 
 from armkv.cli import main as armkv_main
+from test_evals_fixtures import DATA, tiny_model, tiny_tokenizer
 
 pytest.importorskip("armkv.hf.runner", reason="the generation engine (armkv.hf.runner) is not in this build")
 
@@ -27,11 +27,26 @@ def run(*argv):
 
 def test_ruler_runs_every_method_and_writes_the_folder(model_dir, tmp_path, capsys):
     out = tmp_path / "ruler"
-    common = ["--model", model_dir, "--lengths", "512", "--samples", "1", "--budget", "64", "--chunk", "64", "--max-new-tokens", "3"]
+    common = [
+        "--model",
+        model_dir,
+        "--lengths",
+        "512",
+        "--samples",
+        "1",
+        "--budget",
+        "64",
+        "--chunk",
+        "64",
+        "--max-new-tokens",
+        "3",
+    ]
     assert run("ruler", "--output", out, "--tasks", "niah_single_1", "--methods", "full,swa,arm", *common) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) == {"full", "swa", "arm"}
-    assert all(set(tasks) == {"niah_single_1"} and all(set(v) == {"512"} for v in tasks.values()) for tasks in summary.values())
+    assert all(
+        set(tasks) == {"niah_single_1"} and all(set(v) == {"512"} for v in tasks.values()) for tasks in summary.values()
+    )
     record = json.loads((out / "arm__niah_single_1__512.jsonl").read_text())
     assert record["prompt_tokens"] > 300 and record["cache_bytes"] > 0
     # a bounded method holds less than the full cache at this length
@@ -55,17 +70,51 @@ def test_ablation_and_longbench_run_end_to_end(model_dir, tmp_path):
     common = ["--model", model_dir, "--samples", "1", "--budget", "64", "--chunk", "64"]
     out = tmp_path / "ablation"
     rows = "fixed-M-1/4"
-    assert run("ablation", "--output", out, "--rows", rows, "--tasks", "niah_single_1", "--lengths", "512", "--max-new-tokens", "3", *common) == 0
+    assert (
+        run(
+            "ablation",
+            "--output",
+            out,
+            "--rows",
+            rows,
+            "--tasks",
+            "niah_single_1",
+            "--lengths",
+            "512",
+            "--max-new-tokens",
+            "3",
+            *common,
+        )
+        == 0
+    )
     assert set(json.loads((out / "summary.json").read_text())) == set(rows.split(","))
     assert "| fixed-M-1/4 | arm | top_m=fixed, m_fixed=" in (out / "table.md").read_text()
     out = tmp_path / "longbench"
-    assert run("longbench", "--output", out, "--data-dir", DATA / "longbench", "--tasks", "hotpotqa,lcc", "--methods", "swa", "--max-new-tokens", "3", *common) == 0
+    assert (
+        run(
+            "longbench",
+            "--output",
+            out,
+            "--data-dir",
+            DATA / "longbench",
+            "--tasks",
+            "hotpotqa,lcc",
+            "--methods",
+            "swa",
+            "--max-new-tokens",
+            "3",
+            *common,
+        )
+        == 0
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["swa"]) == {"hotpotqa", "lcc"}
 
 
 def test_bad_input_is_one_line(model_dir, tmp_path, capsys):
-    assert run("ruler", "--output", tmp_path, "--model", model_dir, "--lengths", "4096", "--tasks", "niah_single_1") == 2
+    assert (
+        run("ruler", "--output", tmp_path, "--model", model_dir, "--lengths", "4096", "--tasks", "niah_single_1") == 2
+    )
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "armkv eval: error: --lengths 4096 is beyond the model's limit of 2048 positions (max_position_embeddings)"
     )

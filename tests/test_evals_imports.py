@@ -15,7 +15,9 @@ HEAVY = ("torch", "transformers", "matplotlib", "lm_eval", "rouge_score", "rapid
 def modules_after(code: str) -> set[str]:
     out = subprocess.run(
         [sys.executable, "-c", code + "\nimport sys; print(' '.join(sys.modules))"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return set(out.split())
 

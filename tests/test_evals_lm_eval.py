@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from test_evals_fixtures import DATA, tiny_model, tiny_tokenizer
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'armkv[eval]')")

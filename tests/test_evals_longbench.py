@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_evals_fixtures import DATA, fake_factory, tiny_tokenizer
 
 from armkv.errors import ArmkvError
-from armkv.evals import common, longbench as lb
+from armkv.evals import common
+from armkv.evals import longbench as lb
+from test_evals_fixtures import DATA, fake_factory, tiny_tokenizer
 
 pytest.importorskip("rouge_score")
 pytest.importorskip("rapidfuzz")
@@ -71,13 +72,20 @@ def test_request_splits_at_the_context_and_truncates_the_middle():
     tok = tiny_tokenizer()
     sample = {"input": "Who?", "context": "word " * 3000, "answers": ["x"], "_id": "a"}
     request = lb.make_request("hotpotqa", sample, 0, tok, max_length=10_000)
-    assert request["question"] == "\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: Who?\nAnswer:"
+    assert (
+        request["question"]
+        == "\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: Who?\nAnswer:"  # noqa: E501
+    )
     assert request["context"].startswith("Answer the question based on the given passages.")
     short = lb.make_request("hotpotqa", sample, 0, tok, max_length=200)
     assert len(tok.encode(short["context"] + short["question"], add_special_tokens=False)) <= 202
     assert short["question"] == request["question"]  # the tail survived the cut
     code = lb.make_request("lcc", {"context": "def f():\n", "input": "", "_id": "c"}, 0, tok, 1000)
-    assert code == {"id": "c", "context": "Please complete the code given below. \ndef f():\n", "question": "Next line of code:\n"}
+    assert code == {
+        "id": "c",
+        "context": "Please complete the code given below. \ndef f():\n",
+        "question": "Next line of code:\n",
+    }
 
 
 def test_missing_data_is_one_line_error(tmp_path):
@@ -99,8 +107,15 @@ def test_evaluate_scores_each_dataset_with_its_metric_and_lengths(tmp_path):
         return fake_factory(lambda m, r: answers[r["id"]], calls)(method, options)
 
     summary = lb.evaluate(
-        ["hotpotqa", "trec", "lcc"], DATA / "longbench", tiny_tokenizer(), [common.Row("arm", "arm")], tmp_path, factory,
-        settings={"eval": "longbench"}, max_length=4000, chat=True,
+        ["hotpotqa", "trec", "lcc"],
+        DATA / "longbench",
+        tiny_tokenizer(),
+        [common.Row("arm", "arm")],
+        tmp_path,
+        factory,
+        settings={"eval": "longbench"},
+        max_length=4000,
+        chat=True,
     )
     assert summary == {"arm": {"hotpotqa": {"all": 50.0}, "trec": {"all": 100.0}, "lcc": {"all": 100.0}}}
     assert sorted(chats) == [False, True]  # trec and lcc go without the chat template

@@ -31,8 +31,25 @@ def test_policy_cli_writes_table_json_and_plot(tiny_model_dir, tmp_path, capsys)
     text = tmp_path / "t.txt"
     text.write_text("The grass is green. The sky is blue. " * 40)
     out = tmp_path / "out"
-    args = ["eval", "policy", "--model", str(tiny_model_dir), "--adapter", "random", "--budget", "96",
-            "--input", str(text), "--inputs", "3", "--tokens", "16", "--output", str(out), "--json"]
+    args = [
+        "eval",
+        "policy",
+        "--model",
+        str(tiny_model_dir),
+        "--adapter",
+        "random",
+        "--budget",
+        "96",
+        "--input",
+        str(text),
+        "--inputs",
+        "3",
+        "--tokens",
+        "16",
+        "--output",
+        str(out),
+        "--json",
+    ]
     assert main(args) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(last["per_layer"]) == 2 and sum(last["histogram"].values()) == 2 * 3
@@ -43,8 +60,20 @@ def test_policy_cli_writes_table_json_and_plot(tiny_model_dir, tmp_path, capsys)
 def test_policy_cli_short_input_is_a_one_line_error(tiny_model_dir, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("short")
-    args = ["eval", "policy", "--model", str(tiny_model_dir), "--adapter", "random", "--input", str(text),
-            "--inputs", "8", "--tokens", "64"]
+    args = [
+        "eval",
+        "policy",
+        "--model",
+        str(tiny_model_dir),
+        "--adapter",
+        "random",
+        "--input",
+        str(text),
+        "--inputs",
+        "8",
+        "--tokens",
+        "64",
+    ]
     assert main(args) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("Loading")]
     assert len(err) == 1 and "fewer than --inputs x --tokens" in err[0]

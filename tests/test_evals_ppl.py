@@ -30,7 +30,10 @@ def test_missing_input_is_a_one_line_error(tmp_path, capsys):
     assert len(err) == 1 and "no such file" in err[0]
 
 
-@pytest.mark.parametrize("tool", [["eval", "ppl", "--method", "full"], ["eval", "policy"], ["generate", "--method", "full", "--output", "o.jsonl"]])
+@pytest.mark.parametrize(
+    "tool",
+    [["eval", "ppl", "--method", "full"], ["eval", "policy"], ["generate", "--method", "full", "--output", "o.jsonl"]],
+)
 def test_text_that_is_not_utf8_is_a_one_line_error(tmp_path, capsys, monkeypatch, tool):
     """A file in another encoding (here UTF-16, as some editors save) is named with the byte
     that failed, before any model loads, in every tool that reads a user's text."""
@@ -75,8 +78,23 @@ def test_windows_score_every_consecutive_window_with_a_fresh_cache(tmp_path, cap
     ids = tokenizer(text.read_text(), return_tensors="pt").input_ids
     n = 40
     assert ids.shape[1] // n >= 3
-    args = ["eval", "ppl", "--method", "sink", "--budget", "16", "--chunk", "8", "--model", str(tiny_model_dir),
-            "--input", str(text), "--max-tokens", str(n), "--json"]
+    args = [
+        "eval",
+        "ppl",
+        "--method",
+        "sink",
+        "--budget",
+        "16",
+        "--chunk",
+        "8",
+        "--model",
+        str(tiny_model_dir),
+        "--input",
+        str(text),
+        "--max-tokens",
+        str(n),
+        "--json",
+    ]
     assert main([*args, "--windows"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     *each, summary = lines
@@ -88,7 +106,9 @@ def test_windows_score_every_consecutive_window_with_a_fresh_cache(tmp_path, cap
     assert summary["ppl"] == [w["ppl"] for w in each]
     assert summary["geometric_mean"] == pytest.approx(math.exp(sum(math.log(w["ppl"]) for w in each) / len(each)))
     assert main(args) == 0  # without --windows: the first window only, as before
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ppl"] == pytest.approx(each[0]["ppl"], rel=1e-5)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ppl"] == pytest.approx(
+        each[0]["ppl"], rel=1e-5
+    )
     args[args.index("--max-tokens") + 1] = "100000"
     assert main([*args, "--windows"]) == 2
     assert "fewer than one window" in capsys.readouterr().err

@@ -41,7 +41,14 @@ def test_missed_mass_is_the_attention_on_the_slots_the_sparse_read_skips(split, 
     exact_k, exact_v, exact_valid = layer._exact()
     m, scaling = 3, 0.3
     layer.m, layer._route_k = torch.tensor([m, m]), m
-    settings = [{"name": "s", "rank": rank, "page_split": split, "partial_share": layer.config.partial_share if rank == "partial" else None}]
+    settings = [
+        {
+            "name": "s",
+            "rank": rank,
+            "page_split": split,
+            "partial_share": layer.config.partial_share if rank == "partial" else None,
+        }
+    ]
     with torch.no_grad():
         missed, share = reads.missed_mass(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)["s"]
         # the slots the layer's own masked read takes at this M (its reference read)
@@ -53,14 +60,22 @@ def test_missed_mass_is_the_attention_on_the_slots_the_sparse_read_skips(split, 
     torch.testing.assert_close(missed.view(B, Hq), (p * ~mask).sum(-1), rtol=1e-4, atol=1e-5)
     assert 0 < share <= 1 and (missed > 0).any()
     # reading every page misses nothing
-    everything = reads.missed_mass(layer, query, key, valid, scaling, exact_k, exact_valid, settings, layer.memory.router.num_buckets * 2)
+    everything = reads.missed_mass(
+        layer, query, key, valid, scaling, exact_k, exact_valid, settings, layer.memory.router.num_buckets * 2
+    )
     assert float(everything["s"][0].abs().max()) < 1e-6 and everything["s"][1] == pytest.approx(1.0)
 
 
 def test_settings_are_checked_before_anything_runs():
     names = [s["name"] for s in _settings(ranks="partial,best", page_split="1,4", partial_share="0.125,0.25")]
-    assert names == ["partial, pages/1, rows 0.125", "partial, pages/1, rows 0.25", "partial, pages/4, rows 0.125",
-                     "partial, pages/4, rows 0.25", "best, pages/1", "best, pages/4"]
+    assert names == [
+        "partial, pages/1, rows 0.125",
+        "partial, pages/1, rows 0.25",
+        "partial, pages/4, rows 0.125",
+        "partial, pages/4, rows 0.25",
+        "best, pages/1",
+        "best, pages/4",
+    ]
     for bad in ({"ranks": "tree"}, {"page_split": "0"}, {"page_split": "x"}, {"partial_share": "1.5"}):
         with pytest.raises(ArmkvError):
             _settings(**bad)
@@ -87,9 +102,18 @@ def test_output_errors_are_those_of_the_layers_own_reads(split, rank):
     exact = layer._exact()
     m, scaling = 3, 0.3
     layer.m, layer._route_k = torch.tensor([m, m]), m
-    settings = [{"name": "s", "rank": rank, "page_split": split, "partial_share": layer.config.partial_share if rank == "partial" else None}]
+    settings = [
+        {
+            "name": "s",
+            "rank": rank,
+            "page_split": split,
+            "partial_share": layer.config.partial_share if rank == "partial" else None,
+        }
+    ]
     with torch.no_grad():
-        error, summarised = reads.output_errors(layer, query, key, value, valid, scaling, *exact[:2], exact[2], settings, m)["s"]
+        error, summarised = reads.output_errors(
+            layer, query, key, value, valid, scaling, *exact[:2], exact[2], settings, m
+        )["s"]
         every = layer._chunk_read(query, key, value, valid, positions, scaling, *exact, reads_all=True)[:, 0]
         plain = layer._chunk_read(query, key, value, valid, positions, scaling, *exact, reads_all=False)[:, 0]
         layer.config.read_summaries = True

@@ -7,11 +7,11 @@ import json
 import re
 
 import pytest
-from test_evals_fixtures import DATA, fake_factory, tiny_tokenizer
 
 from armkv.errors import ArmkvError
 from armkv.evals import common, ruler
 from armkv.methods.base import ModelInfo
+from test_evals_fixtures import DATA, fake_factory, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,14 @@ def test_evaluate_writes_logs_summary_table_plot_and_resumes(tmp_path):
     info = ModelInfo(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_positions=4096)
     kwargs = dict(settings=settings, budget=128, info=info)
     summary = ruler.evaluate(
-        gen, rows, ["niah_single_1", "niah_multikey_2"], [1024], 2, tmp_path, fake_factory(needle_answer, calls), **kwargs
+        gen,
+        rows,
+        ["niah_single_1", "niah_multikey_2"],
+        [1024],
+        2,
+        tmp_path,
+        fake_factory(needle_answer, calls),
+        **kwargs,
     )
     assert summary == {
         "full": {"niah_single_1": {"1024": 100.0}, "niah_multikey_2": {"1024": 100.0}},
@@ -229,7 +236,16 @@ def test_evaluate_writes_logs_summary_table_plot_and_resumes(tmp_path):
     first = path.read_text().splitlines()[0]
     path.write_text(first + "\n" + '{"id": "niah_multike')
     calls.clear()
-    ruler.evaluate(gen, rows, ["niah_single_1", "niah_multikey_2"], [1024], 3, tmp_path, fake_factory(needle_answer, calls), **kwargs)
+    ruler.evaluate(
+        gen,
+        rows,
+        ["niah_single_1", "niah_multikey_2"],
+        [1024],
+        3,
+        tmp_path,
+        fake_factory(needle_answer, calls),
+        **kwargs,
+    )
     redone = sorted(c[:2] for c in calls)
     assert redone == sorted(
         [(m, f"{t}-1024-2") for m in ("full", "swa") for t in ("niah_single_1", "niah_multikey_2")]
@@ -238,7 +254,16 @@ def test_evaluate_writes_logs_summary_table_plot_and_resumes(tmp_path):
     assert len(path.read_text().splitlines()) == 3
 
     with pytest.raises(ArmkvError, match="holds results for budget=128"):
-        ruler.evaluate(gen, rows, ["niah_single_1"], [1024], 1, tmp_path, fake_factory(needle_answer), settings={"eval": "ruler", "budget": 256})
+        ruler.evaluate(
+            gen,
+            rows,
+            ["niah_single_1"],
+            [1024],
+            1,
+            tmp_path,
+            fake_factory(needle_answer),
+            settings={"eval": "ruler", "budget": 256},
+        )
 
 
 def test_chat_template_tokens_are_the_wrappers_tokens():

@@ -11,8 +11,13 @@ SCRIPT = ROOT / "scripts" / "gpu_profile.py"
 
 
 def test_dry_run_profiles_each_run(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--runs", "full,arm,arm-compiled", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--runs", "full,arm,arm-compiled", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary == {"out": str(tmp_path), "runs": json.loads((tmp_path / "profile.json").read_text())["runs"]}
@@ -28,8 +33,13 @@ def test_dry_run_profiles_each_run(tmp_path):
 
 
 def test_an_unknown_method_fails_before_the_model_is_built(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--runs", "arm,nosuch", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--runs", "arm,nosuch", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert done.returncode != 0 and "--runs nosuch: unknown method 'nosuch'" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "profile.json").exists()
 
@@ -37,8 +47,23 @@ def test_an_unknown_method_fails_before_the_model_is_built(tmp_path):
 def test_options_reach_the_runs_cache(tmp_path):
     """--option METHOD.KEY=VALUE goes to that method's cache (here a bad value, refused by the
     cache; the run's failure is recorded) and to the settings; other methods' runs ignore it."""
-    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--runs", "full,arm", "--option", "arm.read_rank=nope",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--dry-run",
+            "--runs",
+            "full,arm",
+            "--option",
+            "arm.read_rank=nope",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     doc = json.loads((tmp_path / "profile.json").read_text())
     assert doc["settings"]["option"] == ["arm.read_rank=nope"]

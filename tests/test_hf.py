@@ -37,8 +37,11 @@ def _restore_models():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("arch,dtype", [(arch, F32) for arch in ARCHS] + [("llama", BF16), ("qwen3", F16)],
-                         ids=lambda x: dtype_id(x) if isinstance(x, torch.dtype) else x)
+@pytest.mark.parametrize(
+    "arch,dtype",
+    [(arch, F32) for arch in ARCHS] + [("llama", BF16), ("qwen3", F16)],
+    ids=lambda x: dtype_id(x) if isinstance(x, torch.dtype) else x,
+)
 @pytest.mark.parametrize("method", ALL)
 def test_greedy_generation_equals_plain_generate(arch, dtype, method, device):
     """``model.generate`` with the cache gives plain generate's tokens: exactly in float32; in
@@ -48,8 +51,9 @@ def test_greedy_generation_equals_plain_generate(arch, dtype, method, device):
     model = tiny_model(arch, dtype=dtype, device=device)
     ids, mask = (t.to(device) for t in left_padded())
     cache = make_cache(model, method, budget=BIG, chunk=7)
-    got = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
-                         past_key_values=cache)
+    got = model.generate(
+        ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, past_key_values=cache
+    )
     if dtype == torch.float32:
         want = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
         assert torch.equal(got, want)
@@ -117,8 +121,11 @@ def assert_greedy_within_rounding(model, sequences, mask, prompt: int, tolerance
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("arch,dtype", [("llama", F32), ("qwen3", F32), ("llama", BF16), ("qwen3", BF16), ("llama", F16)],
-                         ids=lambda x: dtype_id(x) if isinstance(x, torch.dtype) else x)
+@pytest.mark.parametrize(
+    "arch,dtype",
+    [("llama", F32), ("qwen3", F32), ("llama", BF16), ("qwen3", BF16), ("llama", F16)],
+    ids=lambda x: dtype_id(x) if isinstance(x, torch.dtype) else x,
+)
 @pytest.mark.parametrize("method", ALL)
 def test_chunked_prefill_and_decode_equal_no_cache_forward(arch, dtype, method, device, nan_empty):
     """Prefill in chunks of 5 under random left padding, then feed 6 tokens one by one: every
@@ -133,12 +140,22 @@ def test_chunked_prefill_and_decode_equal_no_cache_forward(arch, dtype, method, 
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     got = []
     with torch.no_grad():
-        out = model(ids[:, :prompt], attention_mask=mask[:, :prompt], position_ids=positions[:, :prompt],
-                    past_key_values=cache, use_cache=True)
+        out = model(
+            ids[:, :prompt],
+            attention_mask=mask[:, :prompt],
+            position_ids=positions[:, :prompt],
+            past_key_values=cache,
+            use_cache=True,
+        )
         got.append(out.logits)
         for t in range(prompt, ids.shape[1]):
-            out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=positions[:, t:t + 1],
-                        past_key_values=cache, use_cache=True)
+            out = model(
+                ids[:, t : t + 1],
+                attention_mask=mask[:, : t + 1],
+                position_ids=positions[:, t : t + 1],
+                past_key_values=cache,
+                use_cache=True,
+            )
             got.append(out.logits)
     got = torch.cat(got, dim=1)
     valid = mask.bool()
@@ -159,15 +176,16 @@ def test_batched_equals_one_by_one(method, device):
     kwargs = SMALL.get(method, dict(budget=64 if METHODS[method].bounded else None))
     ids, mask = (t.to(device) for t in left_padded(batch=3, length=24, seed=2))
     cache = make_cache(model, method, chunk=64, **kwargs)
-    batched = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
-                             past_key_values=cache)[:, ids.shape[1]:]
+    batched = model.generate(
+        ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0, past_key_values=cache
+    )[:, ids.shape[1] :]
     for i in range(ids.shape[0]):
-        row = ids[i:i + 1, mask[i].bool()]
+        row = ids[i : i + 1, mask[i].bool()]
         cache = make_cache(model, method, chunk=64, **kwargs)
         alone = model.generate(row, max_new_tokens=20, do_sample=False, pad_token_id=0, past_key_values=cache)
-        alone = alone[0, row.shape[1]:]
+        alone = alone[0, row.shape[1] :]
         # A row that stopped early is padded in the batch.
-        assert torch.equal(alone, batched[i, : len(alone)]) and not batched[i, len(alone):].any(), f"row {i}"
+        assert torch.equal(alone, batched[i, : len(alone)]) and not batched[i, len(alone) :].any(), f"row {i}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -191,13 +209,15 @@ def test_batched_logits_equal_one_by_one_in_half_precision(method, dtype, device
             for t in range(fed.shape[1]):
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
                 step = positions[:, -1:] + 1 + t
-                logits.append(model(fed[:, t:t + 1], attention_mask=mask, position_ids=step, past_key_values=cache).logits)
+                logits.append(
+                    model(fed[:, t : t + 1], attention_mask=mask, position_ids=step, past_key_values=cache).logits
+                )
         return torch.cat(logits, 1)
 
     batched = run(ids, mask, fed)
     for i in range(ids.shape[0]):
-        row = ids[i:i + 1, mask[i].bool()]
-        alone = run(row, torch.ones_like(row), fed[i:i + 1])
+        row = ids[i : i + 1, mask[i].bool()]
+        alone = run(row, torch.ones_like(row), fed[i : i + 1])
         torch.testing.assert_close(alone[0], batched[i], **TOLERANCE[dtype], msg=lambda m: f"row {i}: {m}")
 
 
@@ -219,12 +239,21 @@ def test_sampled_runner_equals_generate():
     model = tiny_model("qwen3")
     ids = torch.randint(3, 128, (1, 17), generator=torch.Generator().manual_seed(4))
     torch.manual_seed(7)
-    want = model.generate(ids, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
-                          pad_token_id=0, past_key_values=make_cache(model, "sink", budget=BIG))[0, 17:]
+    want = model.generate(
+        ids,
+        max_new_tokens=12,
+        do_sample=True,
+        temperature=0.8,
+        top_k=20,
+        top_p=0.9,
+        pad_token_id=0,
+        past_key_values=make_cache(model, "sink", budget=BIG),
+    )[0, 17:]
     runner = Runner(model, _NoTokenizer(), "sink", budget=BIG, chunk=4)
     torch.manual_seed(7)
-    got, _, _ = runner.generate_ids([ids[0, :9].tolist(), ids[0, 9:].tolist()], 12, do_sample=True,
-                                    temperature=0.8, top_k=20, top_p=0.9)
+    got, _, _ = runner.generate_ids(
+        [ids[0, :9].tolist(), ids[0, 9:].tolist()], 12, do_sample=True, temperature=0.8, top_k=20, top_p=0.9
+    )
     assert got == want[: len(got)].tolist()
 
 
@@ -290,8 +319,12 @@ def test_cache_reports_lengths_and_bytes():
 
 @pytest.mark.parametrize(
     "method,budget,options,message",
-    [("nope", None, {}, "unknown method"), ("sink", 3, {}, "too small"), ("swa", None, {}, "needs a budget"),
-     ("full", None, {"chunk": 0}, "chunk")],
+    [
+        ("nope", None, {}, "unknown method"),
+        ("sink", 3, {}, "too small"),
+        ("swa", None, {}, "needs a budget"),
+        ("full", None, {"chunk": 0}, "chunk"),
+    ],
 )
 def test_make_cache_errors(method, budget, options, message):
     model = tiny_model("llama")

@@ -40,7 +40,9 @@ def _packed(groups: int, slots: int, d: int, free: int, seed: int) -> MemoryStat
 # do not split into 8-byte blocks, so the scalar loops serve); slot counts around the 8-slot blocks;
 # 1-8 query heads a KV head have loops of their own, 9-16 (rep 12) the run-time loop
 @pytest.mark.parametrize("d", [64, 128, 48, 40])
-@pytest.mark.parametrize("slots,rep,groups", [(1, 1, 1), (7, 3, 2), (8, 5, 1), (37, 3, 4), (301, 2, 3), (45, 4, 2), (29, 12, 2)])
+@pytest.mark.parametrize(
+    "slots,rep,groups", [(1, 1, 1), (7, 3, 2), (8, 5, 1), (37, 3, 4), (301, 2, 3), (45, 4, 2), (29, 12, 2)]
+)
 def test_fused_int4_read_equals_the_pytorch_read(kernel, d, slots, rep, groups):
     st = _packed(groups, slots, d, free=slots // 5, seed=slots * d + rep)
     g = torch.Generator().manual_seed(rep)
@@ -48,15 +50,19 @@ def test_fused_int4_read_equals_the_pytorch_read(kernel, d, slots, rep, groups):
     weights = torch.softmax(torch.randn(groups, rep, slots, generator=g), -1)
     weights[:, :, : slots // 3] = 0  # slots no query reads: skipped by nothing, still exact
     torch.testing.assert_close(st.key_scores(query), st.key_scores(query, fused=False), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(st.weighted_values(weights), st.weighted_values(weights, fused=False), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        st.weighted_values(weights), st.weighted_values(weights, fused=False), rtol=1e-5, atol=1e-5
+    )
     # non-contiguous inputs read as their contiguous copies
     q_t = query.transpose(0, 1).contiguous().transpose(0, 1)
     torch.testing.assert_close(st.key_scores(q_t), st.key_scores(query, fused=False), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("fmt", ["k8v4", "int8"])
-@pytest.mark.parametrize("d,slots,rep,groups", [(64, 1, 1, 1), (64, 7, 3, 2), (40, 37, 5, 3), (128, 301, 2, 1), (64, 8, 17, 1),
-                                                  (64, 53, 12, 2)])
+@pytest.mark.parametrize(
+    "d,slots,rep,groups",
+    [(64, 1, 1, 1), (64, 7, 3, 2), (40, 37, 5, 3), (128, 301, 2, 1), (64, 8, 17, 1), (64, 53, 12, 2)],
+)
 def test_fused_int8_key_scores_equal_the_pytorch_read(kernel, fmt, d, slots, rep, groups):
     """int8 keys (k8v4 and int8 slots, one scale a slot): the vector loops for whole blocks
     of 8 slots, the scalar loop for the rest and for more than 16 query heads a KV head."""
@@ -71,7 +77,9 @@ def test_fused_int8_key_scores_equal_the_pytorch_read(kernel, fmt, d, slots, rep
     query = torch.randn(groups, rep, d, generator=g)
     torch.testing.assert_close(st.key_scores(query), st.key_scores(query, fused=False), rtol=1e-5, atol=1e-4)
     weights = torch.softmax(torch.randn(groups, rep, slots, generator=g), -1)
-    torch.testing.assert_close(st.weighted_values(weights), st.weighted_values(weights, fused=False), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        st.weighted_values(weights), st.weighted_values(weights, fused=False), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_vector_loops_serve_the_default_model_here(kernel):
@@ -173,7 +181,9 @@ def test_fused_unpack_to_pre_rope_equals_dequantise_then_unrotate(kernel, d, gro
     st.pos = torch.rand(groups, 53) * 5000
     rotary = Rotary(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), attention_scaling=1.25)
     cos, sin = (t.expand(groups, 53, -1) for t in rotary.half_cos_sin(st.pos, torch.float32))
-    key, value = kernel.int4_unpack_pre_rope(st.key, st.key_scale, st.value, st.value_scale, cos, sin, st.mixed, rotary.scaling)
+    key, value = kernel.int4_unpack_pre_rope(
+        st.key, st.key_scale, st.value, st.value_scale, cos, sin, st.mixed, rotary.scaling
+    )
     ref_key, ref_value = st.kv(torch.float32, fused=False)
     torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(key, rotary.unrotate(ref_key, st.pos), rtol=1e-5, atol=1e-5)
@@ -181,9 +191,18 @@ def test_fused_unpack_to_pre_rope_equals_dequantise_then_unrotate(kernel, d, gro
 
 
 @pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
-@pytest.mark.parametrize("d,slots,rep,exact,mixed", [(64, 1, 1, 3, True), (64, 37, 3, 68, True), (40, 301, 5, 9, False),
-                                                      (64, 8, 2, 1, False), (128, 19, 3, 12, True), (64, 45, 4, 7, True),
-                                                      (64, 29, 12, 5, True)])
+@pytest.mark.parametrize(
+    "d,slots,rep,exact,mixed",
+    [
+        (64, 1, 1, 3, True),
+        (64, 37, 3, 68, True),
+        (40, 301, 5, 9, False),
+        (64, 8, 2, 1, False),
+        (128, 19, 3, 12, True),
+        (64, 45, 4, 7, True),
+        (64, 29, 12, 5, True),
+    ],
+)
 @pytest.mark.parametrize("vectorised", [True, False])
 def test_fused_decode_read_equals_the_pytorch_ops(kernel, fmt, d, slots, rep, exact, mixed, vectorised):
     """One layer's decode read in one call (ARMLayer._decode_read's fused path) against the
@@ -211,8 +230,23 @@ def test_fused_decode_read_equals_the_pytorch_ops(kernel, fmt, d, slots, rep, ex
     exact_ok[3] = False
     exact_k[~exact_ok], exact_v[~exact_ok] = 0, 0  # the buffer keeps entries without a token zero
     mix = mixing_matrix(d) if mixed else None
-    got = kernel.arm_decode_read(q, own_k, own_v, own_ok, exact_k, exact_v, exact_ok, st.key, st.key_scale, st.value,
-                                 st.value_scale, bias, mix if mixed else torch.empty(0), 0.3, vectorised=vectorised)
+    got = kernel.arm_decode_read(
+        q,
+        own_k,
+        own_v,
+        own_ok,
+        exact_k,
+        exact_v,
+        exact_ok,
+        st.key,
+        st.key_scale,
+        st.value,
+        st.value_scale,
+        bias,
+        mix if mixed else torch.empty(0),
+        0.3,
+        vectorised=vectorised,
+    )
     # the reference: the same steps in PyTorch ops
     slot_scores = st.key_scores(q if mix is None else q @ mix, fused=False) * 0.3 + bias.unsqueeze(1)
     exact_scores = (q @ exact_k.transpose(1, 2) * 0.3).masked_fill(~exact_ok[:, None, :], -torch.inf)
@@ -221,7 +255,11 @@ def test_fused_decode_read_equals_the_pytorch_ops(kernel, fmt, d, slots, rep, ex
     from_slots = st.weighted_values(w[..., :slots].contiguous(), fused=False)
     if mix is not None:
         from_slots = from_slots @ mix.T
-    want = from_slots + w[..., slots : slots + exact] @ exact_v + w[..., -1:] * torch.where(own_ok[:, None, None], own_v[:, None], 0)
+    want = (
+        from_slots
+        + w[..., slots : slots + exact] @ exact_v
+        + w[..., -1:] * torch.where(own_ok[:, None, None], own_v[:, None], 0)
+    )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (got[3] == 0).all()
 
@@ -242,16 +280,28 @@ def _random_pool(G, slots, d, buckets, fmt, mixed, laid, g):
     index = bucket_index(st.bucket, st.count > 0, buckets)
     if laid:  # (ARMLayer._bucket_index)
         st = sort_by_bucket(st, index)
-        index = BucketIndex(order=torch.arange(slots, dtype=torch.int32).expand(G, slots), start=index.start, size=index.size, laid=True)
+        index = BucketIndex(
+            order=torch.arange(slots, dtype=torch.int32).expand(G, slots), start=index.start, size=index.size, laid=True
+        )
     return st, index
 
 
 @pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
-@pytest.mark.parametrize("d,slots,rep,buckets,mixed", [(64, 1, 1, 2, True), (64, 37, 3, 5, True), (40, 301, 5, 16, False),
-                                                        (128, 19, 3, 4, True), (64, 203, 12, 9, False)])
+@pytest.mark.parametrize(
+    "d,slots,rep,buckets,mixed",
+    [
+        (64, 1, 1, 2, True),
+        (64, 37, 3, 5, True),
+        (40, 301, 5, 16, False),
+        (128, 19, 3, 4, True),
+        (64, 203, 12, 9, False),
+    ],
+)
 @pytest.mark.parametrize("laid", [True, False])
 @pytest.mark.parametrize("vectorised", [True, False])
-def test_fused_sparse_decode_read_equals_the_gathered_pytorch_read(kernel, fmt, d, slots, rep, buckets, mixed, laid, vectorised):
+def test_fused_sparse_decode_read_equals_the_gathered_pytorch_read(
+    kernel, fmt, d, slots, rep, buckets, mixed, laid, vectorised
+):
     """The sparse decode read in place (ARMLayer._sparse_read's fused path: the chosen
     buckets' runs of the pool) against gathering the same slots by index and reading them
     with PyTorch ops (read.slots_of_buckets, gather_slots, gathered_read with fused=False):
@@ -278,15 +328,44 @@ def test_fused_sparse_decode_read_equals_the_gathered_pytorch_read(kernel, fmt, 
     mix = mixing_matrix(d) if mixed else None
     with torch.no_grad():
         fast = fused_sparse_decode_read(
-            Vectorised(kernel, vectorised), query, key, value, valid, exact_k, exact_v, exact_valid, st, bias, mix, 0.3, index,
-            picked, take,
+            Vectorised(kernel, vectorised),
+            query,
+            key,
+            value,
+            valid,
+            exact_k,
+            exact_v,
+            exact_valid,
+            st,
+            bias,
+            mix,
+            0.3,
+            index,
+            picked,
+            take,
         )
         used_of = torch.arange(M).view(1, 1, M) < take.view(G, 1, 1)
         ids, used = slots_of_buckets(index, picked.view(G, 1, M), None, used_of)
         W = ids.shape[-1]
-        gathered_bias = bias.reshape(G, slots).gather(1, ids.view(G, W)).view(B, H, 1, W).masked_fill(~used.view(B, H, 1, W), -torch.inf)
-        ref = gathered_read(query, key, value, valid, 0.3, exact_k, exact_v, exact_valid,
-                            gather_slots(st, ids, for_reading=True), gathered_bias, fused=False)
+        gathered_bias = (
+            bias.reshape(G, slots)
+            .gather(1, ids.view(G, W))
+            .view(B, H, 1, W)
+            .masked_fill(~used.view(B, H, 1, W), -torch.inf)
+        )
+        ref = gathered_read(
+            query,
+            key,
+            value,
+            valid,
+            0.3,
+            exact_k,
+            exact_v,
+            exact_valid,
+            gather_slots(st, ids, for_reading=True),
+            gathered_bias,
+            fused=False,
+        )
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -312,8 +391,16 @@ def _ranked_case(fmt, d, slots, rep, buckets, m, mixed, laid, seed) -> dict:
     take[-1] = 0  # (a group that reads nothing but its exact entries)
     mix = mixing_matrix(d) if mixed else None
     q = query.reshape(G, rep, d)
-    return {"read": (query, key, value, valid, exact_k, exact_v, exact_valid, st, bias, mix, 0.3), "index": index,
-            "take": take, "st": st, "bias": bias, "q": q @ mix if mixed else q, "B": B, "H": H}
+    return {
+        "read": (query, key, value, valid, exact_k, exact_v, exact_valid, st, bias, mix, 0.3),
+        "index": index,
+        "take": take,
+        "st": st,
+        "bias": bias,
+        "q": q @ mix if mixed else q,
+        "B": B,
+        "H": H,
+    }
 
 
 def _assert_ranked_read(c: dict, out, got, scores, m: int, buckets: int) -> None:
@@ -331,17 +418,38 @@ def _assert_ranked_read(c: dict, out, got, scores, m: int, buckets: int) -> None
     ids, used = slots_of_buckets(c["index"], want.view(G, 1, m), None, used_of)
     W = ids.shape[-1]
     gathered_bias = bias.gather(1, ids.view(G, W)).view(B, H, 1, W).masked_fill(~used.view(B, H, 1, W), -torch.inf)
-    ref = gathered_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid,
-                        gather_slots(st, ids, for_reading=True), gathered_bias, fused=False)
+    ref = gathered_read(
+        query,
+        key,
+        value,
+        valid,
+        scaling,
+        exact_k,
+        exact_v,
+        exact_valid,
+        gather_slots(st, ids, for_reading=True),
+        gathered_bias,
+        fused=False,
+    )
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
-@pytest.mark.parametrize("d,slots,rep,buckets,m,mixed", [(64, 1, 1, 2, 1, True), (64, 37, 3, 5, 3, True), (40, 301, 5, 16, 2, False),
-                                                          (128, 19, 3, 4, 4, True), (64, 203, 12, 64, 8, False)])
+@pytest.mark.parametrize(
+    "d,slots,rep,buckets,m,mixed",
+    [
+        (64, 1, 1, 2, 1, True),
+        (64, 37, 3, 5, 3, True),
+        (40, 301, 5, 16, 2, False),
+        (128, 19, 3, 4, 4, True),
+        (64, 203, 12, 64, 8, False),
+    ],
+)
 @pytest.mark.parametrize("laid", [True, False])
 @pytest.mark.parametrize("vectorised", [True, False])
-def test_fused_best_read_ranks_as_pytorch_and_reads_as_the_sparse_read(kernel, fmt, d, slots, rep, buckets, m, mixed, laid, vectorised):
+def test_fused_best_read_ranks_as_pytorch_and_reads_as_the_sparse_read(
+    kernel, fmt, d, slots, rep, buckets, m, mixed, laid, vectorised
+):
     """read_rank="best" for one decoded token in one kernel call. Its buckets against the
     PyTorch ranking: every slot's logit from the stored codes (MemoryState.key_scores,
     fused=False) times the scaling plus the bias, the largest over the R heads,
@@ -358,13 +466,22 @@ def test_fused_best_read_ranks_as_pytorch_and_reads_as_the_sparse_read(kernel, f
 
 
 @pytest.mark.parametrize("fmt", ["k4v4", "k8v4"])
-@pytest.mark.parametrize("d,slots,rep,buckets,m,mixed,rows", [(64, 1, 1, 2, 1, True, 8), (64, 37, 3, 5, 3, True, 8),
-                                                               (40, 301, 5, 16, 2, False, 3), (128, 19, 3, 4, 4, True, 16),
-                                                               (64, 203, 12, 64, 8, False, 1), (64, 203, 3, 64, 8, True, 32)])
+@pytest.mark.parametrize(
+    "d,slots,rep,buckets,m,mixed,rows",
+    [
+        (64, 1, 1, 2, 1, True, 8),
+        (64, 37, 3, 5, 3, True, 8),
+        (40, 301, 5, 16, 2, False, 3),
+        (128, 19, 3, 4, 4, True, 16),
+        (64, 203, 12, 64, 8, False, 1),
+        (64, 203, 3, 64, 8, True, 32),
+    ],
+)
 @pytest.mark.parametrize("laid", [True, False])
 @pytest.mark.parametrize("vectorised", [True, False])
-def test_fused_partial_read_ranks_as_pytorch_and_reads_as_the_sparse_read(kernel, fmt, d, slots, rep, buckets, m, mixed,
-                                                                          rows, laid, vectorised):
+def test_fused_partial_read_ranks_as_pytorch_and_reads_as_the_sparse_read(
+    kernel, fmt, d, slots, rep, buckets, m, mixed, rows, laid, vectorised
+):
     """read_rank="partial" for one decoded token in one kernel call. Its buckets against the
     PyTorch ranking: the rows of read.partial_rows of the (mixed) query,
     MemoryState.partial_key_scores times the scaling plus the bias, the largest over the R
@@ -427,6 +544,7 @@ def test_fused_reads_take_float32_scales_as_bfloat16_ones(kernel, rank):
         args = (query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling)
         if rank == "dense":
             from armkv.memory.read import fused_decode_read
+
             return fused_decode_read(kernel, *args)
         if rank == "sparse":
             return fused_sparse_decode_read(kernel, *args, c["index"], buckets, c["take"])
@@ -448,7 +566,11 @@ def test_fused_reads_take_a_pools_first_slots_in_place(kernel, fmt, rank, vector
     from dataclasses import replace
 
     from armkv.memory.read import (
-        bucket_index, fused_best_decode_read, fused_decode_read, fused_partial_decode_read, fused_sparse_decode_read,
+        bucket_index,
+        fused_best_decode_read,
+        fused_decode_read,
+        fused_partial_decode_read,
+        fused_sparse_decode_read,
     )
 
     c = _ranked_case(fmt, 64, 203, 3, 64, 8, False, False, 13)
@@ -456,8 +578,13 @@ def test_fused_reads_take_a_pools_first_slots_in_place(kernel, fmt, rank, vector
     S = 157  # of 203
     view = big.first(S)
     assert not view.key.is_contiguous() and not view.value.is_contiguous() and not view.key_scale.is_contiguous()
-    copy = replace(view, key=view.key.contiguous(), value=view.value.contiguous(), key_scale=view.key_scale.contiguous(),
-                   value_scale=view.value_scale.contiguous())
+    copy = replace(
+        view,
+        key=view.key.contiguous(),
+        value=view.value.contiguous(),
+        key_scale=view.key_scale.contiguous(),
+        value_scale=view.value_scale.contiguous(),
+    )
     bias = torch.where(view.count > 0, view.count.clamp_min(1).log(), -torch.inf)
     index = bucket_index(view.bucket, view.count > 0, 64)
     buckets = torch.arange(8).expand(big.key.shape[0], 8)
@@ -485,7 +612,7 @@ def test_a_bound_decode_call_reads_the_tokens_inputs_where_they_lie(kernel, rank
     rows are contiguous and copied where not (views of larger tensors, an expanded mask, a
     non-bool valid). Every form gives the same read, bit for bit, and one bound call gives,
     token after token, what a call bound afresh gives."""
-    from armkv.memory.read import _bound_call, _NO_MIX, index_summaries
+    from armkv.memory.read import _bound_call, index_summaries
 
     c = _ranked_case("k4v4", 64, 203, 3, 64, 8, False, False, 17)
     query, key, value, valid, exact_k, exact_v, exact_valid, st, bias, _, scaling = c["read"]
@@ -512,10 +639,24 @@ def test_a_bound_decode_call_reads_the_tokens_inputs_where_they_lie(kernel, rank
         return torch.cat([x, torch.zeros_like(x)], dim).narrow(dim, 0, x.shape[dim])
 
     model = (query, key, value, valid, exact_k, exact_v, exact_valid)
-    flat = (query.reshape(G, -1, d), key.reshape(G, d), value.reshape(G, d), valid[:, 0].repeat_interleave(H),
-            exact_k.reshape(G, L, d), exact_v.reshape(G, L, d), exact_valid.repeat_interleave(H, 0))
-    views = (wide(query, 3), wide(key, 3), wide(value, 3), valid.long(), wide(exact_k, 3), wide(exact_v, 3),
-             wide(exact_valid, 1))
+    flat = (
+        query.reshape(G, -1, d),
+        key.reshape(G, d),
+        value.reshape(G, d),
+        valid[:, 0].repeat_interleave(H),
+        exact_k.reshape(G, L, d),
+        exact_v.reshape(G, L, d),
+        exact_valid.repeat_interleave(H, 0),
+    )
+    views = (
+        wide(query, 3),
+        wide(key, 3),
+        wide(value, 3),
+        valid.long(),
+        wide(exact_k, 3),
+        wide(exact_v, 3),
+        wide(exact_valid, 1),
+    )
     assert not views[0].is_contiguous() and not views[4].is_contiguous() and not views[6].is_contiguous()
     with torch.no_grad():
         want = first(bound()(*model, scaling))
@@ -573,7 +714,9 @@ def test_partial_rows_are_where_the_query_group_is_largest():
     assert partial_rows(torch.ones(1, 1, 8), 2).tolist() == [[0, 1]]  # ties: the lower rows
 
 
-@pytest.mark.parametrize("depth,branching,rep,m", [(3, 4, 3, 8), (2, 4, 1, 3), (2, 3, 5, 9), (3, 2, 4, 3), (1, 8, 2, 8)])
+@pytest.mark.parametrize(
+    "depth,branching,rep,m", [(3, 4, 3, 8), (2, 4, 1, 3), (2, 3, 5, 9), (3, 2, 4, 3), (1, 8, 2, 8)]
+)
 @pytest.mark.parametrize("scaling", [1.0, 1.25])
 def test_fused_group_routing_equals_the_router(kernel, depth, branching, rep, m, scaling):
     """One decoded token's top-m buckets per KV head in one kernel call (Router.fused_group_topm:
@@ -595,9 +738,18 @@ def test_fused_group_routing_equals_the_router(kernel, depth, branching, rep, m,
         got = router.fused_group_topm(kernel, query, positions, rotary, m)
         q_pre = rotary.unrotate(query, positions.unsqueeze(1))
         want, want_scores = router.group_topm_buckets(q_pre.reshape(B, H, rep, 1, d), m)
-        _, got_scores = kernel.group_leaf_topm(query.reshape(B * H, rep, d), positions[:, 0], rotary.inv_freq, rotary.scaling,
-                                               router.weight.reshape(H, -1, d), router.read_bias.reshape(H, -1), router.read_scale,
-                                               router._leaf_paths(query.device), branching, min(m, router.num_buckets))
+        _, got_scores = kernel.group_leaf_topm(
+            query.reshape(B * H, rep, d),
+            positions[:, 0],
+            rotary.inv_freq,
+            rotary.scaling,
+            router.weight.reshape(H, -1, d),
+            router.read_bias.reshape(H, -1),
+            router.read_scale,
+            router._leaf_paths(query.device),
+            branching,
+            min(m, router.num_buckets),
+        )
     assert torch.equal(got, want.reshape(B * H, -1))
     torch.testing.assert_close(got_scores, want_scores.reshape(B * H, -1), rtol=1e-5, atol=1e-5)
 
@@ -615,7 +767,9 @@ def test_fused_group_routing_stands_aside_for_the_beam_and_other_dtypes(kernel):
     assert half.fused_group_topm(kernel, query, positions, rotary, 4) is None
 
 
-@pytest.mark.parametrize("S,occupied,N,d", [(37, 37, 11, 64), (37, 30, 29, 16), (701, 701, 64, 64), (9, 0, 5, 64), (900, 650, 257, 40)])
+@pytest.mark.parametrize(
+    "S,occupied,N,d", [(37, 37, 11, 64), (37, 30, 29, 16), (701, 701, 64, 64), (9, 0, 5, 64), (900, 650, 257, 40)]
+)
 @pytest.mark.parametrize("lazy", [True, False])
 @pytest.mark.parametrize("demote_scope", ["any", "bucket"])
 def test_fused_write_plan_equals_the_pytorch_plan(kernel, S, occupied, N, d, lazy, demote_scope):
@@ -662,7 +816,8 @@ def test_fused_write_plan_equals_the_pytorch_plan(kernel, S, occupied, N, d, laz
 @pytest.mark.parametrize("S,d", [(5, 8), (21, 12), (64, 64), (333, 37)])
 def test_bucket_best_slots_equal_the_masked_max_of_all_cosines(kernel, vectorised, S, d):
     """bucket_best_slots (the write plan's fast path under demote_scope="bucket") against the
-    masked max over the whole cosine matrix (rows of any length; the kernel normalises them): the same maxima and the first of equal cosines
+    masked max over the whole cosine matrix (rows of any length; the kernel normalises them): the same maxima and
+    the first of equal cosines
     (slots repeated, so ties fall inside and across buckets), -inf and index 0 for a token
     whose bucket holds no slot, a negative token bucket or one beyond every slot's, and free
     slots (any negative bucket) never chosen; odd head sizes take the vectors' tails."""
@@ -709,7 +864,9 @@ def test_fused_best_slots_ties_and_empty_rows(kernel, vectorised, S):
     want_best, want_best_idx = cos.masked_fill(~occ.unsqueeze(1), -float("inf")).max(-1)
     assert torch.equal(same, want_same) and torch.equal(best, want_best)
     assert torch.equal(torch.where(mine.any(-1), same_idx, 0), torch.where(mine.any(-1), want_same_idx, 0))
-    assert torch.equal(torch.where(occ.any(-1, keepdim=True), best_idx, 0), torch.where(occ.any(-1, keepdim=True), want_best_idx, 0))
+    assert torch.equal(
+        torch.where(occ.any(-1, keepdim=True), best_idx, 0), torch.where(occ.any(-1, keepdim=True), want_best_idx, 0)
+    )
     assert (same_idx[~mine.any(-1)] == 0).all() and torch.isinf(same[~mine.any(-1)]).all()
     assert torch.isinf(same[0, 3]) and torch.isinf(same[0, 4]) and torch.isinf(same[1, 5])
 
@@ -737,7 +894,9 @@ def test_fused_dequantise_equals_the_pytorch_ops(kernel, d, slots, mixed, unmix,
     assert torch.equal(got[0][:, -1], torch.zeros(2, d)) and torch.equal(got[1][:, -1], torch.zeros(2, d))
 
 
-@pytest.mark.parametrize("sinks,window,batch,heads,d", [(4, 48, 1, 3, 64), (0, 5, 3, 2, 7), (2, 1, 2, 1, 33), (3, 13, 4, 5, 16)])
+@pytest.mark.parametrize(
+    "sinks,window,batch,heads,d", [(4, 48, 1, 3, 64), (0, 5, 3, 2, 7), (2, 1, 2, 1, 33), (3, 13, 4, 5, 16)]
+)
 def test_fused_ring_push_equals_the_pytorch_push(kernel, sinks, window, batch, heads, d):
     """The decode step's window push in one kernel call (ExactBuffer.fused_push) against the
     PyTorch ops: the same entries leave, and every state tensor (window keys, values,
@@ -755,7 +914,9 @@ def test_fused_ring_push_equals_the_pytorch_push(kernel, sinks, window, batch, h
         positions = start[:, None] + valid.long().cumsum(1) - 1
         start = positions[:, -1] + 1
         got, want = (b.push(key, value, valid, positions) for b in bufs)
-        for a, b in zip((got.key, got.value, got.valid, got.positions), (want.key, want.value, want.valid, want.positions)):
+        for a, b in zip(
+            (got.key, got.value, got.valid, got.positions), (want.key, want.value, want.valid, want.positions)
+        ):
             assert torch.equal(a, b)
         for name in ("k", "v", "valid", "pos", "head"):
             assert torch.equal(getattr(bufs[0], name), getattr(bufs[1], name)), name

@@ -60,18 +60,31 @@ def test_scan_equals_naive_loop(gate, write, G, N, S, occupied):
     bucket = torch.randint(0, nb, (G, N), generator=torch.Generator().manual_seed(3))
     keys.requires_grad_(True)
     values.requires_grad_(True)
-    plan, merged = plan_writes(state, keys, bucket, valid, params, WriteRule(write=write), training=True, generator=torch.Generator().manual_seed(5))
+    plan, merged = plan_writes(
+        state,
+        keys,
+        bucket,
+        valid,
+        params,
+        WriteRule(write=write),
+        training=True,
+        generator=torch.Generator().manual_seed(5),
+    )
     fast = scan_writes(merged, plan, gate_weights(plan, keys, params, write), keys, values, positions)
     slow = naive.naive_scan(merged, plan, keys, values, positions, params, write)
     for name in ("key", "value", "pos", "count"):
         tol = 1e-10 if name in ("key", "value") else 1e-5  # positions and counts are kept in fp32
         # (the reference may widen positions and counts to the keys' dtype)
-        torch.testing.assert_close(getattr(fast, name), getattr(slow, name), rtol=tol, atol=tol, msg=name, check_dtype=False)
+        torch.testing.assert_close(
+            getattr(fast, name), getattr(slow, name), rtol=tol, atol=tol, msg=name, check_dtype=False
+        )
     weights = torch.randn_like(fast.key)
     grads = []
     for out in (fast, slow):
         loss = (out.key * weights).sum() + (out.value * weights).sum()  # the fp64 channels
-        grads.append(torch.autograd.grad(loss, [keys, values, *params.parameters()], allow_unused=True, retain_graph=True))
+        grads.append(
+            torch.autograd.grad(loss, [keys, values, *params.parameters()], allow_unused=True, retain_graph=True)
+        )
     inputs = [keys, values, *params.parameters()]
     for a, b, x in zip(*grads, inputs):
         zero = torch.zeros_like(x)  # None: the input did not reach this output at all
@@ -179,7 +192,13 @@ def test_paper_pool_and_fifo_stay_within_their_slots():
         mem = ARMMemory(cfg, 2, 8).eval()
         st = mem.init_state(1, torch.float32, "cpu")
         for c in range(5):
-            st = mem.write(st, torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8), torch.arange(8)[None] + 8 * c, torch.ones(1, 8, dtype=torch.bool))
+            st = mem.write(
+                st,
+                torch.randn(1, 2, 8, 8),
+                torch.randn(1, 2, 8, 8),
+                torch.arange(8)[None] + 8 * c,
+                torch.ones(1, 8, dtype=torch.bool),
+            )
         assert st.count.sum().item() == (2 * 40 if cfg.write != "fifo" else 2 * 12)
         if cfg.pool == "paper":
             assert torch.equal(st.bucket[0], torch.arange(12) // 3)
@@ -195,7 +214,13 @@ def test_state_size_is_fixed():
     with torch.no_grad():
         while written < 100_000:
             n = 256
-            st = mem.write(st, torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g), torch.arange(written, written + n)[None], torch.ones(1, n, dtype=torch.bool))
+            st = mem.write(
+                st,
+                torch.randn(1, 2, n, 8, generator=g),
+                torch.randn(1, 2, n, 8, generator=g),
+                torch.arange(written, written + n)[None],
+                torch.ones(1, n, dtype=torch.bool),
+            )
             written += n
             if written in (256, 100_096 - 256 * 0):
                 sizes[written] = st.pack("model").nbytes()
@@ -287,11 +312,27 @@ def test_bucket_slot_mask():
     sb = torch.randint(-1, 50, (2, 3, 7))
     m = torch.tensor([4, 12])
     few = bucket_slot_mask(b, m, sb, 50)  # 12 * 7 <= 57: comparison
-    expect = torch.tensor([[[[bool(((b[i, h, t, : m[i]]) == sb[i, h, s]).any()) for s in range(7)] for t in range(5)] for h in range(3)] for i in range(2)])
+    expect = torch.tensor(
+        [
+            [
+                [[bool(((b[i, h, t, : m[i]]) == sb[i, h, s]).any()) for s in range(7)] for t in range(5)]
+                for h in range(3)
+            ]
+            for i in range(2)
+        ]
+    )
     assert torch.equal(few, expect)
     small = b % 5
     sb5 = torch.where(sb < 0, sb, sb % 5)
-    expect5 = torch.tensor([[[[bool(((small[i, h, t, : m[i]]) == sb5[i, h, s]).any()) for s in range(7)] for t in range(5)] for h in range(3)] for i in range(2)])
+    expect5 = torch.tensor(
+        [
+            [
+                [[bool(((small[i, h, t, : m[i]]) == sb5[i, h, s]).any()) for s in range(7)] for t in range(5)]
+                for h in range(3)
+            ]
+            for i in range(2)
+        ]
+    )
     assert torch.equal(bucket_slot_mask(small, m, sb5, 5), expect5)
 
 
@@ -310,12 +351,17 @@ def test_arm_read_equals_naive_read():
     sbias = torch.rand(B, Hkv, S, dtype=torch.float64)
     smask = torch.rand(B, Hq, T, S) > 0.5
     fast = joint_attention(
-        q, ck, cv, cvalid, 0.4,
-        torch.cat([ek, sk], 2), torch.cat([ev, sv], 2),
+        q,
+        ck,
+        cv,
+        cvalid,
+        0.4,
+        torch.cat([ek, sk], 2),
+        torch.cat([ev, sv], 2),
         torch.cat([evalid.unsqueeze(1).expand(B, Hkv, L), torch.ones(B, Hkv, S, dtype=torch.bool)], -1),
         torch.cat([torch.zeros(B, Hkv, L, dtype=torch.float64), sbias], -1),
         torch.cat([torch.ones(B, Hq, T, L, dtype=torch.bool), smask], -1),
-    )  # fmt: skip
+    )
     slow = naive.naive_read(q, ek, ev, evalid, ck, cv, cvalid, 0.4, sk, sv, sbias, smask)
     torch.testing.assert_close(fast, slow)
 
@@ -354,7 +400,9 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ArmkvError, match="keys"):
         mem.write(st, torch.randn(1, 2, 3, 7), ok, torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool))
     with pytest.raises(ArmkvError, match="values"):
-        mem.write(st, ok, torch.zeros(1, 2, 3, 8, dtype=torch.long), torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool))
+        mem.write(
+            st, ok, torch.zeros(1, 2, 3, 8, dtype=torch.long), torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool)
+        )
     with pytest.raises(ArmkvError, match="valid"):
         mem.write(st, ok, ok, torch.zeros(1, 3), torch.ones(1, 4, dtype=torch.bool))
     with pytest.raises(ArmkvError, match="queries"):
@@ -393,7 +441,9 @@ def test_nan_poisoned_free_slots_never_leak():
     st = mem.init_state(1, torch.float32, "cpu")
     st.key.fill_(math.nan)
     st.value.fill_(math.nan)
-    st = mem.write(st, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool))
+    st = mem.write(
+        st, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool)
+    )
     occ = st.count > 0
     assert torch.isfinite(st.key[occ]).all() and torch.isfinite(st.value[occ]).all()
 
@@ -405,7 +455,10 @@ def test_room_similarity_matches_a_pairwise_loop():
     g = torch.Generator().manual_seed(3)
     G, S, N, d = 2, 5, 3, 4
     state = MemoryState.empty(G, S, d)
-    state.key, state.value = torch.randn(G, S, d, generator=g, dtype=torch.float64), torch.randn(G, S, d, generator=g, dtype=torch.float64)
+    state.key, state.value = (
+        torch.randn(G, S, d, generator=g, dtype=torch.float64),
+        torch.randn(G, S, d, generator=g, dtype=torch.float64),
+    )
     state.count = torch.tensor([[1.0, 3, 0, 2, 1], [2, 1, 1, 0, 5]], dtype=torch.float64)
     keys = torch.randn(G, N, d, generator=g, dtype=torch.float64)
     cos = torch.nn.functional.cosine_similarity(keys.unsqueeze(2), state.key.unsqueeze(1), dim=-1)
@@ -417,7 +470,9 @@ def test_room_similarity_matches_a_pairwise_loop():
         for a in range(S):
             for b in range(S):
                 if occ[a] and occ[b]:
-                    assert math.isclose(float(ss[gi, a, b]), c(state.key[gi, a], state.key[gi, b]), rel_tol=1e-6, abs_tol=1e-9)
+                    assert math.isclose(
+                        float(ss[gi, a, b]), c(state.key[gi, a], state.key[gi, b]), rel_tol=1e-6, abs_tol=1e-9
+                    )
 
 
 def test_banded_neighbours_equal_the_exact_ones_within_buckets():
@@ -426,7 +481,10 @@ def test_banded_neighbours_equal_the_exact_ones_within_buckets():
     g = torch.Generator().manual_seed(7)
     G, S, d = 3, 37, 5
     state = MemoryState.empty(G, S, d, dtype=torch.float64)
-    state.key, state.value = torch.randn(G, S, d, generator=g, dtype=torch.float64), torch.randn(G, S, d, generator=g, dtype=torch.float64)
+    state.key, state.value = (
+        torch.randn(G, S, d, generator=g, dtype=torch.float64),
+        torch.randn(G, S, d, generator=g, dtype=torch.float64),
+    )
     state.count = (torch.rand(G, S, generator=g) * 4).floor().double()  # about a quarter free
     state.bucket = torch.where(state.count > 0, torch.randint(0, 6, (G, S), generator=g), -1)
     keys = torch.randn(G, 2, d, generator=g, dtype=torch.float64)
@@ -455,7 +513,9 @@ def test_protect_recent_keeps_the_newest_slots_out_of_the_merges():
         keys, values = torch.randn(1, 1, 3, 16, generator=g), torch.randn(1, 1, 3, 16, generator=g)
         positions = torch.arange(step * 3, step * 3 + 3)[None]
         before = state.clone()
-        state = mem.write(state, keys, values, positions, torch.ones(1, 3, dtype=torch.bool), rule=WriteRule.from_config(cfg))
+        state = mem.write(
+            state, keys, values, positions, torch.ones(1, 3, dtype=torch.bool), rule=WriteRule.from_config(cfg)
+        )
         if before.count.gt(0).all():
             # the newest half of the slots before the write (4 of 8) are untouched by it
             newest = before.pos[0].argsort()[4:]
@@ -643,9 +703,15 @@ def test_lazy_plan_with_room_everywhere_equals_the_scored_plan():
     valid = torch.ones(2, N, dtype=torch.bool)
     valid[0, 5] = False
     fast, state_fast = plan_writes(roomy, keys[:1], bucket[:1], valid[:1], params, WriteRule(lazy=True))
-    both = MemoryState(*(torch.cat([a, b]) for a, b in zip(
-        (roomy.key, roomy.value, roomy.pos, roomy.count, roomy.bucket),
-        (short.key, short.value, short.pos, short.count, short.bucket))))
+    both = MemoryState(
+        *(
+            torch.cat([a, b])
+            for a, b in zip(
+                (roomy.key, roomy.value, roomy.pos, roomy.count, roomy.bucket),
+                (short.key, short.value, short.pos, short.count, short.bucket),
+            )
+        )
+    )
     scored, _ = plan_writes(both, keys, bucket, valid, params, WriteRule(lazy=True))
     for name in ("target", "alpha", "cand", "count", "bucket"):
         torch.testing.assert_close(getattr(fast, name), getattr(scored, name)[:1], rtol=0, atol=0)
@@ -673,7 +739,9 @@ def test_an_inplace_write_equals_the_copying_one(G, S, occupied, N, protect_rece
     rule = WriteRule(lazy=True, protect_recent=protect_recent, demote_scope="bucket")
     with torch.no_grad():
         want = write_chunk(base, keys, values, pos, valid, bucket, params, rule)
-        mine = MemoryState(base.key.clone(), base.value.clone(), base.pos.clone(), base.count.clone(), base.bucket.clone())
+        mine = MemoryState(
+            base.key.clone(), base.value.clone(), base.pos.clone(), base.count.clone(), base.bucket.clone()
+        )
         got = write_chunk(mine, keys, values, pos, valid, bucket, params, rule, inplace=True)
     for name in ("key", "value", "pos", "count", "bucket"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
@@ -702,7 +770,7 @@ def test_row_wise_merges_equal_the_whole_pool_reference(G, S, pairs):
     for fn in (_merge_pairs, merge_pairs_reference):
         st = MemoryState(key=key, value=value, pos=base.pos, count=base.count, bucket=base.bucket)
         out = fn(st, src_of)
-        grads = torch.autograd.grad((out.key * 1.3).sum() + (out.value ** 2).sum(), (key, value))
+        grads = torch.autograd.grad((out.key * 1.3).sum() + (out.value**2).sum(), (key, value))
         outs.append((out, grads))
     (got, got_g), (want, want_g) = outs
     for name in ("key", "value", "pos", "count", "bucket"):

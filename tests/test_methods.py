@@ -5,20 +5,30 @@ import torch
 
 from armkv.config import ARMConfig
 from armkv.errors import ArmkvError
+from armkv.hf.attach import make_cache
 from armkv.memory.module import ARMModel
 from armkv.memory.rope import Rotary
 from armkv.methods.attention import joint_attention, joint_attention_reference, safe_softmax, safe_softmax_reference
 from armkv.methods.base import METHODS, ModelInfo, _load_builtin_methods, get_method
 from armkv.methods.kivi import pack, quantise, unpack
-from armkv.hf.attach import make_cache
 from conftest import DEVICES, DTYPES, dtype_id, tiny_model
 
 _load_builtin_methods()
 BOUNDED = sorted(name for name, m in METHODS.items() if m.bounded)
 
 
-def naive_attention(query, key, value, valid, scaling, state_key=None, state_value=None, state_valid=None,
-                    state_bias=None, state_mask=None):
+def naive_attention(
+    query,
+    key,
+    value,
+    valid,
+    scaling,
+    state_key=None,
+    state_value=None,
+    state_valid=None,
+    state_bias=None,
+    state_mask=None,
+):
     """Per (row, head, query) loop: one softmax over the allowed state keys and chunk keys."""
     b, hq, t, d = query.shape
     hkv = key.shape[1]
@@ -30,8 +40,11 @@ def naive_attention(query, key, value, valid, scaling, state_key=None, state_val
                 logits, values = [], []
                 if state_key is not None:
                     for j in range(state_key.shape[2]):
-                        ok = True if state_valid is None else bool(
-                            state_valid[i, j] if state_valid.dim() == 2 else state_valid[i, kv, j])
+                        ok = (
+                            True
+                            if state_valid is None
+                            else bool(state_valid[i, j] if state_valid.dim() == 2 else state_valid[i, kv, j])
+                        )
                         if state_mask is not None:
                             ok = ok and bool(state_mask[i, h, q, j])
                         if ok:
@@ -63,9 +76,13 @@ def test_joint_attention_matches_naive(with_state):
         svalid = torch.rand(b, hkv, n, generator=g) > 0.4
         sk[~svalid] = float("nan")  # unwritten state: must never be read
         sv[~svalid] = float("nan")
-        kwargs = dict(state_key=sk, state_value=sv, state_valid=svalid,
-                      state_bias=torch.rand(b, hkv, n, generator=g),
-                      state_mask=torch.rand(b, hq, t, n, generator=g) > 0.3)
+        kwargs = dict(
+            state_key=sk,
+            state_value=sv,
+            state_valid=svalid,
+            state_bias=torch.rand(b, hkv, n, generator=g),
+            state_mask=torch.rand(b, hq, t, n, generator=g) > 0.3,
+        )
     got = joint_attention(q, k, v, valid, 0.3, **kwargs)
     want = naive_attention(q, k, v, valid, 0.3, **kwargs)
     assert got.shape == (b, t, hq, d)
@@ -164,7 +181,6 @@ def test_safe_softmax_fast_path_equals_the_written_out_one(spread):
     assert torch.isfinite(leaf.grad).all()
 
 
-
 @pytest.mark.parametrize("bits", [2, 4])
 def test_kivi_quantiser_error_bound(bits):
     x = torch.randn(3, 2, 32, 16) * 3
@@ -177,8 +193,15 @@ def test_kivi_quantiser_error_bound(bits):
 
 
 def info(layers=2, heads=4, kv=2, d=16, dtype=torch.float32, device="cpu"):
-    return ModelInfo(num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=d, max_positions=1 << 16,
-                     dtype=dtype, device=torch.device(device))
+    return ModelInfo(
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=d,
+        max_positions=1 << 16,
+        dtype=dtype,
+        device=torch.device(device),
+    )
 
 
 def rotary(d=16, device="cpu"):
@@ -199,10 +222,14 @@ def run_layer(layer, steps, batch, info_, generator, chunk_tokens):
                 valid[i, : int(torch.randint(0, t // 2, (1,), generator=generator))] = False
         positions = pos[:, None] + valid.long().cumsum(1) - 1
         pos = positions[:, -1] + 1
-        out = layer.attend(torch.randn(batch, hq, t, d, generator=generator).to(**on),
-                           torch.randn(batch, hkv, t, d, generator=generator).to(**on),
-                           torch.randn(batch, hkv, t, d, generator=generator).to(**on), valid.to(info_.device),
-                           positions.clamp(min=0).to(info_.device), d**-0.5)
+        out = layer.attend(
+            torch.randn(batch, hq, t, d, generator=generator).to(**on),
+            torch.randn(batch, hkv, t, d, generator=generator).to(**on),
+            torch.randn(batch, hkv, t, d, generator=generator).to(**on),
+            valid.to(info_.device),
+            positions.clamp(min=0).to(info_.device),
+            d**-0.5,
+        )
         assert out.dtype == info_.dtype and out.device.type == info_.device.type
         yield out
 
@@ -246,12 +273,16 @@ def test_arm_reading_fewer_buckets_stays_within_budget(dtype, options):
     budget holds at every step."""
     info_, batch, budget = info(dtype=dtype), 3, 96
     given = {}
-    if options.get("read_summaries"):  # (2 d + 1 floats a page: 16 buckets at 512, not the budget's tree of ~7 slots a bucket)
+    if options.get(
+        "read_summaries"
+    ):  # (2 d + 1 floats a page: 16 buckets at 512, not the budget's tree of ~7 slots a bucket)
         budget = 512
         tree = ARMConfig.for_budget(budget, info_.head_dim, depth=2)
         arm = ARMModel(tree, info_.num_layers, info_.num_kv_heads, info_.head_dim).eval()
         given["arm"] = arm.to(dtype if dtype != torch.float16 else torch.float32)
-    layer = get_method("arm").make_layer(0, info_, rotary(), budget, 16, top_m="fixed", m_fixed="1/8", **given, **options)
+    layer = get_method("arm").make_layer(
+        0, info_, rotary(), budget, 16, top_m="fixed", m_fixed="1/8", **given, **options
+    )
     bound = info_.budget_bytes(budget) * batch
     g = torch.Generator().manual_seed(1)
     built = summarised = False
@@ -374,10 +405,12 @@ def test_core_import_is_light():
     import subprocess
     import sys
 
-    code = ("import sys, armkv, armkv.methods.base, armkv.methods.buffers, armkv.methods.attention, "
-            "armkv.methods.full, armkv.methods.window, armkv.methods.kivi, armkv.methods.offload; "
-            "bad = [m for m in ('transformers', 'matplotlib', 'datasets') if m in sys.modules]; "
-            "print(','.join(bad))")
+    code = (
+        "import sys, armkv, armkv.methods.base, armkv.methods.buffers, armkv.methods.attention, "
+        "armkv.methods.full, armkv.methods.window, armkv.methods.kivi, armkv.methods.offload; "
+        "bad = [m for m in ('transformers', 'matplotlib', 'datasets') if m in sys.modules]; "
+        "print(','.join(bad))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"the library core imports {out}"
 
@@ -393,8 +426,14 @@ def test_kivi_ring_keeps_the_newest_groups():
     def feed(start, n):
         x = torch.arange(start, start + n, dtype=torch.float)[None, None, :, None].expand(1, 2, n, 16)
         q = torch.zeros(1, 4, n, 16)
-        layer.attend(q, x.contiguous(), x.contiguous(), torch.ones(1, n, dtype=torch.bool),
-                     torch.arange(start, start + n)[None], 0.25)
+        layer.attend(
+            q,
+            x.contiguous(),
+            x.contiguous(),
+            torch.ones(1, n, dtype=torch.bool),
+            torch.arange(start, start + n)[None],
+            0.25,
+        )
 
     def stored():
         keys, _, valid = layer._dequantised()

@@ -42,8 +42,9 @@ def test_context_is_its_own_stage_before_the_question():
     assert tok.decode(prompt) == "<|user|>The sky is blue.<|assistant|>"
 
 
-@pytest.mark.parametrize("request_", [{"context": "x"}, {"id": 1}, {"id": 1, "context": "x", "prompt": "y"},
-                                      {"id": 1, "prompt": 3}])
+@pytest.mark.parametrize(
+    "request_", [{"context": "x"}, {"id": 1}, {"id": 1, "context": "x", "prompt": "y"}, {"id": 1, "prompt": 3}]
+)
 def test_bad_requests(request_):
     with pytest.raises(ArmkvError):
         check_request(request_)

@@ -9,30 +9,91 @@ from armkv.cli import main
 from armkv.tools.report import END, START, geometric_mean
 
 RULER = {
-    "what": "synthetic needles", "within": 10.0, "bounded": ["arm", "sink"],
-    "cells": {"noise": {
-        "full": {"niah_single_1@2048": {"score": 100.0, "n": 10, "bytes": 9, "source": "f1", "max_new_tokens": None},
-                 "niah_multikey_1@4096": {"score": 50.0, "n": 30, "bytes": 9, "source": "f1", "max_new_tokens": 64}},
-        "arm": {"niah_single_1@2048": {"score": 95.0, "n": 10, "bytes": 5, "source": "f2", "max_new_tokens": None},
-                "niah_multikey_1@4096": {"score": 30.0, "n": 30, "bytes": 5, "source": "f2", "max_new_tokens": 64}},
-        "sink": {"niah_single_1@2048": {"score": 40.0, "n": 10, "bytes": 5, "source": "f1", "max_new_tokens": None},
-                 "niah_multikey_1@4096": {"score": 35.0, "n": 30, "bytes": 5, "source": "f1", "max_new_tokens": 64}},
-    }},
-    "sources": {"f1": {"command": "armkv eval ruler --methods full,sink", "commit": "aaaaaaa"},
-                "f2": {"command": "armkv eval ruler --methods arm", "commit": "bbbbbbb"}},
+    "what": "synthetic needles",
+    "within": 10.0,
+    "bounded": ["arm", "sink"],
+    "cells": {
+        "noise": {
+            "full": {
+                "niah_single_1@2048": {"score": 100.0, "n": 10, "bytes": 9, "source": "f1", "max_new_tokens": None},
+                "niah_multikey_1@4096": {"score": 50.0, "n": 30, "bytes": 9, "source": "f1", "max_new_tokens": 64},
+            },
+            "arm": {
+                "niah_single_1@2048": {"score": 95.0, "n": 10, "bytes": 5, "source": "f2", "max_new_tokens": None},
+                "niah_multikey_1@4096": {"score": 30.0, "n": 30, "bytes": 5, "source": "f2", "max_new_tokens": 64},
+            },
+            "sink": {
+                "niah_single_1@2048": {"score": 40.0, "n": 10, "bytes": 5, "source": "f1", "max_new_tokens": None},
+                "niah_multikey_1@4096": {"score": 35.0, "n": 30, "bytes": 5, "source": "f1", "max_new_tokens": 64},
+            },
+        }
+    },
+    "sources": {
+        "f1": {"command": "armkv eval ruler --methods full,sink", "commit": "aaaaaaa"},
+        "f2": {"command": "armkv eval ruler --methods arm", "commit": "bbbbbbb"},
+    },
 }
-PPL = {"what": "held-out", "runs": [
-    {"method": "full", "tokens": 2048, "ppl": 10.0, "cache_bytes": 100, "command": "armkv eval ppl --method full", "commit": "ccccccc"},
-    {"method": "arm", "tokens": 2048, "ppl": 10.5, "cache_bytes": 25, "command": "armkv eval ppl --method arm", "commit": "ccccccc"},
-]}
-WINDOWS = {"what": "windows", "rows": [
-    {"method": "full", "options": {}, "ppl": [10.0, 40.0], "cache_bytes": 100, "command": "ppl full wK", "commit": "ddddddd"},
-    {"method": "arm", "options": {}, "ppl": [11.0, 44.0], "cache_bytes": 25, "command": "ppl arm wK", "commit": "ddddddd"},
-    {"method": "arm", "options": {"window": 96}, "ppl": [10.5, 42.0], "cache_bytes": 25, "command": "ppl arm w96", "commit": "eeeeeee"},
-]}
-DECODE = {"what": "decode", "command": "armkv bench decode --methods arm", "commit": "fffffff",
-          "results": {"decode_ms_per_token": {"arm": {"1024": 110.0, "8192": 100.0}}, "floor_ms_per_token": 100.0,
-                      "prefill_tokens_per_s": {"arm": {"1024": 120.0, "8192": 90.0}}, "cache_bytes": {"arm": {"1024": 25, "8192": 25}}}}
+PPL = {
+    "what": "held-out",
+    "runs": [
+        {
+            "method": "full",
+            "tokens": 2048,
+            "ppl": 10.0,
+            "cache_bytes": 100,
+            "command": "armkv eval ppl --method full",
+            "commit": "ccccccc",
+        },
+        {
+            "method": "arm",
+            "tokens": 2048,
+            "ppl": 10.5,
+            "cache_bytes": 25,
+            "command": "armkv eval ppl --method arm",
+            "commit": "ccccccc",
+        },
+    ],
+}
+WINDOWS = {
+    "what": "windows",
+    "rows": [
+        {
+            "method": "full",
+            "options": {},
+            "ppl": [10.0, 40.0],
+            "cache_bytes": 100,
+            "command": "ppl full wK",
+            "commit": "ddddddd",
+        },
+        {
+            "method": "arm",
+            "options": {},
+            "ppl": [11.0, 44.0],
+            "cache_bytes": 25,
+            "command": "ppl arm wK",
+            "commit": "ddddddd",
+        },
+        {
+            "method": "arm",
+            "options": {"window": 96},
+            "ppl": [10.5, 42.0],
+            "cache_bytes": 25,
+            "command": "ppl arm w96",
+            "commit": "eeeeeee",
+        },
+    ],
+}
+DECODE = {
+    "what": "decode",
+    "command": "armkv bench decode --methods arm",
+    "commit": "fffffff",
+    "results": {
+        "decode_ms_per_token": {"arm": {"1024": 110.0, "8192": 100.0}},
+        "floor_ms_per_token": 100.0,
+        "prefill_tokens_per_s": {"arm": {"1024": 120.0, "8192": 90.0}},
+        "cache_bytes": {"arm": {"1024": 25, "8192": 25}},
+    },
+}
 
 
 def _results(tmp_path, **files):
@@ -59,8 +120,12 @@ def test_the_page_has_every_table_the_bar_and_the_provenance(tmp_path):
     assert "| arm | 11.000 | 44.000 | 22.000 | +10.00% | 25 |" in page
     assert "| arm (window=96) |" in page
     assert "| arm | 110.0 (1.10x) | 100.0 (1.00x) | 120 | 90 | 25 |" in page
-    for command, commit in [("armkv eval ruler --methods arm", "bbbbbbb"), ("armkv eval ppl --method full", "ccccccc"),
-                            ("ppl arm w96", "eeeeeee"), ("armkv bench decode --methods arm", "fffffff")]:
+    for command, commit in [
+        ("armkv eval ruler --methods arm", "bbbbbbb"),
+        ("armkv eval ppl --method full", "ccccccc"),
+        ("ppl arm w96", "eeeeeee"),
+        ("armkv bench decode --methods arm", "fffffff"),
+    ]:
         assert f"`{command}` at commit {commit}" in page
     assert ".png" not in page  # --no-plots: nothing linked that was not written
     text = readme.read_text()
@@ -110,13 +175,33 @@ def test_geometric_mean():
     assert geometric_mean([3.0]) == pytest.approx(3.0) and math.isfinite(geometric_mean([1e-3, 1e3]))
 
 
-POLICY = {"what": "policy curve", "command": "armkv eval policy --fixed 8,64 --adapter p/adapter", "commit": "0123456",
-          "curve": {"settings": {}, "rows": [
-              {"label": "M=8", "kind": "fixed", "read_share": 0.125, "ppl": 20.0, "cache_bytes": 7},
-              {"label": "M=64", "kind": "fixed", "read_share": 1.0, "ppl": 18.0, "cache_bytes": 7},
-              {"label": "p", "kind": "learned", "read_share": 0.5625, "ppl": 18.5, "cache_bytes": 7, "fixed_at_same_share": 19.0}]},
-          "picked": {"adapter": "p", "inputs": 4, "tokens": 256, "num_buckets": 64,
-                     "per_layer": [{"layer": 0, "mean": 40.0}, {"layer": 1, "mean": 20.0}]}}
+POLICY = {
+    "what": "policy curve",
+    "command": "armkv eval policy --fixed 8,64 --adapter p/adapter",
+    "commit": "0123456",
+    "curve": {
+        "settings": {},
+        "rows": [
+            {"label": "M=8", "kind": "fixed", "read_share": 0.125, "ppl": 20.0, "cache_bytes": 7},
+            {"label": "M=64", "kind": "fixed", "read_share": 1.0, "ppl": 18.0, "cache_bytes": 7},
+            {
+                "label": "p",
+                "kind": "learned",
+                "read_share": 0.5625,
+                "ppl": 18.5,
+                "cache_bytes": 7,
+                "fixed_at_same_share": 19.0,
+            },
+        ],
+    },
+    "picked": {
+        "adapter": "p",
+        "inputs": 4,
+        "tokens": 256,
+        "num_buckets": 64,
+        "per_layer": [{"layer": 0, "mean": 40.0}, {"layer": 1, "mean": 20.0}],
+    },
+}
 
 
 def test_the_policy_section_sets_the_learned_m_beside_the_fixed_curve(tmp_path):

@@ -14,10 +14,17 @@ from armkv.config import ARMConfig
 from armkv.errors import ArmkvError
 from armkv.hf.attach import make_cache
 from armkv.memory import kernels
-from armkv.memory.read import (
-    bucket_best, bucket_index, gather_slots, paged_index, run_breaks, slot_units, slots_of_buckets, sort_by_bucket,
-)
 from armkv.memory.module import ARMModel
+from armkv.memory.read import (
+    bucket_best,
+    bucket_index,
+    gather_slots,
+    paged_index,
+    run_breaks,
+    slot_units,
+    slots_of_buckets,
+    sort_by_bucket,
+)
 from armkv.memory.route import Router
 from armkv.memory.state import MemoryState
 from armkv.methods.arm import resolve_arm
@@ -30,7 +37,9 @@ def test_slots_of_buckets_lists_exactly_the_occupied_slots_of_the_picked_buckets
     g = torch.Generator().manual_seed(S)
     slot_bucket = torch.randint(0, nb, (G, S), generator=g)
     occupied = torch.rand(G, S, generator=g) < 0.7
-    slot_bucket = torch.where(occupied | (torch.rand(G, S, generator=g) < 0.5), slot_bucket, -1)  # some free slots keep a bucket
+    slot_bucket = torch.where(
+        occupied | (torch.rand(G, S, generator=g) < 0.5), slot_bucket, -1
+    )  # some free slots keep a bucket
     buckets = torch.stack([torch.stack([torch.randperm(nb, generator=g)[:M] for _ in range(Q)]) for _ in range(G)])
     take = torch.rand(G, Q, M, generator=g) < 0.8
     index = bucket_index(slot_bucket, occupied, nb)
@@ -130,7 +139,9 @@ def test_group_routing_is_the_mean_path_probability_of_the_group(depth, m):
     leaf = router.leaf_scores(x.reshape(2, 2, 21, 16)).view(2, 2, 3, 7, -1)
     group = torch.logsumexp(leaf, 2) - torch.log(torch.tensor(3.0))
     want_scores, want = group.topk(m, -1)
-    if m >= router.num_buckets // 4 or router.num_nodes * 4 <= depth * m * 4:  # exhaustive, or a beam wide enough to be exact
+    if (
+        m >= router.num_buckets // 4 or router.num_nodes * 4 <= depth * m * 4
+    ):  # exhaustive, or a beam wide enough to be exact
         assert torch.equal(buckets, want)
     else:  # the beam: picks the best surviving leaves, never better than the exhaustive top-m
         assert (scores <= want_scores + 1e-5).all()
@@ -146,7 +157,11 @@ def test_group_routing_is_the_mean_path_probability_of_the_group(depth, m):
 def _rank(read_rank: str) -> dict:
     """The overrides that select a ranking ("partial" needs unmixed slots; "-pages" reads pages)."""
     rank, _, pages = read_rank.partition("-")
-    return {"read_rank": rank, **({"slot_mixing": False} if rank == "partial" else {}), **({"read_pages": True} if pages else {})}
+    return {
+        "read_rank": rank,
+        **({"slot_mixing": False} if rank == "partial" else {}),
+        **({"read_pages": True} if pages else {}),
+    }
 
 
 def _layer_with_memory(dtype, overrides, seed=1, device="cpu", with_cache=False):
@@ -160,9 +175,13 @@ def _layer_with_memory(dtype, overrides, seed=1, device="cpu", with_cache=False)
     mask[1, :120] = 0
     overrides = {"sync": 5, "lazy_merge": False, "top_m": "fixed", "m_fixed": 3, **overrides}
     info = ModelInfo(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_positions=512)
-    if overrides.get("read_summaries"):  # (2 d + 1 floats a unit: a tree of 16 buckets, not the budget's ~7 slots a bucket)
+    if overrides.get(
+        "read_summaries"
+    ):  # (2 d + 1 floats a unit: a tree of 16 buckets, not the budget's ~7 slots a bucket)
         torch.manual_seed(0)
-        arm = ARMModel(ARMConfig.for_budget(96, info.head_dim, depth=2, top_m="fixed", m_fixed=3), 2, 2, info.head_dim).eval()
+        arm = ARMModel(
+            ARMConfig.for_budget(96, info.head_dim, depth=2, top_m="fixed", m_fixed=3), 2, 2, info.head_dim
+        ).eval()
         torch.manual_seed(seed)
     else:
         arm, _ = resolve_arm(info, 96, "random", overrides=overrides)
@@ -194,8 +213,14 @@ def _chunk(model, layer, dtype, T: int, padded: int):
     return query, key, value, valid, torch.arange(400, 400 + T, device=device).expand(B, T)
 
 
-FORMATS = [{"slot_format": "k4v4"}, {"slot_format": "k8v4", "slot_mixing": False}, {"slot_format": "int8"},
-           {"slot_format": "bfloat16"}, {"slot_format": "model"}, {"slot_ladder": "int8,k8v4"}]
+FORMATS = [
+    {"slot_format": "k4v4"},
+    {"slot_format": "k8v4", "slot_mixing": False},
+    {"slot_format": "int8"},
+    {"slot_format": "bfloat16"},
+    {"slot_format": "model"},
+    {"slot_ladder": "int8,k8v4"},
+]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
@@ -211,9 +236,14 @@ def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overri
     model, layer = _layer_with_memory(dtype, {**overrides, **_rank(read_rank)}, device=device)
     query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=1)
     exact = layer._exact()
-    for m in (torch.tensor([3, 3], device=device), torch.tensor([1, 2], device=device)):  # rows may read fewer buckets than the widest
+    for m in (
+        torch.tensor([3, 3], device=device),
+        torch.tensor([1, 2], device=device),
+    ):  # rows may read fewer buckets than the widest
         layer.m, layer._route_k = m, int(m.max())  # as ARMLayer._decide_m sets them
-        assert layer._reads_sparse(T, reads_all=False) == (T == 1 or read_rank == "tree")  # (best, partial chunks: the ranked read)
+        assert layer._reads_sparse(T, reads_all=False) == (
+            T == 1 or read_rank == "tree"
+        )  # (best, partial chunks: the ranked read)
         with torch.no_grad():
             ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
             fast = layer._sparse_read(query, key, value, valid, positions, 0.3, *exact)
@@ -264,8 +294,14 @@ def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch, read_
     ids = torch.randint(0, 100, (2, 260), generator=torch.Generator().manual_seed(3))
 
     def run():
-        cache = make_cache(model, "arm", budget=96, chunk=16, adapter="random",
-                           arm_overrides={"sync": 3, "top_m": "fixed", "m_fixed": 2, **_rank(read_rank)})
+        cache = make_cache(
+            model,
+            "arm",
+            budget=96,
+            chunk=16,
+            adapter="random",
+            arm_overrides={"sync": 3, "top_m": "fixed", "m_fixed": 2, **_rank(read_rank)},
+        )
         outs = []
         with torch.no_grad():
             logits = model(ids[:, :200], past_key_values=cache, use_cache=True).logits
@@ -276,8 +312,14 @@ def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch, read_
 
     calls = []
     gathered = arm_method.ARMLayer._sparse_read
-    monkeypatch.setattr(arm_method.ARMLayer, "_sparse_read", lambda self, *a, **k: calls.append(a[0].shape[2]) or gathered(self, *a, **k))
-    monkeypatch.setattr(arm_method, "relay_breaks", lambda slots, num_buckets: 0)  # re-lay the pool at every write that breaks its order
+    monkeypatch.setattr(
+        arm_method.ARMLayer,
+        "_sparse_read",
+        lambda self, *a, **k: calls.append(a[0].shape[2]) or gathered(self, *a, **k),
+    )
+    monkeypatch.setattr(
+        arm_method, "relay_breaks", lambda slots, num_buckets: 0
+    )  # re-lay the pool at every write that breaks its order
     sorts = []
     relay = arm_method.sort_by_bucket
     monkeypatch.setattr(arm_method, "sort_by_bucket", lambda st, index: sorts.append(1) or relay(st, index))
@@ -305,6 +347,7 @@ def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch, read_
     assert calls.count(1) + len(bound_calls) - len(builds) == 2 * 60
     # the fused call is bound again after each write (every 3 steps), and kept between them
     assert 2 * 60 // 3 <= len(builds) < 2 * 60
+
     # the reference: every read masked over the whole pool, the pool re-laid by bucket as the
     # sparse run lays it (where slots lie changes no read, but a write's ties may fall otherwise)
     def masked(self, query, key, value, valid, positions, scaling, *exact, fused=True):
@@ -331,7 +374,9 @@ def test_paged_index_cuts_each_bucket_into_pages_of_the_mean_size(G, S, nb, laid
         order = torch.sort(torch.where(occupied, slot_bucket, nb), dim=1, stable=True).indices
         slot_bucket, occupied = slot_bucket.gather(1, order), occupied.gather(1, order)
         index = bucket_index(slot_bucket, occupied, nb)
-        index = type(index)(order=torch.arange(S, dtype=torch.int32).expand(G, S), start=index.start, size=index.size, laid=True)
+        index = type(index)(
+            order=torch.arange(S, dtype=torch.int32).expand(G, S), start=index.start, size=index.size, laid=True
+        )
     units = nb * split
     pages = paged_index(index, units)
     page_of = slot_units(pages)
@@ -351,12 +396,16 @@ def test_paged_index_cuts_each_bucket_into_pages_of_the_mean_size(G, S, nb, laid
 @pytest.mark.parametrize("read_rank", ["best", "partial"])
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("device", DEVICES)
-def test_paged_reads_equal_the_masked_read_and_touch_at_most_m_pages(dtype, tol, T, read_rank, split, device, monkeypatch):
+def test_paged_reads_equal_the_masked_read_and_touch_at_most_m_pages(
+    dtype, tol, T, read_rank, split, device, monkeypatch
+):
     """read_pages: every read path ranks and takes the same pages (the fused and the eager
     decode reads, the compiled one's fixed width, the ranked chunk read, all against the
     masked read of the whole pool), and a decode read of M buckets' worth of pages (M *
     page_split of them) touches at most M / N_b of the occupied slots."""
-    model, layer = _layer_with_memory(dtype, {**_rank(read_rank), "read_pages": True, "page_split": split}, device=device)
+    model, layer = _layer_with_memory(
+        dtype, {**_rank(read_rank), "read_pages": True, "page_split": split}, device=device
+    )
     query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=1)
     layer._page_index()  # (the first paged index may re-lay the pool)
     exact = layer._exact()
@@ -381,7 +430,11 @@ def test_paged_reads_equal_the_masked_read_and_touch_at_most_m_pages(dtype, tol,
             read, occupied = layer.read_tally
             per_group = (layer._readable().count > 0).sum(1)
             units = nb * split  # pages of at most ceil(n / units) slots, M * split of them read
-            assert 0 < read <= int(sum(int(k) * split * -(-int(n) // units) for k, n in zip(m.repeat_interleave(2), per_group)))
+            assert (
+                0
+                < read
+                <= int(sum(int(k) * split * -(-int(n) // units) for k, n in zip(m.repeat_interleave(2), per_group)))
+            )
             layer.read_tally = None
 
 
@@ -390,7 +443,9 @@ def test_paged_reads_need_a_logit_ranking():
         ARMConfig(read_pages=True, read_rank="tree")
 
 
-@pytest.mark.parametrize("G,S,nb,share", [(1, 1, 1, 1.0), (2, 53, 6, 0.8), (3, 700, 64, 0.5), (2, 37, 8, 0.0), (1, 300, 5, 1.0)])
+@pytest.mark.parametrize(
+    "G,S,nb,share", [(1, 1, 1, 1.0), (2, 53, 6, 0.8), (3, 700, 64, 0.5), (2, 37, 8, 0.0), (1, 300, 5, 1.0)]
+)
 def test_the_kernels_bucket_lists_equal_the_stable_sort(G, S, nb, share):
     """``bucket_index`` on a CPU (the kernel's counting sort) lists the same slots in the same
     order as the stable sort by bucket, and counts the same run breaks; empty pools, free
@@ -427,10 +482,19 @@ def test_sort_by_bucket_lays_the_same_slots_bucket_by_bucket():
     laid = sort_by_bucket(packed, index)
     after = bucket_index(laid.bucket[:, :reach], laid.count[:, :reach] > 0, nb)
     assert run_breaks(after) < nb and torch.equal(after.size, index.size)
-    assert torch.equal(after.order[:, : int(index.size.sum(1).min())], torch.arange(int(index.size.sum(1).min())).expand(G, -1))
+    assert torch.equal(
+        after.order[:, : int(index.size.sum(1).min())], torch.arange(int(index.size.sum(1).min())).expand(G, -1)
+    )
     a, b = packed.unpack(torch.float32), laid.unpack(torch.float32)
     for gi in range(G):  # the same slots: every row of (key, value, pos, count, bucket) once
-        rows = lambda s: sorted(map(tuple, torch.cat([s.key[gi], s.value[gi], s.pos[gi, :, None], s.count[gi, :, None], s.bucket[gi, :, None].float()], 1).tolist()))  # noqa: E731
+        rows = lambda s: sorted(
+            map(
+                tuple,
+                torch.cat(
+                    [s.key[gi], s.value[gi], s.pos[gi, :, None], s.count[gi, :, None], s.bucket[gi, :, None].float()], 1
+                ).tolist(),
+            )
+        )  # noqa: E731
         assert rows(a) == rows(b)
 
 
@@ -456,7 +520,7 @@ def test_ranked_chunk_read_equals_the_masked_read(dtype, tol, overrides, T, page
             ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
             every = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
             reads = [layer._ranked_chunk_read(query, key, value, valid, 0.3, *exact, fused=False)]
-            for vectorised in ([True, False] if module is not None else []):
+            for vectorised in [True, False] if module is not None else []:
                 monkeypatch.setattr(kernels, "fused_cpu", lambda x, v=vectorised: Vectorised(module, v))
                 reads.append(layer._ranked_chunk_read(query, key, value, valid, 0.3, *exact))
         for ranked in reads:
@@ -478,18 +542,32 @@ def test_prefill_with_ranked_chunk_reads_equals_the_masked_reads(monkeypatch):
     mask[0, :50] = 0
 
     def run():
-        cache = make_cache(model, "arm", budget=96, chunk=80, adapter="random",
-                           arm_overrides={"sync": 3, "top_m": "fixed", "m_fixed": 2, "read_rank": "best"})
+        cache = make_cache(
+            model,
+            "arm",
+            budget=96,
+            chunk=80,
+            adapter="random",
+            arm_overrides={"sync": 3, "top_m": "fixed", "m_fixed": 2, "read_rank": "best"},
+        )
         with torch.no_grad():
             out = model(ids[:, :300], attention_mask=mask[:, :300], past_key_values=cache, use_cache=True).logits
             outs = [out]
             for t in range(300, 330):
-                outs.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True).logits)
+                outs.append(
+                    model(
+                        ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True
+                    ).logits
+                )
         return torch.cat(outs, 1)
 
     calls = []
     ranked = arm_method.ARMLayer._ranked_chunk_read
-    monkeypatch.setattr(arm_method.ARMLayer, "_ranked_chunk_read", lambda self, *a, **k: calls.append(a[0].shape[2]) or ranked(self, *a, **k))
+    monkeypatch.setattr(
+        arm_method.ARMLayer,
+        "_ranked_chunk_read",
+        lambda self, *a, **k: calls.append(a[0].shape[2]) or ranked(self, *a, **k),
+    )
     fast = run()
     assert calls and min(calls) > 1 and max(calls) > arm_method.SPARSE_MAX_QUERIES
     monkeypatch.setattr(arm_method.ARMLayer, "_reads_ranked", lambda self, reads_all: False)
@@ -539,8 +617,14 @@ def _naive_summarised_read(layer, query, key, value, valid, scaling, exact_k, ex
                 mean_k = unit_w @ slot_k[b, h] / unit_w.sum(1, keepdim=True)
                 mean_v = unit_w @ slot_v[b, h] / unit_w.sum(1, keepdim=True)
                 keep = valid[b, : t + 1]
-                logits = torch.cat([slot_k[b, h][taken] @ x * scaling + bias[b, h][taken], mean_k @ x * scaling + unit_w.sum(1).log(),
-                                    ek[b, h][exact_valid[b]] @ x * scaling, k[b, h, : t + 1][keep] @ x * scaling])
+                logits = torch.cat(
+                    [
+                        slot_k[b, h][taken] @ x * scaling + bias[b, h][taken],
+                        mean_k @ x * scaling + unit_w.sum(1).log(),
+                        ek[b, h][exact_valid[b]] @ x * scaling,
+                        k[b, h, : t + 1][keep] @ x * scaling,
+                    ]
+                )
                 values = torch.cat([slot_v[b, h][taken], mean_v, ev[b, h][exact_valid[b]], v[b, h, : t + 1][keep]])
                 if len(logits):
                     out[b, t, hq] = torch.softmax(logits, 0) @ values
@@ -550,7 +634,9 @@ def _naive_summarised_read(layer, query, key, value, valid, scaling, exact_k, ex
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("T", [1, 5, 37])
 @pytest.mark.parametrize("read_rank", ["best", "partial-pages", "tree"])
-def test_read_summaries_equal_a_softmax_over_the_read_slots_and_each_skipped_units_mean(dtype, tol, T, read_rank, monkeypatch):
+def test_read_summaries_equal_a_softmax_over_the_read_slots_and_each_skipped_units_mean(
+    dtype, tol, T, read_rank, monkeypatch
+):
     """``read_summaries``: a read at M < N_b (the masked read; in float32 on a CPU a decoded
     token's fused sparse read and a chunk's fused ranked read, else the ranked read's PyTorch
     ops for a chunk ranked by its logits) equals the softmax written out query by query over
@@ -563,10 +649,15 @@ def test_read_summaries_equal_a_softmax_over_the_read_slots_and_each_skipped_uni
     fused = []  # (which fused reads ran, with the units' entries)
     for name in ("ranked_decode_call", "fused_sparse_decode_read"):
         real = getattr(arm_method, name)
-        monkeypatch.setattr(arm_method, name, lambda *a, _real=real, _name=name: fused.append((_name, a[-1] is not None)) or _real(*a))
+        monkeypatch.setattr(
+            arm_method, name, lambda *a, _real=real, _name=name: fused.append((_name, a[-1] is not None)) or _real(*a)
+        )
     real_ranked = arm_method.ranked_chunk_read
-    monkeypatch.setattr(arm_method, "ranked_chunk_read",
-                        lambda *a, **k: fused.append(("ranked", k["fused"] is not None)) or real_ranked(*a, **k))
+    monkeypatch.setattr(
+        arm_method,
+        "ranked_chunk_read",
+        lambda *a, **k: fused.append(("ranked", k["fused"] is not None)) or real_ranked(*a, **k),
+    )
     for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):
         layer.m, layer._route_k = m, int(m.max())
         layer._ranked_for = None
@@ -578,7 +669,9 @@ def test_read_summaries_equal_a_softmax_over_the_read_slots_and_each_skipped_uni
             masked = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
             q_pre = layer.rotary.unrotate(query, positions.unsqueeze(1))
             occupied = layer._slots()[2]
-            mask = layer._masks_for(q_pre, layer._bucket_scores(query, 0.3), occupied, query.shape[1] // key.shape[1])[0]
+            mask = layer._masks_for(q_pre, layer._bucket_scores(query, 0.3), occupied, query.shape[1] // key.shape[1])[
+                0
+            ]
             every = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
             layer.config.read_summaries = False
             plain = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
@@ -591,8 +684,14 @@ def test_read_summaries_equal_a_softmax_over_the_read_slots_and_each_skipped_uni
         assert gap(read) < gap(plain) / 4
 
 
-@pytest.mark.parametrize("overrides", [{"slot_format": "k4v4"}, {"slot_format": "k8v4", "slot_mixing": False},
-                                       {"slot_format": "k4v4", "read_pages": True}])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"slot_format": "k4v4"},
+        {"slot_format": "k8v4", "slot_mixing": False},
+        {"slot_format": "k4v4", "read_pages": True},
+    ],
+)
 @pytest.mark.parametrize("laid", [False, True])
 def test_index_summaries_kernel_equals_the_pytorch_form(overrides, laid):
     """read.index_summaries: the kernel's unit_summaries (AVX2 and portable loops) against its
@@ -616,19 +715,36 @@ def test_index_summaries_kernel_equals_the_pytorch_form(overrides, laid):
     bias = layer._decode_bias().reshape(-1, st.slots)
     ref = index_summaries(st, bias, index, fused=False)
     for vectorised in (True, False):
-        got = kernel.unit_summaries(st.key, st.key_scale, st.value, st.value_scale, bias, index.kernel_order(), index.start,
-                                    index.size, vectorised)
+        got = kernel.unit_summaries(
+            st.key,
+            st.key_scale,
+            st.value,
+            st.value_scale,
+            bias,
+            index.kernel_order(),
+            index.start,
+            index.size,
+            vectorised,
+        )
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert torch.isfinite(ref[2]).any() and (torch.isinf(ref[2]).any() or not overrides.get("read_pages"))  # (pages: some empty)
+    assert torch.isfinite(ref[2]).any() and (
+        torch.isinf(ref[2]).any() or not overrides.get("read_pages")
+    )  # (pages: some empty)
     layer._summaries_for = None  # (the decode steps kept those of an earlier index)
     before = layer.state_bytes()
     kept = layer._unit_summaries(index)
     assert layer.state_bytes() == before + sum(t.nbytes for t in kept)
 
 
-@pytest.mark.parametrize("overrides", [{"read_rank": "partial", "slot_mixing": False, "read_pages": True},
-                                       {"read_rank": "best"}, {"read_rank": "tree", "slot_format": "k8v4"}])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"read_rank": "partial", "slot_mixing": False, "read_pages": True},
+        {"read_rank": "best"},
+        {"read_rank": "tree", "slot_format": "k8v4"},
+    ],
+)
 def test_summaries_carried_over_writes_equal_a_fresh_build(overrides, monkeypatch):
     """``read_summaries`` carries the entries of units whose buckets no write changed
     (``SlotPool.take_dirty``, ``read.carried_units``): after every decode step (writes every
@@ -642,10 +758,12 @@ def test_summaries_carried_over_writes_equal_a_fresh_build(overrides, monkeypatc
     carried = []
     real = arm_method.carried_units
     monkeypatch.setattr(arm_method, "carried_units", lambda *a: carried.append(r := real(*a)) or r)
-    model, layer, cache = _layer_with_memory(torch.float32, {**overrides, "read_summaries": True, "sync": 4}, with_cache=True)
+    model, layer, cache = _layer_with_memory(
+        torch.float32, {**overrides, "read_summaries": True, "sync": 4}, with_cache=True
+    )
     ids = torch.randint(0, 100, (2, 1), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        for step in range(40):
+        for _ in range(40):
             out = model(ids, past_key_values=cache, use_cache=True)
             ids = out.logits[:, -1:].argmax(-1)
             index = layer._page_index() or layer._bucket_index()

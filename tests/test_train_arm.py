@@ -3,26 +3,46 @@ spreads tokens over buckets, and a resumed run equals an uninterrupted one."""
 
 import json
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
 from armkv.cli import main
 from armkv.memory.route import Router
-from test_train_cli import corpus, model_dir, train_args  # noqa: F401  (fixtures)
+from test_train_cli import corpus, model_dir, train_args  # noqa: F401, F811  (fixtures)
 
 
 def arm_args(model_dir, corpus, out, *extra):
     # budget 10 leaves 28 slots (k4v4) for the 30 tokens of each sequence past the sink and window: the pool must merge
-    args = train_args(model_dir, corpus, out, "--budget", "10", "--chunk", "8", "--seq-len", "32",
-                      "--batch-tokens", "64", "--lr", "2e-2", *extra)
+    args = train_args(
+        model_dir,
+        corpus,
+        out,
+        "--budget",
+        "10",
+        "--chunk",
+        "8",
+        "--seq-len",
+        "32",
+        "--batch-tokens",
+        "64",
+        "--lr",
+        "2e-2",
+        *extra,
+    )
     args[args.index("lm")] = "arm"
     args[args.index("all")] = "none"
     return args
 
 
 def test_arm_training_lowers_the_loss_and_writes_an_adapter(model_dir, corpus, tmp_path, capsys):  # noqa: F811
-    assert main(arm_args(model_dir, corpus, tmp_path, "--steps", "10", "--ce-weight", "0", "--kl-weight", "1.0", "--no-plot")) == 0
+    assert (
+        main(
+            arm_args(
+                model_dir, corpus, tmp_path, "--steps", "10", "--ce-weight", "0", "--kl-weight", "1.0", "--no-plot"
+            )
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     first = sum(r["loss"] for r in rows[:3]) / 3
     last = sum(r["loss"] for r in rows[-3:]) / 3
@@ -40,7 +60,10 @@ def test_arm_resume_equals_uninterrupted(model_dir, corpus, tmp_path):  # noqa: 
     import shutil
 
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_00000006")
-    assert main(arm_args(model_dir, corpus, tmp_path / "b", "--steps", "6", "--save-every", "3", "--resume", "--no-plot")) == 0
+    assert (
+        main(arm_args(model_dir, corpus, tmp_path / "b", "--steps", "6", "--save-every", "3", "--resume", "--no-plot"))
+        == 0
+    )
     a = load_file(tmp_path / "a" / "checkpoints" / "step_00000006" / "tensors.safetensors")
     b = load_file(tmp_path / "b" / "checkpoints" / "step_00000006" / "tensors.safetensors")
     for k in a:

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from conftest import tiny_model
 from armkv.errors import ArmkvError
 from armkv.train.calibrate import collect_keys
+from conftest import tiny_model
 
 
 def reference_keys(model, seqs):

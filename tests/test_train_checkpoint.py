@@ -35,10 +35,16 @@ def trained_model_and_optimizer(seed=0):
 
 def save(root, step, model, opt, config=None, **kw):
     return save_checkpoint(
-        root, step,
+        root,
+        step,
         params={n: p for n, p in model.named_parameters() if p.requires_grad},
-        optimizer_state=opt.state_dict(), scheduler_state={"step": step}, data_state={"doc": 3, "offset": 7},
-        rng_states={0: capture_rng()}, config=config or {"lr": 1e-2}, fingerprint=model_fingerprint(model), **kw,
+        optimizer_state=opt.state_dict(),
+        scheduler_state={"step": step},
+        data_state={"doc": 3, "offset": 7},
+        rng_states={0: capture_rng()},
+        config=config or {"lr": 1e-2},
+        fingerprint=model_fingerprint(model),
+        **kw,
     )
 
 
@@ -62,7 +68,9 @@ def test_round_trip_restores_params_optimizer_data_and_rng(tmp_path):
     loaded, original = fresh.state_dict()["state"], opt.state_dict()["state"]
     assert loaded.keys() == original.keys()
     for i in loaded:
-        assert loaded[i].keys() == original[i].keys() and all(torch.equal(loaded[i][k], original[i][k]) for k in loaded[i])
+        assert loaded[i].keys() == original[i].keys() and all(
+            torch.equal(loaded[i][k], original[i][k]) for k in loaded[i]
+        )
     assert fresh.param_groups[0]["lr"] == 1e-2 and fresh.param_groups[0]["betas"] == (0.9, 0.95)
     restore_rng(*ck.rng[0])
     got = (random.random(), np.random.rand(), torch.rand(3))

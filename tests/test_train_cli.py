@@ -15,8 +15,10 @@ from safetensors.torch import load_file
 from armkv.cli import main
 from conftest import tiny_model
 
-WORDS = ("the quick brown fox jumps over a lazy dog while it was best and worst of times "
-         "all that glitters is not gold who wander are lost journey thousand miles begins with single step").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while it was best and worst of times "
+    "all that glitters is not gold who wander are lost journey thousand miles begins with single step"
+).split()
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,9 @@ def model_dir(tmp_path_factory):
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(dict.fromkeys(WORDS))}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    ).save_pretrained(path)
     tiny_model("llama").save_pretrained(path)
     return path
 
@@ -46,9 +50,29 @@ def corpus(tmp_path_factory):
 
 
 def train_args(model_dir, corpus, out, *extra):
-    return ["train", "--method", "lm", "--model", str(model_dir), "--unfreeze", "all", "--data", str(corpus),
-            "--seq-len", "16", "--batch-tokens", "64", "--micro-batch", "2", "--lr", "3e-3", "--out", str(out),
-            "--no-progress", *extra]
+    return [
+        "train",
+        "--method",
+        "lm",
+        "--model",
+        str(model_dir),
+        "--unfreeze",
+        "all",
+        "--data",
+        str(corpus),
+        "--seq-len",
+        "16",
+        "--batch-tokens",
+        "64",
+        "--micro-batch",
+        "2",
+        "--lr",
+        "3e-3",
+        "--out",
+        str(out),
+        "--no-progress",
+        *extra,
+    ]
 
 
 def test_train_lm_end_to_end(model_dir, corpus, tmp_path, capsys):
@@ -59,12 +83,23 @@ def test_train_lm_end_to_end(model_dir, corpus, tmp_path, capsys):
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert {"schedule/tau", "schedule/epsilon"} <= rows[0].keys()
     assert (tmp_path / "loss.png").exists()
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004", "step_00000008", "step_00000012"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_00000004",
+        "step_00000008",
+        "step_00000012",
+    ]
 
 
 def run_cli(args, **kw):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "armkv.cli", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "armkv.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def test_sigkill_and_resume_equals_uninterrupted(model_dir, corpus, tmp_path):
@@ -115,17 +150,38 @@ def test_one_line_errors(model_dir, corpus, tmp_path, capsys):
     one_line_error(train_args(model_dir, corpus, tmp_path, "--batch-tokens", "100"), capsys, "multiple")
     # A checkpoint of another training config, a corrupt checkpoint.
     assert main(train_args(model_dir, corpus, tmp_path / "r", "--steps", "2")) == 0
-    one_line_error(train_args(model_dir, corpus, tmp_path / "r", "--steps", "2", "--lr", "1e-3", "--resume"), capsys, "another training config")
+    one_line_error(
+        train_args(model_dir, corpus, tmp_path / "r", "--steps", "2", "--lr", "1e-3", "--resume"),
+        capsys,
+        "another training config",
+    )
     tensors = tmp_path / "r" / "checkpoints" / "step_00000002" / "tensors.safetensors"
     tensors.write_bytes(tensors.read_bytes()[:-10])
-    one_line_error(train_args(model_dir, corpus, tmp_path / "r", "--steps", "2", "--resume"), capsys, "corrupt or truncated")
+    one_line_error(
+        train_args(model_dir, corpus, tmp_path / "r", "--steps", "2", "--resume"), capsys, "corrupt or truncated"
+    )
 
 
 def test_calibrate_builds_an_adapter(model_dir, corpus, tmp_path):
     from armkv.memory.module import ARMModel
 
-    args = ["calibrate", "--model", str(model_dir), "--data", str(corpus), "--seq-len", "16", "--tokens", "64",
-            "--max-keys-per-head", "24", "--budget", "64", "--out", str(tmp_path / "adapter")]
+    args = [
+        "calibrate",
+        "--model",
+        str(model_dir),
+        "--data",
+        str(corpus),
+        "--seq-len",
+        "16",
+        "--tokens",
+        "64",
+        "--max-keys-per-head",
+        "24",
+        "--budget",
+        "64",
+        "--out",
+        str(tmp_path / "adapter"),
+    ]
     assert main([*args, "--depth", "0"]) == 2  # before the model loads
     assert main([*args, "--depth", "1", "--out", str(tmp_path / "d1")]) == 0
     assert ARMModel.load(tmp_path / "d1").config.num_buckets == 4  # --depth sets the tree, branching 4
@@ -139,8 +195,23 @@ def test_calibrate_builds_an_adapter(model_dir, corpus, tmp_path):
     scores = arm.config.meta["retrieval_scores"]  # kept for the named share rules
     assert weights == retrieval_layer_weights(scores, "lift-late")  # calibrate's default rule
     # --layer-weights-only re-shares an existing adapter, its trees untouched
-    assert main(["calibrate", "--model", str(model_dir), "--data", str(corpus), "--layer-weights-only",
-                 "--retrieval-passages", "2", "--out", str(tmp_path / "adapter")]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--model",
+                str(model_dir),
+                "--data",
+                str(corpus),
+                "--layer-weights-only",
+                "--retrieval-passages",
+                "2",
+                "--out",
+                str(tmp_path / "adapter"),
+            ]
+        )
+        == 0
+    )
     again = ARMModel.load(tmp_path / "adapter")
     assert again.config.layer_weights == retrieval_layer_weights(again.config.meta["retrieval_scores"])
     torch.testing.assert_close(again.layers[0].router.weight, arm.layers[0].router.weight)

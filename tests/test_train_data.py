@@ -88,7 +88,9 @@ def packer_after(n):
 
 def test_local_formats(tmp_path):
     (tmp_path / "a.txt").write_text("plain text document")
-    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "first"}) + "\n\n" + json.dumps({"text": "second", "id": 2}) + "\n")
+    (tmp_path / "b.jsonl").write_text(
+        json.dumps({"text": "first"}) + "\n\n" + json.dumps({"text": "second", "id": 2}) + "\n"
+    )
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
@@ -128,7 +130,9 @@ def test_hf_dataset_streams_a_local_json_file(tmp_path):
         list(DocumentSource(dataset="json", data_files=str(path), shuffle=False).iter_epoch(0))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gensim") is None, reason="default corpus needs `pip install --no-deps gensim`")
+@pytest.mark.skipif(
+    importlib.util.find_spec("gensim") is None, reason="default corpus needs `pip install --no-deps gensim`"
+)
 def test_default_corpus_is_prose_with_a_disjoint_heldout_split():
     train, heldout = default_corpus("train"), default_corpus("heldout")
     assert len(heldout) == 10 and len(train) > 300
@@ -139,7 +143,9 @@ def test_default_corpus_is_prose_with_a_disjoint_heldout_split():
     assert text.count(" the ") > 1000  # English prose
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gensim") is None, reason="default corpus needs `pip install --no-deps gensim`")
+@pytest.mark.skipif(
+    importlib.util.find_spec("gensim") is None, reason="default corpus needs `pip install --no-deps gensim`"
+)
 def test_heldout_split_exports_as_text(tmp_path):
     from armkv.train.data import write_default_corpus
 

@@ -73,8 +73,14 @@ def test_arm_loss_adds_weighted_aux_losses_and_broadcasts_the_schedule():
 def test_arm_loss_with_distillation_and_bad_settings():
     model, ids = FakeModel(), torch.randint(0, 10, (2, 6))
     teacher_head = torch.nn.Embedding(10, 10)
-    loss_fn = make_arm_loss(ce_weight=0.0, kl_weight=1.0, temperature=2.0, teacher=teacher_head,
-                            aux_weights={"balance": 0.0, "budget": 0.0}, forward=lambda m, x: m(x))
+    loss_fn = make_arm_loss(
+        ce_weight=0.0,
+        kl_weight=1.0,
+        temperature=2.0,
+        teacher=teacher_head,
+        aux_weights={"balance": 0.0, "budget": 0.0},
+        forward=lambda m, x: m(x),
+    )
     loss, metrics = loss_fn(model, {"input_ids": ids}, {"step": 0})
     torch.testing.assert_close(loss, distill_kl(model(ids), teacher_head(ids), 2.0))
     assert set(metrics) == {"kl", "balance", "budget"}

@@ -28,7 +28,11 @@ def naive_errors(model, arm, ids, sinks, window):
         attn = layer.self_attn
         for name in ("q", "k", "v"):
             proj = getattr(attn, f"{name}_proj")
-            hooks.append(proj.register_forward_hook(lambda m, a, out, i=i, name=name: captured.__setitem__((i, name), out.detach())))
+            hooks.append(
+                proj.register_forward_hook(
+                    lambda m, a, out, i=i, name=name: captured.__setitem__((i, name), out.detach())
+                )
+            )
     with torch.no_grad():
         model(input_ids=ids)
     for h in hooks:
@@ -45,7 +49,9 @@ def naive_errors(model, arm, ids, sinks, window):
         H, R = k.shape[1], q.shape[1] // k.shape[1]
         qr, kr = apply_rotary_pos_emb(q, k, cos, sin)
         kr = kr.repeat_interleave(R, 1)
-        p = torch.softmax((qr @ kr.transpose(-1, -2) / math.sqrt(d)).masked_fill(~causal, -torch.inf), -1).view(B, H, R, T, T)
+        p = torch.softmax((qr @ kr.transpose(-1, -2) / math.sqrt(d)).masked_fill(~causal, -torch.inf), -1).view(
+            B, H, R, T, T
+        )
         router = memory.router
         bucket = router.route_writes(k)
         ranked = torch.empty(B, H, T, router.num_buckets, dtype=torch.long)
@@ -54,7 +60,9 @@ def naive_errors(model, arm, ids, sinks, window):
                 for j in range(T):
                     if arm.config.read_rank == "tree":
                         # the leaf scores of query head h * R + r under KV head h's tree
-                        scores = torch.stack([router.leaf_scores(q[b : b + 1, r::R, j : j + 1])[0, h, 0] for r in range(R)])
+                        scores = torch.stack(
+                            [router.leaf_scores(q[b : b + 1, r::R, j : j + 1])[0, h, 0] for r in range(R)]
+                        )
                         ranked[b, h, j] = (torch.logsumexp(scores, 0) - math.log(R)).argsort(descending=True)
                         continue
                     best = torch.full((router.num_buckets,), -torch.inf)
@@ -100,7 +108,9 @@ def naive_output_error(p, in_memory, bucket, ranked, v):
                     outputs = []
                     for M in range(1, N_b + 1):
                         read = set(ranked[b, h, t, :M].tolist())
-                        keep = torch.tensor([(not bool(in_memory[t, s])) or int(bucket[b, h, s]) in read for s in range(S)])
+                        keep = torch.tensor(
+                            [(not bool(in_memory[t, s])) or int(bucket[b, h, s]) in read for s in range(S)]
+                        )
                         ww = w * keep
                         outputs.append((ww @ v[b, h].double()) / ww.sum())
                     full = outputs[-1]
@@ -131,7 +141,9 @@ def test_read_errors_pool_the_first_keys_as_the_inference_policy_does():
     ids = torch.randint(3, 120, (1, 40))
     _, pooled = read_errors(model, arm, ids)
     keys = {}
-    hook = model.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, a, out: keys.__setitem__("k", out.detach()))
+    hook = model.model.layers[1].self_attn.k_proj.register_forward_hook(
+        lambda m, a, out: keys.__setitem__("k", out.detach())
+    )
     with torch.no_grad():
         model(input_ids=ids)
     hook.remove()
@@ -195,14 +207,35 @@ def start_adapter(tiny_model_dir, tmp_path_factory):
     return path
 
 
-def test_train_policy_cli_writes_an_adapter_and_reuses_its_targets(tiny_model_dir, text, start_adapter, tmp_path, capsys):
+def test_train_policy_cli_writes_an_adapter_and_reuses_its_targets(
+    tiny_model_dir, text, start_adapter, tmp_path, capsys
+):
     from armkv.memory.module import ARMModel
 
     out = tmp_path / "p"
+
     def args(*target):
-        return ["train", "--method", "policy", "--model", str(tiny_model_dir), "--adapter", str(start_adapter),
-                "--data", str(text), "--seq-len", "96", "--sequences", "3", "--policy-steps", "20", *target,
-                "--out", str(out), "--no-progress"]
+        return [
+            "train",
+            "--method",
+            "policy",
+            "--model",
+            str(tiny_model_dir),
+            "--adapter",
+            str(start_adapter),
+            "--data",
+            str(text),
+            "--seq-len",
+            "96",
+            "--sequences",
+            "3",
+            "--policy-steps",
+            "20",
+            *target,
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
 
     assert main(args("--error", "0.2")) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -219,20 +252,48 @@ def test_train_policy_cli_writes_an_adapter_and_reuses_its_targets(tiny_model_di
 
 @pytest.mark.parametrize("target, message", [(["--error", "0"], "--error 0"), (["--error", "-1"], "--error -1")])
 def test_train_policy_bad_target_is_one_line_before_the_model(tmp_path, capsys, target, message):
-    assert main(["train", "--method", "policy", "--model", str(tmp_path / "none"), *target, "--out", str(tmp_path)]) == 2
+    assert (
+        main(["train", "--method", "policy", "--model", str(tmp_path / "none"), *target, "--out", str(tmp_path)]) == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
 
 
-def test_curve_cli_scores_fixed_and_learned_and_resumes(tiny_model_dir, text, start_adapter, tmp_path, capsys, monkeypatch):
+def test_curve_cli_scores_fixed_and_learned_and_resumes(
+    tiny_model_dir, text, start_adapter, tmp_path, capsys, monkeypatch
+):
     out = tmp_path / "curve"
-    args = ["eval", "policy", "--model", str(tiny_model_dir), "--budget", "96", "--chunk", "16", "--input", str(text),
-            "--inputs", "2", "--tokens", "48", "--fixed", "1,4", "--adapter", str(start_adapter), "--output", str(out), "--json"]
+    args = [
+        "eval",
+        "policy",
+        "--model",
+        str(tiny_model_dir),
+        "--budget",
+        "96",
+        "--chunk",
+        "16",
+        "--input",
+        str(text),
+        "--inputs",
+        "2",
+        "--tokens",
+        "48",
+        "--fixed",
+        "1,4",
+        "--adapter",
+        str(start_adapter),
+        "--output",
+        str(out),
+        "--json",
+    ]
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = {r["label"]: r for r in summary["rows"]}
     assert set(rows) == {"M=1", "M=4", start_adapter.parent.name}
-    assert rows["M=1"]["read_share"] == pytest.approx(1 / 4 ** 3 * 1) or rows["M=1"]["read_share"] < rows["M=4"]["read_share"]
+    assert (
+        rows["M=1"]["read_share"] == pytest.approx(1 / 4**3 * 1)
+        or rows["M=1"]["read_share"] < rows["M=4"]["read_share"]
+    )
     assert all(r["ppl"] > 1 and len(r["ppls"]) == 2 for r in rows.values())
     assert (out / "curve.png").stat().st_size > 0 and "perplexity" in (out / "curve.md").read_text()
 
@@ -247,26 +308,56 @@ def test_curve_cli_scores_fixed_and_learned_and_resumes(tiny_model_dir, text, st
     assert len(err) == 1 and "tokens=48" in err[0]
 
 
-def test_curve_cli_options_reach_every_point_and_are_checked(tiny_model_dir, text, start_adapter, tmp_path, capsys, monkeypatch):
+def test_curve_cli_options_reach_every_point_and_are_checked(
+    tiny_model_dir, text, start_adapter, tmp_path, capsys, monkeypatch
+):
     """--option arm.KEY=VALUE goes to every point of the curve (fixed and learned) and into the
     curve's settings (a resume with other options is refused); an adapter, the top-M keys
     the fixed points set, or another method's option are one-line errors before the model loads."""
     import armkv.evals.policy as policy
 
     seen = []
-    monkeypatch.setattr(policy, "curve_point", lambda model, windows, budget, chunk, options: seen.append(options) or
-                        {"ppl": 2.0, "ppls": [2.0], "read_share": 0.5, "cache_bytes": 1})
+    monkeypatch.setattr(
+        policy,
+        "curve_point",
+        lambda model, windows, budget, chunk, options: (
+            seen.append(options) or {"ppl": 2.0, "ppls": [2.0], "read_share": 0.5, "cache_bytes": 1}
+        ),
+    )
     out = tmp_path / "curve"
-    base = ["eval", "policy", "--model", str(tiny_model_dir), "--budget", "96", "--input", str(text), "--inputs", "2",
-            "--tokens", "48", "--fixed", "1,4", "--adapter", str(start_adapter), "--output", str(out), "--json"]
+    base = [
+        "eval",
+        "policy",
+        "--model",
+        str(tiny_model_dir),
+        "--budget",
+        "96",
+        "--input",
+        str(text),
+        "--inputs",
+        "2",
+        "--tokens",
+        "48",
+        "--fixed",
+        "1,4",
+        "--adapter",
+        str(start_adapter),
+        "--output",
+        str(out),
+        "--json",
+    ]
     assert main(base + ["--option", "arm.read_rank=tree"]) == 0
     capsys.readouterr()
     assert len(seen) == 3 and all(o["read_rank"] == "tree" for o in seen)
     assert json.loads((out / "curve.json").read_text())["settings"]["options"] == {"read_rank": "tree"}
     assert main(base) == 2  # the folder's points were made with other options
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
-    for option, message in [("arm.adapter=x", "--adapter"), ("arm.m_fixed=2", "--fixed"), ("kivi.bits=2", "kivi"),
-                            ("arm.no_such_key=1", "no_such_key")]:
+    for option, message in [
+        ("arm.adapter=x", "--adapter"),
+        ("arm.m_fixed=2", "--fixed"),
+        ("kivi.bits=2", "kivi"),
+        ("arm.no_such_key=1", "no_such_key"),
+    ]:
         assert main(base[:-3] + ["--output", str(tmp_path / "other"), "--json", "--option", option]) == 2
         err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("Loading")]
         assert len(err) == 1 and message in err[0], err

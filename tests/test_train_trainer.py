@@ -40,7 +40,9 @@ class TinyLM(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, dim)
         self.drop = torch.nn.Dropout(dropout)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.GELU(), torch.nn.LayerNorm(dim), torch.nn.Linear(dim, vocab))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(dim, dim), torch.nn.GELU(), torch.nn.LayerNorm(dim), torch.nn.Linear(dim, vocab)
+        )
 
     def forward(self, input_ids):
         return self.mlp(self.drop(self.embed(input_ids)))  # [B, T, V]
@@ -51,7 +53,17 @@ def tiny_loss():
 
 
 def config(tmp_path, **kw) -> TrainConfig:
-    base = dict(steps=10, seq_len=32, batch_tokens=4 * 32, micro_batch=2, lr=1e-2, warmup=0.1, out_dir=str(tmp_path), progress=False, plot=False)
+    base = dict(
+        steps=10,
+        seq_len=32,
+        batch_tokens=4 * 32,
+        micro_batch=2,
+        lr=1e-2,
+        warmup=0.1,
+        out_dir=str(tmp_path),
+        progress=False,
+        plot=False,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -95,7 +107,9 @@ def test_learning_rate_and_scalar_schedules():
     assert c.lr_at(101) == pytest.approx(2e-4, rel=1e-6)  # half-way through the cosine
     assert c.lr_at(199) < 1e-7
     lin, cos = ScalarSchedule(1.0, 0.1), ScalarSchedule(1.0, 0.1, "cosine")
-    assert lin.value(0, 11) == 1.0 and lin.value(10, 11) == pytest.approx(0.1) and lin.value(5, 11) == pytest.approx(0.55)
+    assert (
+        lin.value(0, 11) == 1.0 and lin.value(10, 11) == pytest.approx(0.1) and lin.value(5, 11) == pytest.approx(0.55)
+    )
     assert cos.value(5, 11) == pytest.approx(0.55) and cos.value(1, 11) > lin.value(1, 11)
     assert ScalarSchedule(0.3, 0.0, "constant").value(7, 11) == 0.3
     with pytest.raises(ArmkvError, match="multiple"):
@@ -146,7 +160,13 @@ def test_kill_and_resume_equals_uninterrupted_training(tmp_path):
     with pytest.raises(ArmkvError, match="pass --resume"):
         train(TinyLM(dropout=0.2), noisy_loss(), data(32, seed=5), config(tmp_path / "run", **kw))
     with pytest.raises(ArmkvError, match="another training config"):
-        train(TinyLM(dropout=0.2), noisy_loss(), data(32, seed=5), config(tmp_path / "run", **dict(kw, lr=1e-3)), resume=True)
+        train(
+            TinyLM(dropout=0.2),
+            noisy_loss(),
+            data(32, seed=5),
+            config(tmp_path / "run", **dict(kw, lr=1e-3)),
+            resume=True,
+        )
     with pytest.raises(ArmkvError, match="another model"):
         train(TinyLM(dim=16, dropout=0.2), noisy_loss(), data(32, seed=5), config(tmp_path / "run", **kw), resume=True)
 
@@ -193,12 +213,29 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tmp_pat
 
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path / "ddp")))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(free_port()), str(script)],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            str(script),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ddp = load_file(tmp_path / "ddp" / "final.safetensors")
@@ -206,7 +243,12 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tmp_pat
     torch.manual_seed(0)
     single = TinyLM()
     start = {n: p.detach().clone() for n, p in single.named_parameters()}
-    train(single, tiny_loss(), data(16), config(tmp_path / "single", steps=6, seq_len=16, batch_tokens=8 * 16, micro_batch=2))
+    train(
+        single,
+        tiny_loss(),
+        data(16),
+        config(tmp_path / "single", steps=6, seq_len=16, batch_tokens=8 * 16, micro_batch=2),
+    )
     for name, p in single.named_parameters():
         assert not torch.equal(p, start[name])  # it did train
         torch.testing.assert_close(ddp[name], p.detach(), rtol=1e-5, atol=1e-6)

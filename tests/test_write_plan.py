@@ -80,7 +80,10 @@ def test_shared_pool_plan_equals_naive(case, fused):
     params = WriteParams(d, "similarity", "scalar", 0.98).requires_grad_(False)
     state, keys, bucket, valid = random_case(G, N, S, d, occupied, nb, seed=S + N)
     merged_any = False
-    for rule in RULES + [WriteRule(lazy=True, protect_recent=0.3), WriteRule(demote_scope="bucket", protect_recent=0.5)]:
+    for rule in RULES + [
+        WriteRule(lazy=True, protect_recent=0.3),
+        WriteRule(demote_scope="bucket", protect_recent=0.5),
+    ]:
         plan, merged = assert_same_plan(state, keys, bucket, valid, params, rule, fused)
         merged_any |= not torch.equal(merged.count, state.count)
         if occupied and not rule.lazy:  # the near-repeats of slots merged into them
@@ -145,8 +148,22 @@ def structured_case(dtype, full: bool, seed: int):
     state.pos[:, :n] = torch.arange(n, dtype=torch.float32)
     state.count[:, :n] = torch.randint(1, 4, (G, n), generator=g).float()
     pair_bucket = torch.randint(0, 3, (G, pairs), generator=g)
-    state.bucket[:, :n] = torch.cat([pair_bucket.repeat_interleave(2, 1), torch.randint(0, 3, (G, singles), generator=g)], 1)
-    kinds = ["new", "near", "repeat-slot", "new", "repeat-token", "near", "new", "repeat-slot", "near", "repeat-token", "new"]
+    state.bucket[:, :n] = torch.cat(
+        [pair_bucket.repeat_interleave(2, 1), torch.randint(0, 3, (G, singles), generator=g)], 1
+    )
+    kinds = [
+        "new",
+        "near",
+        "repeat-slot",
+        "new",
+        "repeat-token",
+        "near",
+        "new",
+        "repeat-slot",
+        "near",
+        "repeat-token",
+        "new",
+    ]
     N = len(kinds)
     keys = torch.zeros(G, N, d, dtype=torch.float64)
     bucket = torch.zeros(G, N, dtype=torch.long)
@@ -189,7 +206,9 @@ def structured_paper_case(dtype, seed: int):
     state.value[:, held] = torch.randn(G, 9, d, generator=g, dtype=torch.float64)
     state.pos[:, held] = torch.arange(9, dtype=torch.float32)
     state.count[:, held] = torch.randint(1, 4, (G, 9), generator=g).float()
-    keys = torch.stack([basis[20], 0.86 * basis[7] + 0.51 * basis[21], 0.74 * basis[6] + 0.67 * basis[22], basis[1] * 1.0005])
+    keys = torch.stack(
+        [basis[20], 0.86 * basis[7] + 0.51 * basis[21], 0.74 * basis[6] + 0.67 * basis[22], basis[1] * 1.0005]
+    )
     keys = keys.expand(G, 4, d) * (torch.rand(G, 4, 1, generator=g, dtype=torch.float64) + 0.5)
     bucket = torch.tensor([2, 2, 2, 0]).expand(G, 4)
     valid = torch.ones(G, 4, dtype=torch.bool)

@@ -56,8 +56,11 @@ def parse_layer_weights(spec, num_layers: int) -> list[float]:
     """Relative per-layer budgets: a sequence of ``num_layers`` numbers, or a string of them
     ("1,1,0.5,...") or of ranges ("0-9:0.5,10-29:1.25"; unlisted layers weigh 1), the items
     separated by commas, slashes or spaces."""
+
     def bad(why: str) -> ArmkvError:
-        return ArmkvError(f"layer_weights={spec!r}: {why} (e.g. '0-9:0.5,10-{num_layers - 1}:1.25' or {num_layers} numbers)")
+        return ArmkvError(
+            f"layer_weights={spec!r}: {why} (e.g. '0-9:0.5,10-{num_layers - 1}:1.25' or {num_layers} numbers)"
+        )
 
     ranges, weights = [], None
     try:

@@ -31,10 +31,17 @@ SUBCOMMANDS = {
 
 # Top-level module -> the extra of pyproject.toml that installs it.
 EXTRAS = {
-    "transformers": "hf", "accelerate": "hf", "gguf": "hf", "tqdm": "hf", "matplotlib": "hf",
-    "rouge_score": "eval", "rapidfuzz": "eval", "lm_eval": "eval",
-    "datasets": "train", "peft": "train",
-}  # fmt: skip
+    "transformers": "hf",
+    "accelerate": "hf",
+    "gguf": "hf",
+    "tqdm": "hf",
+    "matplotlib": "hf",
+    "rouge_score": "eval",
+    "rapidfuzz": "eval",
+    "lm_eval": "eval",
+    "datasets": "train",
+    "peft": "train",
+}
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -101,8 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if getattr(args, "_missing", None):
         if args._extra:
-            print(f"armkv {args.command}: error: needs the '{args._extra}' extra ({args._error}): "
-                  f"pip install 'armkv[{args._extra}]'", file=sys.stderr)  # fmt: skip
+            print(
+                f"armkv {args.command}: error: needs the '{args._extra}' extra ({args._error}): "
+                f"pip install 'armkv[{args._extra}]'",
+                file=sys.stderr,
+            )
         else:
             print(f"armkv {args.command}: not available in this build ({args._missing} is missing)", file=sys.stderr)
         return 2
@@ -115,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         extra = missing_extra(e)
         if extra is None:
             raise
-        print(f"armkv {args.command}: error: needs the '{extra}' extra ({e}): pip install 'armkv[{extra}]'",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"armkv {args.command}: error: needs the '{extra}' extra ({e}): pip install 'armkv[{extra}]'",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print(f"armkv {args.command}: interrupted", file=sys.stderr)

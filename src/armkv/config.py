@@ -105,7 +105,9 @@ class ARMConfig:
     # "fixed": every slot rotated as if it stood just before the local window (InfLLM)
     scorer: str = "similarity"  # "similarity": compares token and slot; "paper": w.[K;k]+b (cannot)
     gate: str = "scalar"  # gamma per token ("scalar") or per channel ("channel")
-    write: str = "gated"  # "gated": the gate's blend (its initial rule is the running mean); "mean": beta = 1/n; "fifo": overwrite the oldest slot
+    # "gated": the gate's blend (its initial rule is the running mean); "mean": beta = 1/n;
+    # "fifo": overwrite the oldest slot
+    write: str = "gated"
     empty_slot_rule: bool = True  # novel tokens take a free slot exactly (beta = 1); ours, not the paper's
     merge_threshold: float = 0.98  # the scorer's initial rule: a token merges into a slot whose key
     # (pre-RoPE) has cosine >= this; the shipped adapter keeps it (docs/design.md). When the pool is
@@ -208,7 +210,8 @@ class ARMConfig:
         for rung in self.ladder:
             if rung not in CHOICES["slot_format"]:
                 raise ArmkvError(
-                    f"ARMConfig.slot_ladder={self.slot_ladder!r}: {rung!r} is not one of {', '.join(CHOICES['slot_format'])}"
+                    f"ARMConfig.slot_ladder={self.slot_ladder!r}: {rung!r} is not one of "
+                    f"{', '.join(CHOICES['slot_format'])}"
                 )
         if not 0.0 < self.partial_share <= 1.0:
             raise ArmkvError(f"ARMConfig.partial_share={self.partial_share} must be in (0, 1]")
@@ -218,7 +221,9 @@ class ARMConfig:
                 "slots spread every channel over all of them; set slot_mixing=false (--option arm.slot_mixing=false)"
             )
         if self.page_split < 1:
-            raise ArmkvError(f"ARMConfig.page_split={self.page_split} must be >= 1 (pages per mean bucket under read_pages)")
+            raise ArmkvError(
+                f"ARMConfig.page_split={self.page_split} must be >= 1 (pages per mean bucket under read_pages)"
+            )
         if self.read_pages and self.read_rank == "tree":
             raise ArmkvError(
                 "ARMConfig: read_pages=true ranks pages by their best logit, and the tree ranks whole buckets; "
@@ -269,7 +274,9 @@ class ARMConfig:
     def state_bytes(self, head_dim: int, dtype_bytes: int = 4) -> int:
         """Bytes of one layer's state for one KV head and one sequence, metadata included."""
         token = 2 * head_dim * dtype_bytes
-        return (self.sinks + self.window + self.sync) * token + self.pool_slots * slot_bytes(self.slot_format, head_dim, dtype_bytes)
+        return (self.sinks + self.window + self.sync) * token + self.pool_slots * slot_bytes(
+            self.slot_format, head_dim, dtype_bytes
+        )
 
     # ------------------------------------------------------------------ budget
     @classmethod

@@ -467,7 +467,9 @@ class Session:
 
             def run(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, *args, **kwargs):
                 if query.shape[2] != 1:  # (only decode steps pair)
-                    return read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, *args, **kwargs)
+                    return read(
+                        query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, *args, **kwargs
+                    )
                 dense_first = step[0] % 2 == 1
                 if dense_first:
                     t0 = self.clock()
@@ -497,9 +499,20 @@ class Session:
 
 
 # the per-prompt-length entries of the result: {method: {length: value or None}}
-POINT_KEYS = ("decode_ms_per_token", "decode_mean_ms_per_token", "decode_tokens_per_s", "cache_bytes",
-              "peak_cache_bytes", "prefill_tokens_per_s", "attention_ms_per_token", "read_ms_per_token",
-              "read_share", "paired_read_ms_per_token", "dense_read_ms_per_token", "dense_read_ratio")  # fmt: skip
+POINT_KEYS = (
+    "decode_ms_per_token",
+    "decode_mean_ms_per_token",
+    "decode_tokens_per_s",
+    "cache_bytes",
+    "peak_cache_bytes",
+    "prefill_tokens_per_s",
+    "attention_ms_per_token",
+    "read_ms_per_token",
+    "read_share",
+    "paired_read_ms_per_token",
+    "dense_read_ms_per_token",
+    "dense_read_ratio",
+)
 
 
 def _median_ms(seconds: list[float]) -> float:
@@ -548,7 +561,9 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
     runs = [(m, n) for m in bench.methods for n in bench.lengths]
     work = bench.floor_context + decode_steps
     work += len(bench.methods) * (bench.floor_context + max(bench.gen_lengths))
-    work += sum(n + decode_steps + 4 * bench.repeats for m, n in runs if not bench.skips(m, n))  # (at most: paired steps)
+    work += sum(
+        n + decode_steps + 4 * bench.repeats for m, n in runs if not bench.skips(m, n)
+    )  # (at most: paired steps)
     bar = tqdm(total=work, unit="tok", desc="bench decode", disable=not progress, file=sys.stderr, dynamic_ncols=True)
 
     empty = lambda: {m: {} for m in bench.methods}  # noqa: E731
@@ -661,8 +676,9 @@ def run_bench(model, bench: DecodeBench, progress: bool = True, checkpoint=None)
                 result["decode_mean_ms_per_token"][method][length] = statistics.mean(times[bench.warmup :]) * 1e3
                 result["decode_tokens_per_s"][method][length] = bench.batch * 1e3 / median_ms
                 result["peak_cache_bytes"][method][length] = cache_peak_bytes(cache)
-                attention, reads, share, token, paired = session.attention(cache, token, length + decode_steps, bench.repeats,
-                                                                           bar.update)
+                attention, reads, share, token, paired = session.attention(
+                    cache, token, length + decode_steps, bench.repeats, bar.update
+                )
                 result["attention_ms_per_token"][method][length] = None if attention is None else attention * 1e3
                 result["read_ms_per_token"][method][length] = None if reads is None else reads * 1e3
                 result["read_share"][method][length] = share
@@ -734,12 +750,16 @@ def markdown(result: dict) -> str:
         f"model {s['model']} ({s['dtype']}), budget {s['budget']}, chunk {s['chunk']}, device {result['device']}, "
         f"{result['threads']} torch threads; prompts: {s.get('prompt', 'random ids')}; "
         f"medians of {s['repeats']} steps after {s['warmup']} warm-up steps, "
-        f"{s.get('clock', 'wall')} clock" + (f"; int4 slot read: {result['int4_read']}" if result.get("int4_read") else "")
+        f"{s.get('clock', 'wall')} clock"
+        + (f"; int4 slot read: {result['int4_read']}" if result.get("int4_read") else "")
         + "".join(f"; {m} options: {json.dumps(o)}" for m, o in (s.get("options") or {}).items())
         + (f"; batch {s['batch']} (ms per step of all sequences)" if s.get("batch", 1) > 1 else "")
-        + (f"; native: transformers' {s['native_cache']} cache, prompt in "
-           + (f"chunks of {s['native_chunk']}" if s.get("native_chunk") else "one forward")
-           if s.get("native_cache") else "")
+        + (
+            f"; native: transformers' {s['native_cache']} cache, prompt in "
+            + (f"chunks of {s['native_chunk']}" if s.get("native_chunk") else "one forward")
+            if s.get("native_cache")
+            else ""
+        )
     )
     out.append("")
     out.append(f"Floor (full cache, {s['floor_context']}-token context): {result['floor_ms_per_token']:.2f} ms/token")
@@ -754,31 +774,64 @@ def markdown(result: dict) -> str:
         out.append("| method | " + " | ".join(str(n) for n in lengths) + " |")
         out.append("|---|" + "---:|" * len(lengths))
         for method in data:
-            cells = [_fmt(_get(data, method, n), scale, digits) if n in {int(k) for k in data[method]} else "" for n in lengths]
+            cells = [
+                _fmt(_get(data, method, n), scale, digits) if n in {int(k) for k in data[method]} else ""
+                for n in lengths
+            ]
             out.append(f"| {method} | " + " | ".join(cells) + " |")
 
     table("Decode latency against prompt length", result["decode_ms_per_token"], 1.0, 1, "ms/token")
     if result.get("decode_mean_ms_per_token"):
-        table("Decode latency against prompt length, mean of the same steps", result["decode_mean_ms_per_token"], 1.0, 1, "ms/token")
+        table(
+            "Decode latency against prompt length, mean of the same steps",
+            result["decode_mean_ms_per_token"],
+            1.0,
+            1,
+            "ms/token",
+        )
     if result.get("decode_tokens_per_s"):
-        table("Decode throughput, all sequences, from the median step", result["decode_tokens_per_s"], 1.0, 1, "tokens/s")
+        table(
+            "Decode throughput, all sequences, from the median step", result["decode_tokens_per_s"], 1.0, 1, "tokens/s"
+        )
     if any(v is not None for row in result.get("attention_ms_per_token", {}).values() for v in row.values()):
-        table("Attention inside the cache, all layers, further steps timed apart", result["attention_ms_per_token"], 1.0, 1,
-              "ms/token")
+        table(
+            "Attention inside the cache, all layers, further steps timed apart",
+            result["attention_ms_per_token"],
+            1.0,
+            1,
+            "ms/token",
+        )
     if any(v is not None for row in result.get("read_ms_per_token", {}).values() for v in row.values()):
         table("ARM's reads of its memory, within that attention", result["read_ms_per_token"], 1.0, 1, "ms/token")
     if any(v is not None for row in result.get("read_share", {}).values() for v in row.values()):
         table("Share of ARM's occupied slots a decode read touches", result["read_share"], 0.01, 1, "%")
     if any(v is not None for row in result.get("dense_read_ratio", {}).values() for v in row.values()):
-        table("ARM's sparse reads, in steps that make each beside the dense read of the same state (timed where it runs first)",
-              result["paired_read_ms_per_token"], 1.0, 1, "ms/token")
-        table("The dense reads of every slot of those states (timed where they run first)", result["dense_read_ms_per_token"],
-              1.0, 1, "ms/token")
+        table(
+            "ARM's sparse reads, in steps that make each beside the dense read of the same state (timed where it "
+            "runs first)",
+            result["paired_read_ms_per_token"],
+            1.0,
+            1,
+            "ms/token",
+        )
+        table(
+            "The dense reads of every slot of those states (timed where they run first)",
+            result["dense_read_ms_per_token"],
+            1.0,
+            1,
+            "ms/token",
+        )
         table("Dense read / sparse read, of those medians", result["dense_read_ratio"], 1.0, 2, "x")
     table("Cache bytes after the prompt", result["cache_bytes"], 2**20, 2, "MiB")
     if result.get("peak_cache_bytes"):
         table("Peak cache bytes during prefill and decode", result["peak_cache_bytes"], 2**20, 2, "MiB")
-    table("Prefill throughput, all sequences, chunks of P (native: as in the header)", result["prefill_tokens_per_s"], 1.0, 0, "tokens/s")
+    table(
+        "Prefill throughput, all sequences, chunks of P (native: as in the header)",
+        result["prefill_tokens_per_s"],
+        1.0,
+        0,
+        "tokens/s",
+    )
     gen = result["gen"]
     table("Decode latency against generation length", gen["decode_ms_per_token"], 1.0, 1, "ms/token")
     table("Cache bytes against generation length", gen["cache_bytes"], 2**20, 2, "MiB")
@@ -844,11 +897,14 @@ def plot(result: dict, path: Path) -> None:
     s = result["settings"]
     axes[0, 2].axis("off")
     axes[0, 2].text(
-        0.0, 0.9,
+        0.0,
+        0.9,
         f"{Path(str(s['model'])).name}\n{s['dtype']}, budget {s['budget']}, chunk {s['chunk']}\n"
-        f"{result['device']}, {result['threads']} torch thread(s)\nmedian of {s['repeats']} steps, {s.get('clock', 'wall')} clock",
-        va="top", fontsize=11,
-    )  # fmt: skip
+        f"{result['device']}, {result['threads']} torch thread(s)\nmedian of {s['repeats']} steps, "
+        f"{s.get('clock', 'wall')} clock",
+        va="top",
+        fontsize=11,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -922,47 +978,100 @@ def int_list(text: str, what: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated cache methods (default {DEFAULT_METHODS})")
+    parser.add_argument(
+        "--methods", default=DEFAULT_METHODS, help=f"comma-separated cache methods (default {DEFAULT_METHODS})"
+    )
     parser.add_argument("--budget", type=int, default=512, help="token-equivalents of KV per layer (default 512)")
-    parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help=f"prompt lengths of (b), (c) (default {DEFAULT_LENGTHS})")
-    parser.add_argument("--gen-lengths", default=DEFAULT_GEN_LENGTHS, help=f"generation lengths of (a) (default {DEFAULT_GEN_LENGTHS})")
-    parser.add_argument("--model", default=None, help="a local transformers model folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--model-config", default=None, metavar="NAME|CONFIG_JSON",
-                        help="instead of --model: a random-weight model of a shipped shape (llama-3.1-8b, llama-3.2-1b, "
-                             "qwen3-8b, mistral-7b, smollm2-135m: the default model's) or of a config.json, made on --device in --dtype from --seed")  # fmt: skip
-    parser.add_argument("--batch", type=int, default=1,
-                        help="sequences decoded together; latency is per step, throughput batch/step (default 1)")
-    parser.add_argument("--repeats", type=int, default=16,
-                        help="timed decode steps per point; the median is reported and the mean beside it, which counts "
-                             "ARM's write when this is at least its sync (default 16, the sync at budget 512)")
+    parser.add_argument(
+        "--lengths", default=DEFAULT_LENGTHS, help=f"prompt lengths of (b), (c) (default {DEFAULT_LENGTHS})"
+    )
+    parser.add_argument(
+        "--gen-lengths", default=DEFAULT_GEN_LENGTHS, help=f"generation lengths of (a) (default {DEFAULT_GEN_LENGTHS})"
+    )
+    parser.add_argument(
+        "--model", default=None, help="a local transformers model folder (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--model-config",
+        default=None,
+        metavar="NAME|CONFIG_JSON",
+        help="instead of --model: a random-weight model of a shipped shape (llama-3.1-8b, llama-3.2-1b, "
+        "qwen3-8b, mistral-7b, smollm2-135m: the default model's) or of a config.json, made on --device in --dtype "
+        "from --seed",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="sequences decoded together; latency is per step, throughput batch/step (default 1)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=16,
+        help="timed decode steps per point; the median is reported and the mean beside it, which counts "
+        "ARM's write when this is at least its sync (default 16, the sync at budget 512)",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps before them (default 2)")
     parser.add_argument("--chunk", type=int, default=256, help="P, the prefill chunk: tokens per forward (default 256)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--compile", action="store_true",
-                        help="bounded methods decode through their torch.compile'd step (the warm-up steps compile it)")  # fmt: skip
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="bounded methods decode through their torch.compile'd step (the warm-up steps compile it)",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="the model's dtype")
-    parser.add_argument("--max-full-length", type=int, default=None,
-                        help="skip unbounded methods (full, offload) at prompt lengths beyond this, noted in the table")  # fmt: skip
-    parser.add_argument("--beyond-full", choices=("skip", "fill"), default="skip",
-                        help="past --max-full-length: skip the point, or fill the full cache with random KV "
-                        "and time its decode only")  # fmt: skip
-    parser.add_argument("--max-length", type=int, default=131072, help="refuse prompt lengths beyond this (default 131072)")
-    parser.add_argument("--clock", choices=("wall", "process"), default="wall",
-                        help="wall time, or the process's CPU time (on a CPU shared with other jobs)")  # fmt: skip
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="the model's dtype"
+    )
+    parser.add_argument(
+        "--max-full-length",
+        type=int,
+        default=None,
+        help="skip unbounded methods (full, offload) at prompt lengths beyond this, noted in the table",
+    )
+    parser.add_argument(
+        "--beyond-full",
+        choices=("skip", "fill"),
+        default="skip",
+        help="past --max-full-length: skip the point, or fill the full cache with random KV and time its decode only",
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=131072, help="refuse prompt lengths beyond this (default 131072)"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "process"),
+        default="wall",
+        help="wall time, or the process's CPU time (on a CPU shared with other jobs)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    parser.add_argument("--prompt-file", default=None, metavar="TXT",
-                        help="prompts from this text's tokens (the model's tokenizer; repeated to each length) instead "
-                             "of random ids: what a sparse read (M < N_b) touches depends on the text")  # fmt: skip
-    parser.add_argument("--adapter", default=None,
-                        help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default) or 'random'")  # fmt: skip
-    parser.add_argument("--option", action="append", metavar="METHOD.KEY=VALUE",
-                        help="a method option (repeatable), as the evals take it: arm.sync=32, kivi.bits=2; the native "
-                             "row takes native.cache=dynamic|static and native.chunk=N (default: the prompt in one forward)")
+    parser.add_argument(
+        "--prompt-file",
+        default=None,
+        metavar="TXT",
+        help="prompts from this text's tokens (the model's tokenizer; repeated to each length) instead "
+        "of random ids: what a sparse read (M < N_b) touches depends on the text",
+    )
+    parser.add_argument(
+        "--adapter", default=None, help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default) or 'random'"
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        metavar="METHOD.KEY=VALUE",
+        help="a method option (repeatable), as the evals take it: arm.sync=32, kivi.bits=2; the native "
+        "row takes native.cache=dynamic|static and native.chunk=N (default: the prompt in one forward)",
+    )
     parser.add_argument("--output", default=None, help="folder for results.json, table.md and decode.png")
     parser.add_argument("--json", action="store_true", help="print only the JSON line on stdout")
-    parser.add_argument("--merge", nargs="+", metavar="RESULTS_JSON", default=None,
-                        help="measure nothing: merge these runs' results.json into one table, plot and JSON")  # fmt: skip
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="RESULTS_JSON",
+        default=None,
+        help="measure nothing: merge these runs' results.json into one table, plot and JSON",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -973,7 +1082,9 @@ def bench_from_args(args) -> DecodeBench:
     prompt = {}
     if getattr(args, "prompt_file", None) is not None:
         if args.model_config is not None:
-            raise ArmkvError("--prompt-file needs a model with a tokenizer: give --model (or neither), not --model-config")
+            raise ArmkvError(
+                "--prompt-file needs a model with a tokenizer: give --model (or neither), not --model-config"
+            )
         if not Path(args.prompt_file).is_file():
             raise ArmkvError(f"--prompt-file {args.prompt_file}: no such file")
         prompt = {"prompt_ids": prompt_tokens(args.prompt_file, args.model), "prompt_name": Path(args.prompt_file).name}
@@ -1008,7 +1119,9 @@ def prompt_tokens(path: str, model_dir: str | None) -> list[int]:
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as e:
-        raise ArmkvError(f"--prompt-file needs the model's tokenizer, and {folder} has none ({type(e).__name__})") from None
+        raise ArmkvError(
+            f"--prompt-file needs the model's tokenizer, and {folder} has none ({type(e).__name__})"
+        ) from None
     return tokenizer(Path(path).read_text(errors="replace"), add_special_tokens=False).input_ids
 
 

@@ -58,20 +58,36 @@ def add_arguments(parser) -> None:
     parser.add_argument("--buckets", default="256,1024,4096,16384", help="tree sizes for the read timing (powers of 4)")
     parser.add_argument("--m", type=int, default=16, help="fixed M for the read timing")
     parser.add_argument("--queries", type=int, default=64, help="queries per read")
-    parser.add_argument("--int4-slots", default="2706,8295",
-                        help="pool sizes for the int4 read timing (2706: budget 512, d = 64; 8295: the largest calibrated share)")
-    parser.add_argument("--sparse-budgets", default="2048,4096,8192", help="budgets for the sparse read timing (full pools)")
-    parser.add_argument("--sparse-ranks", default="best,partial,tree,partial-pages,partial-pages-summaries",
-                        help="bucket rankings (read_rank; with -pages: read_pages; then -summaries: read_summaries) for "
-                             "the sparse read timing")
+    parser.add_argument(
+        "--int4-slots",
+        default="2706,8295",
+        help="pool sizes for the int4 read timing (2706: budget 512, d = 64; 8295: the largest calibrated share)",
+    )
+    parser.add_argument(
+        "--sparse-budgets", default="2048,4096,8192", help="budgets for the sparse read timing (full pools)"
+    )
+    parser.add_argument(
+        "--sparse-ranks",
+        default="best,partial,tree,partial-pages,partial-pages-summaries",
+        help="bucket rankings (read_rank; with -pages: read_pages; then -summaries: read_summaries) for "
+        "the sparse read timing",
+    )
     parser.add_argument("--sparse-fraction", type=int, default=8, help="the sparse read's M = N_b / this")
-    parser.add_argument("--page-split", type=int, default=ARMConfig.page_split,
-                        help="pages per mean bucket for the -pages rankings (page_split)")
+    parser.add_argument(
+        "--page-split",
+        type=int,
+        default=ARMConfig.page_split,
+        help="pages per mean bucket for the -pages rankings (page_split)",
+    )
     parser.add_argument("--sparse-queries", default="1,16,64", help="tokens per read for the sparse read timing")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--clock", choices=tuple(CLOCK), default="wall",
-                        help="wall time, or the process's CPU time (steadier on a shared machine; with --threads 1)")
+    parser.add_argument(
+        "--clock",
+        choices=tuple(CLOCK),
+        default="wall",
+        help="wall time, or the process's CPU time (steadier on a shared machine; with --threads 1)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
 
 
@@ -118,8 +134,9 @@ def _synthetic_plan(tokens: int, slots: int, kv_heads: int, head_dim: int) -> tu
     state.count[:, : slots // 2] = 1.0  # half the pool in use, half free
     target = torch.randint(0, slots, (G, N))
     count = state.count.gather(1, target) + _exclusive_rank(target, torch.ones(G, N, dtype=torch.bool), slots)
-    plan = WritePlan(target=target, alpha=torch.ones(G, N), cand=torch.randn(G, N, d), count=count.float(),
-                     bucket=state.bucket)
+    plan = WritePlan(
+        target=target, alpha=torch.ones(G, N), cand=torch.randn(G, N, d), count=count.float(), bucket=state.bucket
+    )
     keys, values = torch.randn(G, N, d), torch.randn(G, N, d)
     positions = torch.arange(N, dtype=torch.float32).expand(G, N)
     return state, plan, keys, values, positions
@@ -146,7 +163,13 @@ def bench_scan(tokens: int, chunk: int, slots: int, kv_heads: int, head_dim: int
             idx = torch.randint(0, 300, (kv_heads, chunk))
             keys = (centres[idx] + 0.3 * torch.randn(kv_heads, chunk, head_dim)).unsqueeze(0)
             t0 = time.perf_counter()
-            st = mem.write(st, keys, torch.randn_like(keys), torch.arange(start, start + chunk)[None], torch.ones(1, chunk, dtype=torch.bool))
+            st = mem.write(
+                st,
+                keys,
+                torch.randn_like(keys),
+                torch.arange(start, start + chunk)[None],
+                torch.ones(1, chunk, dtype=torch.bool),
+            )
             chunks.append(time.perf_counter() - t0)
     return {
         "scan_ms": 1e3 * fast,
@@ -157,7 +180,9 @@ def bench_scan(tokens: int, chunk: int, slots: int, kv_heads: int, head_dim: int
     }
 
 
-def bench_read(buckets: list[int], m: int, slots: int, kv_heads: int, head_dim: int, queries: int, repeats: int) -> dict:
+def bench_read(
+    buckets: list[int], m: int, slots: int, kv_heads: int, head_dim: int, queries: int, repeats: int
+) -> dict:
     torch.manual_seed(0)
     out = {}
     for nb in buckets:
@@ -213,7 +238,12 @@ def bench_int4_read(slots: list[int], kv_heads: int, head_dim: int, repeats: int
             diff = max((a - b).abs().max().item() for a, b in zip(read(True), read(False)))
             fused = _time(lambda: read(True), max(repeats, 20))
             eager = _time(lambda: read(False), max(repeats, 20))
-        out[str(n)] = {"fused_us": 1e6 * fused, "pytorch_us": 1e6 * eager, "speedup": eager / fused, "max_abs_diff": diff}
+        out[str(n)] = {
+            "fused_us": 1e6 * fused,
+            "pytorch_us": 1e6 * eager,
+            "speedup": eager / fused,
+            "max_abs_diff": diff,
+        }
     return out
 
 
@@ -225,7 +255,9 @@ def _ranking(spec: str) -> tuple[str, bool, bool]:
     return spec.removesuffix("-pages"), spec.endswith("-pages"), summaries
 
 
-def _full_arm_layer(budget: int, fraction: int, seed: int = 0, read_rank: str = "best", page_split: int = ARMConfig.page_split):
+def _full_arm_layer(
+    budget: int, fraction: int, seed: int = 0, read_rank: str = "best", page_split: int = ARMConfig.page_split
+):
     """Layer 0 of the arm cache on the default model's shape at ``budget`` (even shares),
     its pool full of slots: keys drawn near the tree's leaf centroids plus noise, each filed
     where the tree routes it (unevenly, as on text: some buckets empty, the largest four times
@@ -241,9 +273,21 @@ def _full_arm_layer(budget: int, fraction: int, seed: int = 0, read_rank: str = 
     probe = make_arm(0, info, rotary, budget, 256, layer_weights="even")
     nb = probe.memory.router.num_buckets
     rank, pages, summaries = _ranking(read_rank)
-    layer = make_arm(0, info, rotary, budget, 256, layer_weights="even", top_m="fixed", m_fixed=max(1, nb // fraction),
-                     read_rank=rank, slot_mixing=rank != "partial", read_pages=pages, page_split=page_split,
-                     read_summaries=summaries)
+    layer = make_arm(
+        0,
+        info,
+        rotary,
+        budget,
+        256,
+        layer_weights="even",
+        top_m="fixed",
+        m_fixed=max(1, nb // fraction),
+        read_rank=rank,
+        slot_mixing=rank != "partial",
+        read_pages=pages,
+        page_split=page_split,
+        read_summaries=summaries,
+    )
     g = torch.Generator().manual_seed(seed)
     H, d = info.num_kv_heads, info.head_dim
     with torch.no_grad():
@@ -252,20 +296,33 @@ def _full_arm_layer(budget: int, fraction: int, seed: int = 0, read_rank: str = 
         pool.rung = len(pool.rungs) - 1
         S = pool.rungs[-1][1]
         router = layer.memory.router
-        leaves = router.weight[:, router.num_nodes - nb // router.branching :].reshape(H, nb, d)  # the last level's rows
+        leaves = router.weight[:, router.num_nodes - nb // router.branching :].reshape(
+            H, nb, d
+        )  # the last level's rows
         pick = torch.randint(0, nb, (H, S), generator=g)
         keys = leaves.gather(1, pick.unsqueeze(-1).expand(H, S, d))
         keys = keys + 0.3 * keys.norm(dim=-1, keepdim=True) / d**0.5 * torch.randn(H, S, d, generator=g)
-        state = MemoryState(key=keys, value=torch.randn(H, S, d, generator=g), pos=torch.arange(S).float().expand(H, S).clone(),
-                            count=torch.ones(H, S), bucket=router.route_writes(keys.unsqueeze(0))[0])
+        state = MemoryState(
+            key=keys,
+            value=torch.randn(H, S, d, generator=g),
+            pos=torch.arange(S).float().expand(H, S).clone(),
+            count=torch.ones(H, S),
+            bucket=router.route_writes(keys.unsqueeze(0))[0],
+        )
         pool.state = pool.stored(state)
         pool.reach = S
         layer._decide_m(torch.zeros(1, H, 1, d), torch.ones(1, 1, dtype=torch.bool))
     return layer, info
 
 
-def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], repeats: int,
-                      ranks: tuple[str, ...] = ("best", "partial", "tree"), page_split: int = ARMConfig.page_split) -> dict:
+def bench_sparse_read(
+    budgets: list[int],
+    fraction: int,
+    queries: list[int],
+    repeats: int,
+    ranks: tuple[str, ...] = ("best", "partial", "tree"),
+    page_split: int = ARMConfig.page_split,
+) -> dict:
     """Per budget and bucket ranking (``read_rank``): microseconds per layer of the layer's read
     at M = N_b / fraction, the dense read of every slot (one query) and the masked read at M,
     and the share of the pool gathered."""
@@ -284,9 +341,18 @@ def bench_sparse_read(budgets: list[int], fraction: int, queries: list[int], rep
         index = layer._page_index() or layer._bucket_index()
         relay = time.perf_counter() - t0
         width = index.width(layer._units(M))
-        row = {"slots": layer.state.slots, "buckets": nb, "m": M, "fixed_width": width, "fixed_width_share": width / layer.state.slots,
-               "index_build_ms": 1e3 * build, "index_and_relay_ms": 1e3 * relay}
-        if layer.config.read_summaries:  # the units' entries, made once a write (read.index_summaries): the median of 5 builds
+        row = {
+            "slots": layer.state.slots,
+            "buckets": nb,
+            "m": M,
+            "fixed_width": width,
+            "fixed_width_share": width / layer.state.slots,
+            "index_build_ms": 1e3 * build,
+            "index_and_relay_ms": 1e3 * relay,
+        }
+        if (
+            layer.config.read_summaries
+        ):  # the units' entries, made once a write (read.index_summaries): the median of 5 builds
             bias = layer._decode_bias().reshape(-1, layer._readable().slots)
             row["summaries_build_ms"] = 1e3 * _time(lambda: index_summaries(layer._readable(), bias, index), 5)
         for T in queries:
@@ -327,10 +393,18 @@ def bench_chunk_read(states: list[int], chunk: int, kv_heads: int, head_dim: int
     for n in states:
         g = torch.Generator().manual_seed(n)
         q = torch.randn(1, kv_heads * rep, chunk, head_dim, generator=g)
-        k, v = torch.randn(1, kv_heads, chunk, head_dim, generator=g), torch.randn(1, kv_heads, chunk, head_dim, generator=g)
+        k, v = (
+            torch.randn(1, kv_heads, chunk, head_dim, generator=g),
+            torch.randn(1, kv_heads, chunk, head_dim, generator=g),
+        )
         sk, sv = torch.randn(1, kv_heads, n, head_dim, generator=g), torch.randn(1, kv_heads, n, head_dim, generator=g)
-        state = dict(state_key=sk, state_value=sv, state_valid=torch.ones(1, kv_heads, n, dtype=torch.bool),
-                     state_bias=torch.rand(1, kv_heads, n, generator=g), state_clean=True)
+        state = dict(
+            state_key=sk,
+            state_value=sv,
+            state_valid=torch.ones(1, kv_heads, n, dtype=torch.bool),
+            state_bias=torch.rand(1, kv_heads, n, generator=g),
+            state_clean=True,
+        )
         valid = torch.ones(1, chunk, dtype=torch.bool)
 
         def read(split: bool):
@@ -356,8 +430,10 @@ def main(args) -> int:
     ranks = tuple(r for r in args.sparse_ranks.split(",") if r)
     unknown = [r for r in ranks if _ranking(r)[0] not in CHOICES["read_rank"] or r.startswith("tree-pages")]
     if unknown:
-        raise ArmkvError(f"--sparse-ranks {','.join(unknown)}: not a read_rank; use any of {', '.join(CHOICES['read_rank'])}, "
-                         "best-pages, partial-pages, each optionally ending in -summaries (e.g. partial-pages-summaries)")
+        raise ArmkvError(
+            f"--sparse-ranks {','.join(unknown)}: not a read_rank; use any of {', '.join(CHOICES['read_rank'])}, "
+            "best-pages, partial-pages, each optionally ending in -summaries (e.g. partial-pages-summaries)"
+        )
     if args.page_split < 1:
         raise ArmkvError(f"--page-split {args.page_split}: give at least 1 page per mean bucket")
     _clock = CLOCK[args.clock]
@@ -379,36 +455,66 @@ def main(args) -> int:
     log("| buckets | read us/query (M = %d) |\n|---:|---:|" % args.m)
     for nb, us in read.items():
         log(f"| {nb} | {us:.2f} |")
-    int4 = bench_int4_read([int(n) for n in args.int4_slots.split(",") if n], args.kv_heads, args.head_dim, args.repeats)
+    int4 = bench_int4_read(
+        [int(n) for n in args.int4_slots.split(",") if n], args.kv_heads, args.head_dim, args.repeats
+    )
     if int4:
         log("| int4 slots | fused read us/layer | PyTorch ops us/layer | speedup |\n|---:|---:|---:|---:|")
         for n, r in int4.items():
             log(f"| {n} | {r['fused_us']:.0f} | {r['pytorch_us']:.0f} | {r['speedup']:.1f}x |")
     else:
         log("int4 read: the fused kernel is not available here (see the warning); not timed")
-    sparse = bench_sparse_read([int(b) for b in args.sparse_budgets.split(",") if b], args.sparse_fraction,
-                               [int(t) for t in args.sparse_queries.split(",") if t], max(args.repeats, 30), ranks, args.page_split)
-    log(f"| budget | ranking | slots | M / N_b | gathered share | T | sparse us | dense us (every slot) | masked us | vs dense | vs masked | max diff |\n"
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    sparse = bench_sparse_read(
+        [int(b) for b in args.sparse_budgets.split(",") if b],
+        args.sparse_fraction,
+        [int(t) for t in args.sparse_queries.split(",") if t],
+        max(args.repeats, 30),
+        ranks,
+        args.page_split,
+    )
+    log(
+        "| budget | ranking | slots | M / N_b | gathered share | T | sparse us | dense us (every slot) | masked us | "
+        "vs dense | vs masked | max diff |\n"
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
     for b, by_rank in sparse.items():
         for rank, r in by_rank.items():
             for key, cell in r.items():
                 if key.startswith("T"):
-                    log(f"| {b} | {rank} | {r['slots']} | {r['m']}/{r['buckets']} | {r.get('eager_width_share', float('nan')):.3f} | {key[1:]} | "
-                        f"{cell['sparse_us']:.0f} | {cell['dense_us']:.0f} | {cell['masked_us']:.0f} | {cell['speedup_vs_dense']:.1f}x | "
-                        f"{cell['speedup_vs_masked']:.1f}x | {cell['max_abs_diff']:.1e} |")
+                    log(
+                        f"| {b} | {rank} | {r['slots']} | {r['m']}/{r['buckets']} | "
+                        f"{r.get('eager_width_share', float('nan')):.3f} | {key[1:]} | "
+                        f"{cell['sparse_us']:.0f} | {cell['dense_us']:.0f} | {cell['masked_us']:.0f} | "
+                        f"{cell['speedup_vs_dense']:.1f}x | "
+                        f"{cell['speedup_vs_masked']:.1f}x | {cell['max_abs_diff']:.1e} |"
+                    )
     for b, by_rank in sparse.items():
         for rank, r in by_rank.items():
             if "summaries_build_ms" in r:
-                log(f"budget {b}, {rank}: the units' entries (read_summaries) built in {r['summaries_build_ms']:.2f} ms, "
-                    "once a write (every sync decoded tokens)")
-    chunk_read = bench_chunk_read([int(n) for n in args.int4_slots.split(",") if n], args.chunk, args.kv_heads, args.head_dim, args.repeats)
+                log(
+                    f"budget {b}, {rank}: the units' entries (read_summaries) built in {r['summaries_build_ms']:.2f} "
+                    "ms, "
+                    "once a write (every sync decoded tokens)"
+                )
+    chunk_read = bench_chunk_read(
+        [int(n) for n in args.int4_slots.split(",") if n], args.chunk, args.kv_heads, args.head_dim, args.repeats
+    )
     if chunk_read:
-        log(f"| state keys | chunk read ms/layer, split | one SDPA call | speedup |  (chunk of {args.chunk})\n|---:|---:|---:|---:|")
+        log(
+            "| state keys | chunk read ms/layer, split | one SDPA call | speedup |  (chunk of "
+            f"{args.chunk})\n|---:|---:|---:|---:|"
+        )
         for n, r in chunk_read.items():
             log(f"| {n} | {r['split_ms']:.1f} | {r['one_call_ms']:.1f} | {r['speedup']:.1f}x |")
-    result = {**scan, "read_us_per_query": read, "int4_read_us_per_layer": int4, "chunk_read_ms_per_layer": chunk_read,
-              "sparse_read_us_per_layer": sparse,
-              "m": args.m, "threads": torch.get_num_threads(), "clock": args.clock}
+    result = {
+        **scan,
+        "read_us_per_query": read,
+        "int4_read_us_per_layer": int4,
+        "chunk_read_ms_per_layer": chunk_read,
+        "sparse_read_us_per_layer": sparse,
+        "m": args.m,
+        "threads": torch.get_num_threads(),
+        "clock": args.clock,
+    }
     print(json.dumps(result))
     return 0

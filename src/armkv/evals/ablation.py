@@ -6,12 +6,11 @@ first, every slot read), ARM with fixed sparsity M = N_b/2 and N_b/4 (the bucket
 the tree's read routing, as the paper ranks them), and ARM with the policy's M (the shipped
 policy reads every bucket); ours add M = N_b/8 with either ranking (``read_rank``), mean
 writes, no empty-slot rule, no log-count bias, positions ``fixed`` instead of ``stored``, other slot formats and
-ladders, eager merging, demotion to any bucket and even budget shares. Each row is ``(name, method, ARMConfig overrides)``: edit
-:data:`ROWS` to change the table.
+ladders, eager merging, demotion to any bucket and even budget shares. Each row is
+``(name, method, ARMConfig overrides)``: edit :data:`ROWS` to change the table.
 """
 
 from __future__ import annotations
-
 
 from armkv.config import buckets_of
 from armkv.errors import ArmkvError
@@ -86,16 +85,24 @@ def num_buckets_of(info, budget: int, adapter) -> int:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--rows", default=",".join(name for name, _, _ in ROWS), help="comma-separated variants (default: all: %(default)s)")
+    parser.add_argument(
+        "--rows",
+        default=",".join(name for name, _, _ in ROWS),
+        help="comma-separated variants (default: all: %(default)s)",
+    )
     parser.add_argument(
         "--tasks",
         default=",".join(t for t in NEEDLE_TASKS if t in ruler.NO_FILE_TASKS),
         help="RULER needle tasks (default: those that need no data file: %(default)s)",
     )
     parser.add_argument("--lengths", default="4k", help="context lengths in tokens (default: %(default)s)")
-    parser.add_argument("--depths", default=None, help="needle depths in percent, cycled over samples (default: RULER's random depths)")
+    parser.add_argument(
+        "--depths", default=None, help="needle depths in percent, cycled over samples (default: RULER's random depths)"
+    )
     parser.add_argument("--haystack-file", default=None, help="essay haystack for the needle tasks on essays")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated tokens (default: RULER's 128)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None, help="cap on generated tokens (default: RULER's 128)"
+    )
     parser.set_defaults(qa_file=None)
     common.add_common_arguments(parser, methods=None, samples=25)
 
@@ -113,7 +120,9 @@ def main(args) -> int:
     options = common.method_options(args)
     generator, lengths, depths, info, model, tokenizer = ruler.prepare(args, tasks)
     rows = resolve_rows(
-        [known[name] for name in names], num_buckets_of(info, args.budget, options.get("arm", {}).get("adapter")), options
+        [known[name] for name in names],
+        num_buckets_of(info, args.budget, options.get("arm", {}).get("adapter")),
+        options,
     )
     ruler.evaluate(
         generator,
@@ -122,7 +131,9 @@ def main(args) -> int:
         lengths,
         args.samples,
         args.output,
-        common.runner_factory(model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat, compile=args.compile),
+        common.runner_factory(
+            model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat, compile=args.compile
+        ),
         settings=common.settings_of(args, "ablation", depths=depths, max_new_tokens=args.max_new_tokens),
         depths=depths,
         max_new_tokens=args.max_new_tokens,

@@ -15,7 +15,10 @@ EVALS = {
     "ablation": ("armkv.evals.ablation", "the paper's Table 6: ARM variants on RULER's needle tasks"),
     "ppl": ("armkv.evals.ppl", "perplexity through each cache method"),
     "policy": ("armkv.evals.policy", "the top-M the policy picks, per layer and input (histogram)"),
-    "reads": ("armkv.evals.reads", "the share of the full read's attention that sparse reads skip, on RULER needle samples"),
+    "reads": (
+        "armkv.evals.reads",
+        "the share of the full read's attention that sparse reads skip, on RULER needle samples",
+    ),
     "matrix": ("armkv.evals.matrix", "one RULER table from several eval ruler / ablation output folders"),
 }
 

@@ -64,20 +64,47 @@ def parse_length(text: str) -> int:
     return int(match.group(1)) * (1024 if match.group(2) else 1)
 
 
-def add_common_arguments(parser, *, methods: str | None, samples: int, samples_help: str = "samples per task and length") -> None:
+def add_common_arguments(
+    parser, *, methods: str | None, samples: int, samples_help: str = "samples per task and length"
+) -> None:
     """The options every eval takes (``--output``, ``--methods``, ``--budget``, ...)."""
-    parser.add_argument("--output", required=True, type=Path, help="folder for per-sample JSONL, summary.json and the table (resumable)")
+    parser.add_argument(
+        "--output", required=True, type=Path, help="folder for per-sample JSONL, summary.json and the table (resumable)"
+    )
     if methods is not None:
         parser.add_argument("--methods", default=methods, help=f"comma-separated cache methods (default: {methods})")
-    parser.add_argument("--budget", type=int, default=512, help="cache budget in token-equivalents per layer for the bounded methods (default: %(default)s)")
-    parser.add_argument("--chunk", type=int, default=256, help="prefill chunk P: the budgeted chunked prefill's sync point (default: %(default)s)")
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=512,
+        help="cache budget in token-equivalents per layer for the bounded methods (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=256,
+        help="prefill chunk P: the budgeted chunked prefill's sync point (default: %(default)s)",
+    )
     parser.add_argument("--samples", type=int, default=samples, help=samples_help + " (default: %(default)s)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    parser.add_argument("--compile", action="store_true", help="decode the bounded methods through their torch.compile'd step (full and offload run eagerly)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode the bounded methods through their torch.compile'd step (full and offload run eagerly)",
+    )
     parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
-    parser.add_argument("--seed", type=int, default=42, help="seed of the generated samples (default: %(default)s, RULER's)")
-    parser.add_argument("--adapter", default=None, help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default) or 'random'")
-    parser.add_argument("--option", action="append", metavar="METHOD.KEY=VALUE", help="a method option (repeatable), e.g. arm.slot_format=int8 or kivi.bits=2")
+    parser.add_argument(
+        "--seed", type=int, default=42, help="seed of the generated samples (default: %(default)s, RULER's)"
+    )
+    parser.add_argument(
+        "--adapter", default=None, help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default) or 'random'"
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        metavar="METHOD.KEY=VALUE",
+        help="a method option (repeatable), e.g. arm.slot_format=int8 or kivi.bits=2",
+    )
 
 
 def method_rows(text: str, options: dict[str, dict] | None = None) -> list[Row]:
@@ -135,7 +162,9 @@ def load(args):
     return model, tokenizer, model_info(model)
 
 
-def runner_factory(model, tokenizer, *, budget: int | None, chunk: int, chat: bool, compile: bool = False) -> RunnerFactory:
+def runner_factory(
+    model, tokenizer, *, budget: int | None, chunk: int, chat: bool, compile: bool = False
+) -> RunnerFactory:
     """Runners of :class:`armkv.hf.runner.Runner` for one model; the budget, and ``compile``
     (the compiled decode step), go to bounded methods only.
 
@@ -150,8 +179,14 @@ def runner_factory(model, tokenizer, *, budget: int | None, chunk: int, chat: bo
         use_chat = options.pop("chat", chat)
         bounded = get_method(method).bounded
         return Runner(
-            model, tokenizer, method, budget=budget if bounded else None, chunk=chunk, chat=use_chat,
-            compile=compile and bounded, **options,
+            model,
+            tokenizer,
+            method,
+            budget=budget if bounded else None,
+            chunk=chunk,
+            chat=use_chat,
+            compile=compile and bounded,
+            **options,
         )
 
     return make
@@ -188,7 +223,9 @@ class SampleLog:
                     kept.append(line)
                 except json.JSONDecodeError:
                     if i != len(lines) - 1:
-                        raise ArmkvError(f"{self.path}: line {i + 1} is not JSON; remove the file to score it again") from None
+                        raise ArmkvError(
+                            f"{self.path}: line {i + 1} is not JSON; remove the file to score it again"
+                        ) from None
             if len(kept) != len(lines):
                 self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
@@ -326,12 +363,15 @@ def budget_caption(budget: int | None, info, measured: dict[str, int], unbounded
         text = f"Budget: {budget} token-equivalents per layer"
         if info is not None:
             per_layer = info.budget_bytes(budget)
-            text += f" = {per_layer:,} bytes per layer and sequence, {per_layer * info.num_layers:,} bytes over {info.num_layers} layers"
+            total = per_layer * info.num_layers
+            text += f" = {per_layer:,} bytes per layer and sequence, {total:,} bytes over {info.num_layers} layers"
         if unbounded:
             text += f" ({', '.join(unbounded)}: not bounded)"
         parts.append(text + ".")
     if measured:
-        parts.append("Measured cache bytes (largest sample): " + ", ".join(f"{k} {v:,}" for k, v in measured.items()) + ".")
+        parts.append(
+            "Measured cache bytes (largest sample): " + ", ".join(f"{k} {v:,}" for k, v in measured.items()) + "."
+        )
     return " ".join(parts)
 
 
@@ -403,7 +443,10 @@ def score_pending(
                     length=length,
                     output=result["output"],
                     score=score(result["output"], sample),
-                    **{k: result.get(k) for k in ("prompt_tokens", "cache_bytes", "prefill_seconds", "decode_seconds_per_token")},
+                    **{
+                        k: result.get(k)
+                        for k in ("prompt_tokens", "cache_bytes", "prefill_seconds", "decode_seconds_per_token")
+                    },
                 )
                 if "memory" in result:
                     record["memory"] = result["memory"]

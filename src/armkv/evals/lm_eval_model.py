@@ -60,7 +60,11 @@ class ArmkvLM(HFLM):
         model, tokenizer = load_model(pretrained, dtype=dtype or torch.float32, device=device)
         attach(model)
         super().__init__(
-            pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_batch_size=max_batch_size, max_length=max_length
+            pretrained=model,
+            tokenizer=tokenizer,
+            batch_size=batch_size,
+            max_batch_size=max_batch_size,
+            max_length=max_length,
         )
         self.new_cache()  # a bad budget or option fails here, not mid-evaluation
 
@@ -68,7 +72,9 @@ class ArmkvLM(HFLM):
         """A fresh cache; ``horizon``: the tokens it will see (for methods that plan by length)."""
         from armkv.hf.attach import make_cache
 
-        return make_cache(self.model, self.method, self.cache_budget, self.chunk, horizon=horizon, **self.method_options)
+        return make_cache(
+            self.model, self.method, self.cache_budget, self.chunk, horizon=horizon, **self.method_options
+        )
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         """Logits [B, T, V] of ``inps`` [B, T], read through a fresh cache of the method.
@@ -81,7 +87,9 @@ class ArmkvLM(HFLM):
         with torch.no_grad():
             return self.model(inps, past_key_values=self.new_cache(horizon=inps.shape[1]), use_cache=True).logits
 
-    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
+    def _model_generate(
+        self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs
+    ) -> torch.Tensor:
         """``HFLM._model_generate`` with a fresh cache of the method as ``past_key_values``."""
         cache = self.new_cache(horizon=max_length)  # HFLM's max_length: context plus new tokens
         return super()._model_generate(context, max_length, stop, past_key_values=cache, **generation_kwargs)

@@ -246,10 +246,14 @@ def dataset_path(data_dir: str | Path | None, dataset: str) -> Path:
     if dataset not in DATASET2PROMPT:
         raise ArmkvError(f"unknown LongBench dataset {dataset!r}; choose from: {', '.join(DATASET2PROMPT)}")
     if data_dir is None:
-        raise ArmkvError("LongBench needs its data: pass --data-dir DIR (the folder of LongBench's <dataset>.jsonl files)")
+        raise ArmkvError(
+            "LongBench needs its data: pass --data-dir DIR (the folder of LongBench's <dataset>.jsonl files)"
+        )
     path = Path(data_dir) / f"{dataset}.jsonl"
     if not path.is_file():
-        raise ArmkvError(f"LongBench data for {dataset} not found: expected {path} (pass --data-dir, the folder of LongBench's <dataset>.jsonl files)")
+        raise ArmkvError(
+            f"LongBench data for {dataset} not found: expected {path} (pass --data-dir, the folder of LongBench's <dataset>.jsonl files)"
+        )
     return path
 
 
@@ -272,7 +276,9 @@ def truncate_middle(prompt: str, tokenizer, max_length: int) -> str:
     if len(ids) <= max_length:
         return prompt
     half = max_length // 2
-    return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(ids[-half:], skip_special_tokens=True)
+    return tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(
+        ids[-half:], skip_special_tokens=True
+    )
 
 
 def make_request(dataset: str, sample: dict, index: int, tokenizer, max_length: int) -> dict:
@@ -364,10 +370,23 @@ def evaluate(
 
 def add_arguments(parser) -> None:
     parser.add_argument("--data-dir", default=None, help="folder of LongBench's <dataset>.jsonl files")
-    parser.add_argument("--tasks", default=",".join(PAPER_DATASETS), help="comma-separated datasets (default: the paper's 14: %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated tokens (default: each dataset's, 32 to 512)")
-    parser.add_argument("--max-length", type=int, default=None, help="prompt tokens kept (middle truncation; default: the model's positions less the longest generation)")
-    common.add_common_arguments(parser, methods="full,swa,sink,kivi,arm", samples=0, samples_help="first samples of each dataset, 0 for all")
+    parser.add_argument(
+        "--tasks",
+        default=",".join(PAPER_DATASETS),
+        help="comma-separated datasets (default: the paper's 14: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None, help="cap on generated tokens (default: each dataset's, 32 to 512)"
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="prompt tokens kept (middle truncation; default: the model's positions less the longest generation)",
+    )
+    common.add_common_arguments(
+        parser, methods="full,swa,sink,kivi,arm", samples=0, samples_help="first samples of each dataset, 0 for all"
+    )
 
 
 def main(args) -> int:
@@ -383,7 +402,9 @@ def main(args) -> int:
         tokenizer,
         rows,
         args.output,
-        common.runner_factory(model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat, compile=args.compile),
+        common.runner_factory(
+            model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat, compile=args.compile
+        ),
         settings=common.settings_of(args, "longbench", max_length=max_length, max_new_tokens=args.max_new_tokens),
         max_length=max_length,
         samples=args.samples or None,

@@ -31,15 +31,30 @@ SAME = ("model", "budget", "chunk", "chat", "seed")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("folders", nargs="+", type=Path, help="output folders of eval ruler / eval ablation, oldest first")
+    parser.add_argument(
+        "folders", nargs="+", type=Path, help="output folders of eval ruler / eval ablation, oldest first"
+    )
     parser.add_argument("--tasks", default=None, help="comma-separated tasks to show (default: all found)")
-    parser.add_argument("--methods", default="full,arm,kivi,sink,swa", help="rows shown, in this order (default: %(default)s)")
+    parser.add_argument(
+        "--methods", default="full,arm,kivi,sink,swa", help="rows shown, in this order (default: %(default)s)"
+    )
     parser.add_argument("--label", action="append", default=["policy-M=arm"], help="ROW=METHOD for ablation folders")
-    parser.add_argument("--haystack", default="essay", help="haystack of ablation folders, whose config does not say (default: essay)")
+    parser.add_argument(
+        "--haystack", default="essay", help="haystack of ablation folders, whose config does not say (default: essay)"
+    )
     parser.add_argument("--output", type=Path, default=None, help="folder for matrix.md and matrix.json")
-    parser.add_argument("--bar", default=None, help="row to check against the full cache and the other bounded rows (e.g. arm)")
-    parser.add_argument("--within", type=float, default=10.0, help="points under the full cache the --bar row may be (default: %(default)s)")
-    parser.add_argument("--current", default=None, help="folder prefix of the --bar row's current runs; its other cells get a *")
+    parser.add_argument(
+        "--bar", default=None, help="row to check against the full cache and the other bounded rows (e.g. arm)"
+    )
+    parser.add_argument(
+        "--within",
+        type=float,
+        default=10.0,
+        help="points under the full cache the --bar row may be (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--current", default=None, help="folder prefix of the --bar row's current runs; its other cells get a *"
+    )
 
 
 def collect(folders: list[Path], labels: dict[str, str] | None = None, haystack: str = "essay") -> dict:
@@ -56,7 +71,9 @@ def collect(folders: list[Path], labels: dict[str, str] | None = None, haystack:
         settings = {k: config.get(k) for k in SAME}
         first = first or (folder, settings)
         if settings != first[1]:
-            raise ArmkvError(f"{folder}: settings {settings} differ from {first[0]}'s {first[1]}; give folders of one setting")
+            raise ArmkvError(
+                f"{folder}: settings {settings} differ from {first[0]}'s {first[1]}; give folders of one setting"
+            )
         hay = config.get("haystack") or haystack
         for log in sorted(folder.glob("*.jsonl")):
             records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
@@ -75,13 +92,20 @@ def collect(folders: list[Path], labels: dict[str, str] | None = None, haystack:
     return cells
 
 
-def bar_table(haystack: str, rows: dict, keys: list, bar: str, methods: list, within: float, current: str | None) -> list[str]:
+def bar_table(
+    haystack: str, rows: dict, keys: list, bar: str, methods: list, within: float, current: str | None
+) -> list[str]:
     """The compact table of one haystack with the ``bar`` row checked in every cell it has."""
     keys = [k for k in keys if k in rows[bar] and k in rows["full"]]
     bounded = [m for m in methods if m != "full"]
-    lines = [f"{haystack}, {bar} against the bar (**bold**: within {within:g} of full and above every other bounded row"
-             + (f"; *: not from {current}" if current else "") + "):", "",
-             "| method | " + " | ".join(short_name(k) for k in keys) + " |", "|---|" + "---:|" * len(keys)]
+    lines = [
+        f"{haystack}, {bar} against the bar (**bold**: within {within:g} of full and above every other bounded row"
+        + (f"; *: not from {current}" if current else "")
+        + "):",
+        "",
+        "| method | " + " | ".join(short_name(k) for k in keys) + " |",
+        "|---|" + "---:|" * len(keys),
+    ]
     met, stale = [], []
     for m in methods:
         out = []
@@ -100,27 +124,49 @@ def bar_table(haystack: str, rows: dict, keys: list, bar: str, methods: list, wi
                     text = f"**{text}**"
             out.append(text)
         lines.append(f"| {m} | " + " | ".join(out) + " |")
-    lines += ["", f"{bar} meets the bar in {len(met)} of {len(keys)} cells"
-              + (f"; not from {current}: {', '.join(stale) or 'none'}" if current else "") + ".", ""]
+    lines += [
+        "",
+        f"{bar} meets the bar in {len(met)} of {len(keys)} cells"
+        + (f"; not from {current}: {', '.join(stale) or 'none'}" if current else "")
+        + ".",
+        "",
+    ]
     return lines
 
 
-def render(cells: dict, methods: list[str], tasks: list[str] | None = None, bar: str | None = None,
-           within: float = 10.0, current: str | None = None) -> str:
+def render(
+    cells: dict,
+    methods: list[str],
+    tasks: list[str] | None = None,
+    bar: str | None = None,
+    within: float = 10.0,
+    current: str | None = None,
+) -> str:
     lines = []
     for haystack, rows in cells.items():
         keys = column_keys(rows, tasks)
         shown = [m for m in methods if m in rows]
-        lines += [f"### {haystack} haystack", "", "| method | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+        lines += [
+            f"### {haystack} haystack",
+            "",
+            "| method | " + " | ".join(keys) + " |",
+            "|---|" + "---:|" * len(keys),
+        ]
         for m in shown:
-            lines.append(f"| {m} | " + " | ".join(
-                f"{rows[m][k]['score']:g} ({rows[m][k]['n']})" if k in rows[m] else "-" for k in keys) + " |")
+            lines.append(
+                f"| {m} | "
+                + " | ".join(f"{rows[m][k]['score']:g} ({rows[m][k]['n']})" if k in rows[m] else "-" for k in keys)
+                + " |"
+            )
         lines += ["", "Sources (cell: folder):", ""]
         for m in shown:
             for k in keys:
                 if k in rows[m]:
                     cap = rows[m][k]["max_new_tokens"]
-                    lines.append(f"- {m} {k}: {rows[m][k]['source']}" + (f" (at most {cap} new tokens)" if cap else " (RULER's answer budget)"))
+                    lines.append(
+                        f"- {m} {k}: {rows[m][k]['source']}"
+                        + (f" (at most {cap} new tokens)" if cap else " (RULER's answer budget)")
+                    )
         lines.append("")
         if bar and bar in rows and "full" in rows:
             lines += bar_table(haystack, rows, keys, bar, shown, within, current)

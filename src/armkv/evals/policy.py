@@ -27,30 +27,51 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from armkv.errors import ArmkvError, read_text
 
+if TYPE_CHECKING:
+    import torch
+
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--adapter", action="append", default=None,
-                        help="adapter folder, 'calibrated' or 'random' (default: the shipped calibrated one); "
-                        "with --fixed, repeatable: each is a learned point of the curve")
-    parser.add_argument("--fixed", default=None, metavar="M,M,...",
-                        help="draw the curve of perplexity against read cost: these fixed M beside each --adapter's policy")
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=None,
+        help="adapter folder, 'calibrated' or 'random' (default: the shipped calibrated one); "
+        "with --fixed, repeatable: each is a learned point of the curve",
+    )
+    parser.add_argument(
+        "--fixed",
+        default=None,
+        metavar="M,M,...",
+        help="draw the curve of perplexity against read cost: these fixed M beside each --adapter's policy",
+    )
     parser.add_argument("--chunk", type=int, default=256, help="with --fixed: P, the prefill chunk of the perplexity")
     parser.add_argument("--budget", type=int, default=512, help="token-equivalents per layer")
     parser.add_argument("--input", required=True, help="a UTF-8 text file; consecutive windows of it are the inputs")
     parser.add_argument("--inputs", type=int, default=64, help="how many windows")
-    parser.add_argument("--tokens", type=int, default=256, help="tokens per window (the policy reads the first policy_tokens)")
+    parser.add_argument(
+        "--tokens", type=int, default=256, help="tokens per window (the policy reads the first policy_tokens)"
+    )
     parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
     parser.add_argument("--output", default=None, help="folder for policy.json, table.md and policy.png")
-    parser.add_argument("--option", action="append", default=None, metavar="arm.KEY=VALUE",
-                        help="an arm option (repeatable) for every point and the histogram, e.g. arm.read_rank=tree; "
-                        "with --fixed not top_m or m_fixed, which the fixed points set")
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=None,
+        metavar="arm.KEY=VALUE",
+        help="an arm option (repeatable) for every point and the histogram, e.g. arm.read_rank=tree; "
+        "with --fixed not top_m or m_fixed, which the fixed points set",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
 
 
-def picked_m(model, windows: torch.Tensor, budget: int, adapter: str | None = None, options: dict | None = None) -> tuple[torch.Tensor, int]:
+def picked_m(
+    model, windows: torch.Tensor, budget: int, adapter: str | None = None, options: dict | None = None
+) -> tuple[torch.Tensor, int]:
     """M picked by each layer for each window: windows [N, T] ids -> ([layers, N] long, buckets per layer).
     ``options``: other arm options (``--option``)."""
     import torch
@@ -74,8 +95,13 @@ def summarise(m: torch.Tensor, num_buckets: int) -> dict:
         "mean": float(mf.mean()),
         "read_share": float(mf.mean() / num_buckets),
         "per_layer": [
-            {"layer": i, "mean": float(row.mean()), "min": int(row.min()), "max": int(row.max()),
-             "all_buckets": float((row == num_buckets).float().mean())}
+            {
+                "layer": i,
+                "mean": float(row.mean()),
+                "min": int(row.min()),
+                "max": int(row.max()),
+                "all_buckets": float((row == num_buckets).float().mean()),
+            }
             for i, row in enumerate(mf)
         ],
         "histogram": {str(int(k)): int(v) for k, v in zip(*torch.unique(m, return_counts=True))},
@@ -85,7 +111,9 @@ def summarise(m: torch.Tensor, num_buckets: int) -> dict:
 def markdown(summary: dict, caption: str) -> str:
     lines = [caption, "", "| layer | mean M | min | max | inputs reading all buckets |", "|---:|---:|---:|---:|---:|"]
     for row in summary["per_layer"]:
-        lines.append(f"| {row['layer']} | {row['mean']:.1f} | {row['min']} | {row['max']} | {100 * row['all_buckets']:.0f}% |")
+        lines.append(
+            f"| {row['layer']} | {row['mean']:.1f} | {row['min']} | {row['max']} | {100 * row['all_buckets']:.0f}% |"
+        )
     lines.append(f"| all | {summary['mean']:.1f} | | | |")
     return "\n".join(lines) + "\n"
 
@@ -150,11 +178,17 @@ def curve_point(model, windows: list, budget: int, chunk: int, options: dict) ->
 
     ppls, shares, cache_bytes = [], [], 0
     for window in windows:
-        result = perplexity(model, window, "arm", budget, chunk, on_cache=lambda c: shares.append(read_share(c)), **options)
+        result = perplexity(
+            model, window, "arm", budget, chunk, on_cache=lambda c: shares.append(read_share(c)), **options
+        )
         ppls.append(result["ppl"])
         cache_bytes = max(cache_bytes, result["cache_bytes"])
-    return {"ppl": math.exp(sum(math.log(p) for p in ppls) / len(ppls)), "ppls": ppls,
-            "read_share": sum(shares) / len(shares), "cache_bytes": cache_bytes}
+    return {
+        "ppl": math.exp(sum(math.log(p) for p in ppls) / len(ppls)),
+        "ppls": ppls,
+        "read_share": sum(shares) / len(shares),
+        "cache_bytes": cache_bytes,
+    }
 
 
 def curve_done(args, path: Path) -> tuple[dict, dict[str, dict]]:
@@ -162,7 +196,13 @@ def curve_done(args, path: Path) -> tuple[dict, dict[str, dict]]:
     ``--output`` (other settings there are a one-line error, before the model loads)."""
     from armkv.tools.results import compare_settings
 
-    settings = {"budget": args.budget, "chunk": args.chunk, "input": str(path), "inputs": args.inputs, "tokens": args.tokens}
+    settings = {
+        "budget": args.budget,
+        "chunk": args.chunk,
+        "input": str(path),
+        "inputs": args.inputs,
+        "tokens": args.tokens,
+    }
     if args.option:  # (a curve made without options keeps its settings as they were)
         settings["options"] = arm_options(args)
     out = Path(args.output) if args.output else None
@@ -186,24 +226,36 @@ def main_curve(args, model, windows: list, path: Path, settings: dict, done: dic
     out = Path(args.output) if args.output else None
     extra = arm_options(args)
     points = [(f"M={m}", "fixed", {**extra, "top_m": "fixed", "m_fixed": m}) for m in fixed]
-    points += [(Path(a).parent.name if Path(a).name == "adapter" else Path(a).name, "learned", {**extra, "adapter": a})
-               for a in (args.adapter or [])]
+    points += [
+        (Path(a).parent.name if Path(a).name == "adapter" else Path(a).name, "learned", {**extra, "adapter": a})
+        for a in (args.adapter or [])
+    ]
     rows = []
     for label, kind, options in tqdm(points, desc="curve", unit="point"):
         row = done.get(label)
         if row is None or row.get("options") != options:
-            row = {"label": label, "kind": kind, "options": options,
-                   **curve_point(model, windows, args.budget, args.chunk, options)}
+            row = {
+                "label": label,
+                "kind": kind,
+                "options": options,
+                **curve_point(model, windows, args.budget, args.chunk, options),
+            }
         rows.append(row)
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            _atomic_write(out / "curve.json", lambda tmp: Path(tmp).write_text(json.dumps({"settings": settings, "rows": rows}, indent=1)))
+            _atomic_write(
+                out / "curve.json",
+                lambda tmp: Path(tmp).write_text(json.dumps({"settings": settings, "rows": rows}, indent=1)),
+            )
     fixed_rows = [r for r in rows if r["kind"] == "fixed"]
     for r in rows:
         if r["kind"] == "learned":
             r["fixed_at_same_share"] = fixed_at(fixed_rows, r["read_share"])
-    caption = (f"Perplexity against buckets read, arm at budget {args.budget} ({rows[0]['cache_bytes']:,} cache bytes at most), "
-               f"{len(windows)} windows of {args.tokens} tokens of {path.name}")
+    caption = (
+        f"Perplexity against buckets read, arm at budget {args.budget} ({rows[0]['cache_bytes']:,} cache bytes at "
+        "most), "
+        f"{len(windows)} windows of {args.tokens} tokens of {path.name}"
+    )
     table = curve_markdown(rows, caption)
     summary = {"settings": settings, "rows": rows}
     if out is not None:
@@ -260,10 +312,18 @@ def main(args) -> int:
     adapter = args.adapter[0] if args.adapter else None
     m, num_buckets = picked_m(model, windows, args.budget, adapter, options)
     summary = summarise(m, num_buckets)
-    summary.update(adapter=adapter or "default", budget=args.budget, inputs=args.inputs, tokens=args.tokens,
-                   input=str(path), **({"options": options} if options else {}))
-    caption = (f"Top-M picked by the policy of adapter {summary['adapter']}, {args.inputs} windows of "
-               f"{args.tokens} tokens of {path.name}, {num_buckets} buckets per layer")
+    summary.update(
+        adapter=adapter or "default",
+        budget=args.budget,
+        inputs=args.inputs,
+        tokens=args.tokens,
+        input=str(path),
+        **({"options": options} if options else {}),
+    )
+    caption = (
+        f"Top-M picked by the policy of adapter {summary['adapter']}, {args.inputs} windows of "
+        f"{args.tokens} tokens of {path.name}, {num_buckets} buckets per layer"
+    )
     table = markdown(summary, caption)
     if args.output:
         out = Path(args.output)

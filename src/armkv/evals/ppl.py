@@ -27,14 +27,25 @@ def add_arguments(parser) -> None:
     parser.add_argument("--method", required=True, help="cache method (full, swa, sink, kivi, offload, arm, fifo)")
     parser.add_argument("--budget", type=int, default=512, help="token-equivalents per layer for bounded methods")
     parser.add_argument("--chunk", type=int, default=256, help="P: tokens per forward (the sync point)")
-    parser.add_argument("--adapter", default=None, help="arm: adapter folder, 'calibrated' (shipped, the default) or 'random'")
-    parser.add_argument("--input", required=True, help="a UTF-8 text file")
-    parser.add_argument("--max-tokens", type=int, default=4096, help="score the first N tokens of the file (with --windows: N a window)")
-    parser.add_argument("--windows", action="store_true", help="score every consecutive window of N tokens, each with a fresh cache")
-    parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
-    parser.add_argument("--json", action="store_true", help="print only the JSON line (with --windows: one a window, then the summary)")
     parser.add_argument(
-        "--option", action="append", default=None, metavar="METHOD.KEY=VALUE",
+        "--adapter", default=None, help="arm: adapter folder, 'calibrated' (shipped, the default) or 'random'"
+    )
+    parser.add_argument("--input", required=True, help="a UTF-8 text file")
+    parser.add_argument(
+        "--max-tokens", type=int, default=4096, help="score the first N tokens of the file (with --windows: N a window)"
+    )
+    parser.add_argument(
+        "--windows", action="store_true", help="score every consecutive window of N tokens, each with a fresh cache"
+    )
+    parser.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--json", action="store_true", help="print only the JSON line (with --windows: one a window, then the summary)"
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=None,
+        metavar="METHOD.KEY=VALUE",
         help="a method option (repeatable), e.g. arm.slot_format=int8 or kivi.bits=2",
     )
 
@@ -59,18 +70,27 @@ def perplexity(model, ids: torch.Tensor, method: str, budget: int | None, chunk:
             else:
                 targets = part[:, 1:]
             pred = logits[:, : targets.shape[1]]
-            total += float(torch.nn.functional.cross_entropy(pred.reshape(-1, pred.shape[-1]), targets.reshape(-1), reduction="sum"))
+            total += float(
+                torch.nn.functional.cross_entropy(
+                    pred.reshape(-1, pred.shape[-1]), targets.reshape(-1), reduction="sum"
+                )
+            )
             count += targets.numel()
             previous = logits[:, -1:]
     if on_cache is not None:
         on_cache(cache)
-    return {"ppl": math.exp(total / max(count, 1)), "nll": total / max(count, 1), "tokens": count + 1, "cache_bytes": cache.peak_bytes()}
+    return {
+        "ppl": math.exp(total / max(count, 1)),
+        "nll": total / max(count, 1),
+        "tokens": count + 1,
+        "cache_bytes": cache.peak_bytes(),
+    }
 
 
 def main(args) -> int:
+    from armkv.hf.model import load_model
     from armkv.options import options_for
     from armkv.tools.preflight import check_method, resolve_budget
-    from armkv.hf.model import load_model
 
     path = Path(args.input)
     text = read_text(path, "--input")
@@ -101,15 +121,25 @@ def main(args) -> int:
         results.append(result)
         if not args.json:
             where = f" (window {k}, tokens {start}-{start + window.shape[1] - 1})" if args.windows else ""
-            print(f"{args.method} (budget {budget}): ppl {result['ppl']:.3f} over {result['tokens']} tokens{where}, "
-                  f"cache {result['cache_bytes'] / 2**20:.1f} MiB")
+            print(
+                f"{args.method} (budget {budget}): ppl {result['ppl']:.3f} over {result['tokens']} tokens{where}, "
+                f"cache {result['cache_bytes'] / 2**20:.1f} MiB"
+            )
         if args.windows:
             print(json.dumps(result), flush=True)
     if args.windows:
         ppls = [r["ppl"] for r in results]
-        summary = {"ppl": ppls, "geometric_mean": math.exp(sum(math.log(p) for p in ppls) / len(ppls)),
-                   "tokens": args.max_tokens, "cache_bytes": max(r["cache_bytes"] for r in results),
-                   "method": args.method, "budget": budget, "adapter": args.adapter, "options": options, "input": str(path)}
+        summary = {
+            "ppl": ppls,
+            "geometric_mean": math.exp(sum(math.log(p) for p in ppls) / len(ppls)),
+            "tokens": args.max_tokens,
+            "cache_bytes": max(r["cache_bytes"] for r in results),
+            "method": args.method,
+            "budget": budget,
+            "adapter": args.adapter,
+            "options": options,
+            "input": str(path),
+        }
         print(json.dumps(summary))
     else:
         print(json.dumps(results[0]))

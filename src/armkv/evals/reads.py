@@ -46,14 +46,33 @@ RANKS = ("partial", "best")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--tasks", default=NEEDLE_TASKS, help="comma-separated RULER needle tasks (default: %(default)s)")
+    parser.add_argument(
+        "--tasks", default=NEEDLE_TASKS, help="comma-separated RULER needle tasks (default: %(default)s)"
+    )
     parser.add_argument("--lengths", default="4k", help="context lengths in tokens, e.g. 4k,8k (default: %(default)s)")
-    parser.add_argument("--haystack", choices=("noise", "essay"), default="noise", help="the needle tasks' haystack (essay needs --haystack-file)")
-    parser.add_argument("--haystack-file", default=None, help="prose for the essay haystack: a .txt or RULER's PaulGrahamEssays.json")
-    parser.add_argument("--fraction", type=int, default=8, help="the sparse reads' M = N_b / this (default: %(default)s)")
-    parser.add_argument("--ranks", default="partial", help=f"bucket rankings to compare, of {', '.join(RANKS)} (default: %(default)s)")
-    parser.add_argument("--page-split", default="1,4", help="pages per mean bucket to compare (page_split; default: %(default)s)")
-    parser.add_argument("--partial-share", default="0.25", help="with partial: shares of the key-code rows to compare (default: %(default)s)")
+    parser.add_argument(
+        "--haystack",
+        choices=("noise", "essay"),
+        default="noise",
+        help="the needle tasks' haystack (essay needs --haystack-file)",
+    )
+    parser.add_argument(
+        "--haystack-file", default=None, help="prose for the essay haystack: a .txt or RULER's PaulGrahamEssays.json"
+    )
+    parser.add_argument(
+        "--fraction", type=int, default=8, help="the sparse reads' M = N_b / this (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--ranks", default="partial", help=f"bucket rankings to compare, of {', '.join(RANKS)} (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--page-split", default="1,4", help="pages per mean bucket to compare (page_split; default: %(default)s)"
+    )
+    parser.add_argument(
+        "--partial-share",
+        default="0.25",
+        help="with partial: shares of the key-code rows to compare (default: %(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     common.add_common_arguments(parser, methods=None, samples=8)
 
@@ -68,7 +87,9 @@ def settings_from(args) -> list[dict]:
         splits = common.parse_list(args.page_split, "page-split", int)
         shares = common.parse_list(args.partial_share, "partial-share", float)
     except ValueError:
-        raise ArmkvError("--page-split takes whole numbers and --partial-share fractions, comma-separated, e.g. 1,4 and 0.25") from None
+        raise ArmkvError(
+            "--page-split takes whole numbers and --partial-share fractions, comma-separated, e.g. 1,4 and 0.25"
+        ) from None
     if not splits or min(splits) < 1:
         raise ArmkvError(f"--page-split {args.page_split!r}: give pages per mean bucket of at least 1, e.g. 1,4")
     if not shares or not all(0 < s <= 1 for s in shares):
@@ -124,8 +145,9 @@ def _sparse_choices(layer, query, key, valid, scaling: float, exact_k, exact_val
     return torch.cat([full, exact, own], -1), chosen
 
 
-def missed_mass(layer, query, key, valid, scaling: float, exact_k, exact_valid, settings: list[dict], m: int,
-                choices=None) -> dict:
+def missed_mass(
+    layer, query, key, valid, scaling: float, exact_k, exact_valid, settings: list[dict], m: int, choices=None
+) -> dict:
     """For one decode step of one ARM layer that reads every bucket: per setting, each query
     head's share of the full read's attention on the slots the setting's sparse read skips,
     and the share of occupied slots it reads -> {name: (missed [B * Hq], read share)}.
@@ -137,11 +159,26 @@ def missed_mass(layer, query, key, valid, scaling: float, exact_k, exact_valid, 
     S = st.slots
     p = logits.softmax(-1)[..., :S]
     occupied = (st.count.reshape(-1, S) > 0).sum().clamp_min(1)
-    return {name: ((p * ~taken.unsqueeze(1)).sum(-1).flatten(), float(taken.sum() / occupied)) for name, (taken, _, _) in chosen.items()}
+    return {
+        name: ((p * ~taken.unsqueeze(1)).sum(-1).flatten(), float(taken.sum() / occupied))
+        for name, (taken, _, _) in chosen.items()
+    }
 
 
-def output_errors(layer, query, key, value, valid, scaling: float, exact_k, exact_v, exact_valid, settings: list[dict],
-                  m: int, choices=None) -> dict:
+def output_errors(
+    layer,
+    query,
+    key,
+    value,
+    valid,
+    scaling: float,
+    exact_k,
+    exact_v,
+    exact_valid,
+    settings: list[dict],
+    m: int,
+    choices=None,
+) -> dict:
     """For the same step: per setting, each query head's attention output error against the
     full read's, |o - o_full| / |o_full|, of the sparse read as it is and of the sparse read
     with ``read_summaries`` (each skipped unit one entry, ``read.unit_summaries``) ->
@@ -171,12 +208,24 @@ def output_errors(layer, query, key, value, valid, scaling: float, exact_k, exac
         skipped = (q @ unit_k.transpose(1, 2)) * scaling + log_weight.unsqueeze(1)  # [G, R, U]
         skipped = skipped.masked_fill(units_read(taken.unsqueeze(1), at, num_units), float("-inf"))
         summarised = torch.cat([sparse, skipped], -1).softmax(-1) @ torch.cat([values, unit_v], 1)
-        out[name] = (((plain - full).norm(dim=-1) / norm).flatten(), ((summarised - full).norm(dim=-1) / norm).flatten())
+        out[name] = (
+            ((plain - full).norm(dim=-1) / norm).flatten(),
+            ((summarised - full).norm(dim=-1) / norm).flatten(),
+        )
     return out
 
 
-def measure_sample(model, tokenizer, sample: dict, budget: int, chunk: int, settings: list[dict], fraction: int,
-                   options: dict, chat: bool = False) -> dict:
+def measure_sample(
+    model,
+    tokenizer,
+    sample: dict,
+    budget: int,
+    chunk: int,
+    settings: list[dict],
+    fraction: int,
+    options: dict,
+    chat: bool = False,
+) -> dict:
     """One sample: its context prefilled, its question and gold answer fed a token at a time,
     each decode step of each layer measured (:func:`missed_mass`). Returns the sample's record."""
     import torch
@@ -200,11 +249,14 @@ def measure_sample(model, tokenizer, sample: dict, budget: int, chunk: int, sett
         def run(query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused=True):
             # (the full read's logits and each setting's slots, once for both measures)
             choices = _sparse_choices(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)
-            for name, (missed, share) in missed_mass(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m, choices).items():
+            for name, (missed, share) in missed_mass(
+                layer, query, key, valid, scaling, exact_k, exact_valid, settings, m, choices
+            ).items():
                 taken[name][i].append(missed)
                 shares[name].append(share)
-            for name, pair in output_errors(layer, query, key, value, valid, scaling, exact_k, exact_v, exact_valid, settings, m,
-                                            choices).items():
+            for name, pair in output_errors(
+                layer, query, key, value, valid, scaling, exact_k, exact_v, exact_valid, settings, m, choices
+            ).items():
                 for kept, error in zip(errors[name], pair):
                     kept[i].append(error)
             return read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused)
@@ -213,7 +265,12 @@ def measure_sample(model, tokenizer, sample: dict, budget: int, chunk: int, sett
 
     with torch.inference_mode():
         ids = torch.tensor([context], device=model.device)
-        model(input_ids=ids, position_ids=torch.arange(len(context), device=model.device)[None], past_key_values=cache, use_cache=True)
+        model(
+            input_ids=ids,
+            position_ids=torch.arange(len(context), device=model.device)[None],
+            past_key_values=cache,
+            use_cache=True,
+        )
         num_buckets = layers[0].memory.router.num_buckets
         if not all(layer._reads_all for layer in layers):
             raise ArmkvError("eval reads measures a cache that reads every bucket: drop the top_m / m_fixed options")
@@ -222,15 +279,30 @@ def measure_sample(model, tokenizer, sample: dict, budget: int, chunk: int, sett
             hook(i, layer)
         for step, token in enumerate(fed):
             position = len(context) + step
-            model(input_ids=torch.tensor([[token]], device=model.device), position_ids=torch.tensor([[position]], device=model.device),
-                  past_key_values=cache, use_cache=True)
-    record = {"id": sample["id"], "task": sample["task"], "length": sample["length"], "tokens": len(context) + len(fed),
-              "steps": len(fed), "m": m, "num_buckets": num_buckets, "missed": {}}
+            model(
+                input_ids=torch.tensor([[token]], device=model.device),
+                position_ids=torch.tensor([[position]], device=model.device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+    record = {
+        "id": sample["id"],
+        "task": sample["task"],
+        "length": sample["length"],
+        "tokens": len(context) + len(fed),
+        "steps": len(fed),
+        "m": m,
+        "num_buckets": num_buckets,
+        "missed": {},
+    }
     for name, per_layer in taken.items():
         every = torch.cat([torch.cat(x) for x in per_layer])
         record["missed"][name] = {
-            "mean": float(every.mean()), "p90": float(every.quantile(0.9)), "over_10pct": float((every > 0.1).float().mean()),
-            "read_share": sum(shares[name]) / len(shares[name]), "per_layer": [float(torch.cat(x).mean()) for x in per_layer],
+            "mean": float(every.mean()),
+            "p90": float(every.quantile(0.9)),
+            "over_10pct": float((every > 0.1).float().mean()),
+            "read_share": sum(shares[name]) / len(shares[name]),
+            "per_layer": [float(torch.cat(x).mean()) for x in per_layer],
         }
         for field, kept in zip(("error", "error_summaries"), errors[name]):
             record["missed"][name][field] = float(torch.cat([torch.cat(x) for x in kept]).mean())
@@ -245,10 +317,14 @@ def summarise(records: list[dict], settings: list[dict]) -> dict:
         rows = [r["missed"][s["name"]] for r in records]
         cells: dict = {}
         for r in records:
-            cells.setdefault(f"{r['task']} {common.length_label(str(r['length']))}", []).append(r["missed"][s["name"]]["mean"])
+            cells.setdefault(f"{r['task']} {common.length_label(str(r['length']))}", []).append(
+                r["missed"][s["name"]]["mean"]
+            )
         out[s["name"]] = {
-            "mean": sum(x["mean"] for x in rows) / len(rows), "p90": sum(x["p90"] for x in rows) / len(rows),
-            "over_10pct": sum(x["over_10pct"] for x in rows) / len(rows), "read_share": sum(x["read_share"] for x in rows) / len(rows),
+            "mean": sum(x["mean"] for x in rows) / len(rows),
+            "p90": sum(x["p90"] for x in rows) / len(rows),
+            "over_10pct": sum(x["over_10pct"] for x in rows) / len(rows),
+            "read_share": sum(x["read_share"] for x in rows) / len(rows),
             "cells": {k: sum(v) / len(v) for k, v in cells.items()},
             "per_layer": [sum(x["per_layer"][i] for x in rows) / len(rows) for i in range(len(rows[0]["per_layer"]))],
         }
@@ -256,19 +332,28 @@ def summarise(records: list[dict], settings: list[dict]) -> dict:
             measured = [x for x in rows if field in x]
             if measured:
                 out[s["name"]][field] = sum(x[field] for x in measured) / len(measured)
-                out[s["name"]][f"{field}_per_layer"] = [sum(x[f"{field}_per_layer"][i] for x in measured) / len(measured)
-                                                       for i in range(len(measured[0][f"{field}_per_layer"]))]
+                out[s["name"]][f"{field}_per_layer"] = [
+                    sum(x[f"{field}_per_layer"][i] for x in measured) / len(measured)
+                    for i in range(len(measured[0][f"{field}_per_layer"]))
+                ]
     return out
 
 
 def markdown(summary: dict, caption: str) -> str:
     cells = list(next(iter(summary.values()))["cells"])
-    lines = ["| setting | slots read | " + " | ".join(cells) + " | all | p90 | reads missing > 10% | output error | with summaries |",
-             "|---|---:|" + "---:|" * (len(cells) + 5)]
+    lines = [
+        "| setting | slots read | "
+        + " | ".join(cells)
+        + " | all | p90 | reads missing > 10% | output error | with summaries |",
+        "|---|---:|" + "---:|" * (len(cells) + 5),
+    ]
     for name, row in summary.items():
         error = " | ".join(f"{row[f]:.3f}" if f in row else "-" for f in ("error", "error_summaries"))
-        lines.append(f"| {name} | {100 * row['read_share']:.1f}% | " + " | ".join(f"{100 * row['cells'][c]:.1f}%" for c in cells)
-                     + f" | {100 * row['mean']:.1f}% | {100 * row['p90']:.1f}% | {100 * row['over_10pct']:.1f}% | {error} |")
+        lines.append(
+            f"| {name} | {100 * row['read_share']:.1f}% | "
+            + " | ".join(f"{100 * row['cells'][c]:.1f}%" for c in cells)
+            + f" | {100 * row['mean']:.1f}% | {100 * row['p90']:.1f}% | {100 * row['over_10pct']:.1f}% | {error} |"
+        )
     return caption + "\n\n" + "\n".join(lines) + "\n"
 
 
@@ -307,9 +392,11 @@ def main(args) -> int:
         raise ArmkvError("--haystack essay needs --haystack-file (a .txt of prose)")
     options = options_for("arm", args.option, args.adapter)
     if {"top_m", "m_fixed", "slot_mixing", "read_pages", "page_split", "read_rank", "partial_share"} & set(options):
-        raise ArmkvError("eval reads sets how the cache reads (every bucket, unmixed slots): drop --option arm.top_m / m_fixed / "
-                         "slot_mixing / read_pages / page_split / read_rank / partial_share, and compare them with --ranks, "
-                         "--page-split, --partial-share")
+        raise ArmkvError(
+            "eval reads sets how the cache reads (every bucket, unmixed slots): drop --option arm.top_m / m_fixed / "
+            "slot_mixing / read_pages / page_split / read_rank / partial_share, and compare them with --ranks, "
+            "--page-split, --partial-share"
+        )
     options.update(slot_mixing=False)
     haystack = load_essay(args.haystack_file) if args.haystack_file else None
     unchecked = RulerGenerator(None, args.seed, haystack, haystack=args.haystack)
@@ -317,26 +404,48 @@ def main(args) -> int:
         unchecked.check(task)
     check_lengths(lengths, None)
     output = Path(args.output)
-    common.check_settings(output, {**common.settings_of(args, "reads"), "haystack": args.haystack, "fraction": args.fraction,
-                                   "settings": [s["name"] for s in settings], "options": {"arm": options}})
+    common.check_settings(
+        output,
+        {
+            **common.settings_of(args, "reads"),
+            "haystack": args.haystack,
+            "fraction": args.fraction,
+            "settings": [s["name"] for s in settings],
+            "options": {"arm": options},
+        },
+    )
     model, tokenizer, info = common.load(args)
     check_lengths(lengths, info.max_positions)
-    extra = chat_template_tokens(tokenizer) if args.chat else 0  # (counted in a sample's length, as eval ruler counts it)
+    extra = (
+        chat_template_tokens(tokenizer) if args.chat else 0
+    )  # (counted in a sample's length, as eval ruler counts it)
     generator = RulerGenerator(tokenizer, args.seed, haystack, extra_tokens=extra, haystack=args.haystack)
     log = common.SampleLog(output / "reads.jsonl")
-    todo = [s for task in tasks for length in lengths for s in generator.samples(task, length, args.samples) if s["id"] not in log.done_ids]
+    todo = [
+        s
+        for task in tasks
+        for length in lengths
+        for s in generator.samples(task, length, args.samples)
+        if s["id"] not in log.done_ids
+    ]
     for sample in tqdm(todo, desc="eval reads", unit="sample"):
-        log.append(measure_sample(model, tokenizer, sample, args.budget, args.chunk, settings, args.fraction, options, args.chat))
+        log.append(
+            measure_sample(
+                model, tokenizer, sample, args.budget, args.chunk, settings, args.fraction, options, args.chat
+            )
+        )
     wanted = {f"{t}-{n}" for t in tasks for n in lengths}
     records = [r for r in log.records if f"{r['task']}-{r['length']}" in wanted]
     summary = summarise(records, settings)
     m, nb = records[0]["m"], records[0]["num_buckets"]
-    caption = (f"Share of the full read's attention on the slots each sparse read skips (decode steps of the question and "
-               f"the teacher-forced answer, mean over samples, layers, query heads and steps); M = {m} of {nb} buckets' worth "
-               f"of pages; arm at budget {args.budget} ({info.budget_bytes(args.budget):,} bytes a layer), slots unmixed; "
-               f"{len(records)} samples, {args.haystack} haystack. Output error: |o - o_full| / |o_full| of each query "
-               f"head's attention output against the full read's, mean; with summaries: the same read with read_summaries "
-               f"(each skipped page as one entry).")
+    caption = (
+        f"Share of the full read's attention on the slots each sparse read skips (decode steps of the question and "
+        f"the teacher-forced answer, mean over samples, layers, query heads and steps); M = {m} of {nb} buckets' worth "
+        f"of pages; arm at budget {args.budget} ({info.budget_bytes(args.budget):,} bytes a layer), slots unmixed; "
+        f"{len(records)} samples, {args.haystack} haystack. Output error: |o - o_full| / |o_full| of each query "
+        f"head's attention output against the full read's, mean; with summaries: the same read with read_summaries "
+        f"(each skipped page as one entry)."
+    )
     (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     text = "# Attention the sparse reads skip\n\n" + markdown(summary, caption)
     (output / "table.md").write_text(text)

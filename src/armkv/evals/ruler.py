@@ -47,41 +47,121 @@ from armkv.evals import common, words
 TEMPLATES = {
     "niah": {
         "tokens_to_generate": 128,
-        "template": "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic {type_needle_v} for {query} mentioned in the provided text?",
+        "template": "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic {type_needle_v} for {query} mentioned in the provided text?",  # noqa: E501  (RULER's own text)
         "answer_prefix": " The special magic {type_needle_v} for {query} mentioned in the provided text are",
     },
     "variable_tracking": {
         "tokens_to_generate": 30,
-        "template": "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.",
-        "answer_prefix": " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assigned the value {query}, they are: ",
+        "template": "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.",  # noqa: E501  (RULER's own text)
+        "answer_prefix": " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assigned the value {query}, they are: ",  # noqa: E501  (RULER's own text)
     },
     "common_words_extraction": {
         "tokens_to_generate": 120,
-        "template": "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?",
+        "template": "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?",  # noqa: E501  (RULER's own text)
         "answer_prefix": " Answer: The top 10 words that appear most often in the list are:",
     },
     "freq_words_extraction": {
         "tokens_to_generate": 50,
-        "template": "Read the following coded text and track the frequency of each coded word. Find the three most frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently appeared words in the above coded text?",
+        "template": "Read the following coded text and track the frequency of each coded word. Find the three most frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently appeared words in the above coded text?",  # noqa: E501  (RULER's own text)
         "answer_prefix": " Answer: According to the coded text above, the three most frequently appeared words are:",
     },
     "qa": {
         "tokens_to_generate": 32,
-        "template": "Answer the question based on the given documents. Only give me the answer and do not output any other words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}",
+        "template": "Answer the question based on the given documents. Only give me the answer and do not output any other words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}",  # noqa: E501  (RULER's own text)
         "answer_prefix": " Answer:",
     },
 }
 
 # scripts/synthetic.yaml: task -> (generator, its arguments)
 TASKS = {
-    "niah_single_1": ("niah", dict(type_haystack="noise", type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=1, num_needle_q=1)),
-    "niah_single_2": ("niah", dict(type_haystack="essay", type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=1, num_needle_q=1)),
-    "niah_single_3": ("niah", dict(type_haystack="essay", type_needle_k="words", type_needle_v="uuids", num_needle_k=1, num_needle_v=1, num_needle_q=1)),
-    "niah_multikey_1": ("niah", dict(type_haystack="essay", type_needle_k="words", type_needle_v="numbers", num_needle_k=4, num_needle_v=1, num_needle_q=1)),
-    "niah_multikey_2": ("niah", dict(type_haystack="needle", type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=1, num_needle_q=1)),
-    "niah_multikey_3": ("niah", dict(type_haystack="needle", type_needle_k="uuids", type_needle_v="uuids", num_needle_k=1, num_needle_v=1, num_needle_q=1)),
-    "niah_multivalue": ("niah", dict(type_haystack="essay", type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=4, num_needle_q=1)),
-    "niah_multiquery": ("niah", dict(type_haystack="essay", type_needle_k="words", type_needle_v="numbers", num_needle_k=1, num_needle_v=1, num_needle_q=4)),
+    "niah_single_1": (
+        "niah",
+        dict(
+            type_haystack="noise",
+            type_needle_k="words",
+            type_needle_v="numbers",
+            num_needle_k=1,
+            num_needle_v=1,
+            num_needle_q=1,
+        ),
+    ),
+    "niah_single_2": (
+        "niah",
+        dict(
+            type_haystack="essay",
+            type_needle_k="words",
+            type_needle_v="numbers",
+            num_needle_k=1,
+            num_needle_v=1,
+            num_needle_q=1,
+        ),
+    ),
+    "niah_single_3": (
+        "niah",
+        dict(
+            type_haystack="essay",
+            type_needle_k="words",
+            type_needle_v="uuids",
+            num_needle_k=1,
+            num_needle_v=1,
+            num_needle_q=1,
+        ),
+    ),
+    "niah_multikey_1": (
+        "niah",
+        dict(
+            type_haystack="essay",
+            type_needle_k="words",
+            type_needle_v="numbers",
+            num_needle_k=4,
+            num_needle_v=1,
+            num_needle_q=1,
+        ),
+    ),
+    "niah_multikey_2": (
+        "niah",
+        dict(
+            type_haystack="needle",
+            type_needle_k="words",
+            type_needle_v="numbers",
+            num_needle_k=1,
+            num_needle_v=1,
+            num_needle_q=1,
+        ),
+    ),
+    "niah_multikey_3": (
+        "niah",
+        dict(
+            type_haystack="needle",
+            type_needle_k="uuids",
+            type_needle_v="uuids",
+            num_needle_k=1,
+            num_needle_v=1,
+            num_needle_q=1,
+        ),
+    ),
+    "niah_multivalue": (
+        "niah",
+        dict(
+            type_haystack="essay",
+            type_needle_k="words",
+            type_needle_v="numbers",
+            num_needle_k=1,
+            num_needle_v=4,
+            num_needle_q=1,
+        ),
+    ),
+    "niah_multiquery": (
+        "niah",
+        dict(
+            type_haystack="essay",
+            type_needle_k="words",
+            type_needle_v="numbers",
+            num_needle_k=1,
+            num_needle_v=1,
+            num_needle_q=4,
+        ),
+    ),
     "vt": ("variable_tracking", dict(type_haystack="noise", num_chains=1, num_hops=4)),
     "cwe": ("common_words_extraction", dict(freq_cw=30, freq_ucw=3, num_cw=10)),
     "fwe": ("freq_words_extraction", dict(alpha=2.0)),
@@ -96,7 +176,13 @@ NO_FILE_TASKS = tuple(
 
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-NOISE_SENTENCES = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+NOISE_SENTENCES = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+)
 DOCUMENT_PROMPT = "Document {i}:\n{document}"
 # np.round(np.linspace(0, 100, num=40)).astype(int): the depths RULER draws from
 DEPTHS = [int(math.floor(100 * i / 39 + 0.5)) for i in range(40)]
@@ -237,7 +323,9 @@ def load_qa_files(paths: list[str | Path] | None) -> dict[str, tuple[list[dict],
         elif isinstance(data, list) and data and "context" in data[0] and "answer" in data[0]:
             datasets["hotpotqa"] = read_hotpotqa(data)
         else:
-            raise ArmkvError(f"--qa-file {path}: neither SQuAD JSON ({{'data': [...]}}) nor HotpotQA JSON (a list of questions)")
+            raise ArmkvError(
+                f"--qa-file {path}: neither SQuAD JSON ({{'data': [...]}}) nor HotpotQA JSON (a list of questions)"
+            )
     return datasets
 
 
@@ -455,7 +543,20 @@ class RulerGenerator:
 
     # ------------------------------------------------------------------ tasks
 
-    def _niah(self, rng, n, *, type_haystack, type_needle_k, type_needle_v, num_needle_k, num_needle_v, num_needle_q, depth, **_):
+    def _niah(
+        self,
+        rng,
+        n,
+        *,
+        type_haystack,
+        type_needle_k,
+        type_needle_v,
+        num_needle_k,
+        num_needle_v,
+        num_needle_q,
+        depth,
+        **_,
+    ):
         num_needle_k = max(num_needle_k, num_needle_q)
         keys, values, needles = [], [], []
         for _ in range(num_needle_k):
@@ -470,7 +571,9 @@ class RulerGenerator:
         if type_haystack == "essay":
             sentences = self._essay_sentences(n)
             positions = self._insert_at_depths(
-                len(sentences), len(needles), depth,
+                len(sentences),
+                len(needles),
+                depth,
                 lambda units, k: sorted(int(units * (d / 100)) for d in rng.sample(DEPTHS, k)),
             )
             positions = [0] + sorted(positions) + [len(sentences)]
@@ -493,7 +596,9 @@ class RulerGenerator:
                     for _ in range(n)
                 ]
             indexes = self._insert_at_depths(
-                len(lines), len(needles), depth,
+                len(lines),
+                len(needles),
+                depth,
                 lambda units, k: sorted(rng.sample(range(units), k), reverse=True),
             )
             for index, needle in zip(indexes, needles):
@@ -602,8 +707,10 @@ class RulerGenerator:
         else:
             shot, shot_answer = example(40, 10, 3)
             context, answers = example(n + num_cw, freq_cw, freq_ucw)
-        shot_text = full.format(context=shot, num_cw=num_cw, query="") + " " + " ".join(
-            f"{i + 1}. {w}" for i, w in enumerate(shot_answer)
+        shot_text = (
+            full.format(context=shot, num_cw=num_cw, query="")
+            + " "
+            + " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot_answer))
         )
         before, after = _split_template(t["template"], num_cw=num_cw, query="")
         return Prompt(shot_text + "\n" + before + context, after, t["answer_prefix"], answers)
@@ -766,8 +873,14 @@ def evaluate(
         columns = [common.length_label(k) for k in length_keys]
         relabel = lambda cells: {r: {common.length_label(k): v for k, v in c.items()} for r, c in cells.items()}  # noqa: E731
         tables += [
-            "## Memory after the prefill: needle-value tokens still held exactly (%, mean over layers, KV heads, tasks, samples)\n",
-            common.markdown_table(relabel(shares), memory_rows, columns, "Per-layer shares are in the sample logs (memory.exact_share_by_layer)."),
+            "## Memory after the prefill: needle-value tokens still held exactly (%, mean over layers, KV heads, "
+            "tasks, samples)\n",
+            common.markdown_table(
+                relabel(shares),
+                memory_rows,
+                columns,
+                "Per-layer shares are in the sample logs (memory.exact_share_by_layer).",
+            ),
             "## Memory after the prefill: slots used (%)\n",
             common.markdown_table(relabel(used), memory_rows, columns, ""),
         ]
@@ -786,11 +899,23 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--tasks",
         default=",".join(NO_FILE_TASKS),
-        help="comma-separated RULER tasks, or 'all' for the 13 (default: the tasks that need no data file: %(default)s)",
+        help="comma-separated RULER tasks, or 'all' for the 13 "
+        "(default: the tasks that need no data file: %(default)s)",
     )
-    parser.add_argument("--lengths", default="1k,2k,4k,8k", help="context lengths in tokens, e.g. 1k,2k,4k or 4096 (default: %(default)s)")
-    parser.add_argument("--depths", default=None, help="needle depths in percent, cycled over samples (default: RULER's random depths)")
-    parser.add_argument("--haystack-file", default=None, help="essay haystack for niah_single_2/3, multikey_1, multivalue, multiquery: a .txt of prose or RULER's PaulGrahamEssays.json")
+    parser.add_argument(
+        "--lengths",
+        default="1k,2k,4k,8k",
+        help="context lengths in tokens, e.g. 1k,2k,4k or 4096 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--depths", default=None, help="needle depths in percent, cycled over samples (default: RULER's random depths)"
+    )
+    parser.add_argument(
+        "--haystack-file",
+        default=None,
+        help="essay haystack for niah_single_2/3, multikey_1, multivalue, multiquery: "
+        "a .txt of prose or RULER's PaulGrahamEssays.json",
+    )
     parser.add_argument(
         "--haystack",
         choices=("task", "noise", "essay"),
@@ -798,8 +923,15 @@ def add_arguments(parser) -> None:
         help="haystack of the needle tasks: each task's own (RULER's), or noise / essay for all of "
         "niah_single_*, multikey_1, multivalue, multiquery (essay needs --haystack-file)",
     )
-    parser.add_argument("--qa-file", action="append", default=None, help="SQuAD JSON (qa_1) or HotpotQA JSON (qa_2); repeat for both")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated tokens (default: RULER's per task, 30 to 128)")
+    parser.add_argument(
+        "--qa-file", action="append", default=None, help="SQuAD JSON (qa_1) or HotpotQA JSON (qa_2); repeat for both"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="cap on generated tokens (default: RULER's per task, 30 to 128)",
+    )
     common.add_common_arguments(parser, methods="full,swa,sink,kivi,arm", samples=25)
 
 
@@ -847,7 +979,9 @@ def main(args) -> int:
         lengths,
         args.samples,
         args.output,
-        common.runner_factory(model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat, compile=args.compile),
+        common.runner_factory(
+            model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat, compile=args.compile
+        ),
         settings=common.settings_of(
             args, "ruler", depths=depths, max_new_tokens=args.max_new_tokens, haystack=generator.haystack or "task"
         ),

@@ -76,7 +76,13 @@ class Runner:
     def new_cache(self, horizon: int | None = None):
         """A fresh cache; ``horizon``: the tokens it will see, for methods that plan by length."""
         return make_cache(
-            self.model, self.method, self.budget, self.chunk, horizon=horizon, compile=self.compile, **self.method_options
+            self.model,
+            self.method,
+            self.budget,
+            self.chunk,
+            horizon=horizon,
+            compile=self.compile,
+            **self.method_options,
         )
 
     # ------------------------------------------------------------------ prompts
@@ -137,8 +143,15 @@ class Runner:
         for request in requests:
             stages = self.encode(request)
             tokens, timing, cache = self.generate_ids(
-                stages, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                request_id=request["id"], watch=request.get("watch"), seed=seed,
+                stages,
+                max_new_tokens,
+                do_sample=do_sample,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                request_id=request["id"],
+                watch=request.get("watch"),
+                seed=seed,
             )
             results.append(
                 {

@@ -26,8 +26,9 @@ slot scored once (one pass over the key codes), each bucket ranked by its best l
 chosen buckets' slots read with the logits already computed (only their values are read
 again). ``arm_partial_decode_read`` does it for ``read_rank="partial"``: each slot scored over
 only the few key-code rows where the query is largest (one pass over those rows), each bucket
-ranked by its best partial logit, and the chosen buckets' slots read whole. For ``"tree"``, ``group_leaf_topm`` routes the query down the tree (un-rotated
-inside) and ``arm_sparse_decode_read`` reads the chosen buckets where they lie:
+ranked by its best partial logit, and the chosen buckets' slots read whole. For ``"tree"``,
+``group_leaf_topm`` routes the query down the tree (un-rotated inside) and
+``arm_sparse_decode_read`` reads the chosen buckets where they lie:
 a pool laid bucket by bucket (``read.sort_by_bucket``) makes each bucket one run of slots,
 copied out a row at a time and read as ``arm_decode_read`` reads a pool. Their references are
 ``read.bucket_best`` of the PyTorch logits (for ``"partial"``, of
@@ -132,8 +133,12 @@ def _clear_stale_lock(lock: Path) -> None:
         return
     if age > STALE_LOCK_S:
         lock.unlink(missing_ok=True)
-        warnings.warn(f"armkv: removed {lock}, a kernel build lock {age / 60:.0f} minutes old (left by a process "
-                      "stopped while it built or loaded the kernel)", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"armkv: removed {lock}, a kernel build lock {age / 60:.0f} minutes old (left by a process "
+            "stopped while it built or loaded the kernel)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def describe() -> str:
@@ -150,7 +155,12 @@ def fused_read(x: torch.Tensor, codes: torch.Tensor, int8: bool = False):
     """The kernel module where it serves this read, else None: int4 codes (uint8; with
     ``int8`` also int8 codes: the key scores of k8v4 and int8 slots), float32 queries or
     weights on the CPU, and no gradient wanted."""
-    if codes.dtype not in ((torch.uint8, torch.int8) if int8 else (torch.uint8,)) or x.dtype != torch.float32 or x.device.type != "cpu" or codes.device.type != "cpu":
+    if (
+        codes.dtype not in ((torch.uint8, torch.int8) if int8 else (torch.uint8,))
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or codes.device.type != "cpu"
+    ):
         return None
     if torch.is_grad_enabled() and x.requires_grad:
         return None

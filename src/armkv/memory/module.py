@@ -39,7 +39,9 @@ class ARMMemory(nn.Module):
         self.router = Router(num_kv_heads, head_dim, config.depth, config.branching)
         self.writes = WriteParams(head_dim, config.scorer, config.gate, config.merge_threshold)
         self.policy = (
-            TopMPolicy(num_kv_heads * head_dim, config.policy_hidden, config.max_m) if config.top_m == "adaptive" else None
+            TopMPolicy(num_kv_heads * head_dim, config.policy_hidden, config.max_m)
+            if config.top_m == "adaptive"
+            else None
         )
 
     def init_state(
@@ -74,10 +76,13 @@ class ARMMemory(nn.Module):
         B, H, N, d = keys.shape
         if keys.shape != values.shape or H != self.num_kv_heads:
             raise ArmkvError(
-                f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must both be [B, {self.num_kv_heads}, N, {d}]"
+                f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must both be [B, {self.num_kv_heads}, N, "
+                f"{d}]"
             )
         if valid.shape != (B, N) or positions.shape != (B, N):
-            raise ArmkvError(f"valid and positions must be [{B}, {N}], got {tuple(valid.shape)}, {tuple(positions.shape)}")
+            raise ArmkvError(
+                f"valid and positions must be [{B}, {N}], got {tuple(valid.shape)}, {tuple(positions.shape)}"
+            )
         rule = rule or WriteRule.from_config(self.config)
         bucket = self.router.route_writes(keys).reshape(B * H, N)
         flat = lambda x: x.reshape(B * H, N, d)  # noqa: E731
@@ -132,7 +137,8 @@ class ARMModel(nn.Module):
         theirs = (num_layers, num_kv_heads, head_dim)
         if mine != theirs:
             raise ArmkvError(
-                f"adapter{(' ' + where) if where else ''} was made for a model with {mine[0]} layers, {mine[1]} KV heads "
+                f"adapter{(' ' + where) if where else ''} was made for a model with {mine[0]} layers, {mine[1]} KV "
+                "heads "
                 f"and head size {mine[2]}, but this model has {theirs[0]}, {theirs[1]} and {theirs[2]}: "
                 "use an adapter made for this model (armkv calibrate / armkv train)"
             )
@@ -143,11 +149,16 @@ class ARMModel(nn.Module):
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tensors = {k: (v.detach().to(dtype) if dtype is not None else v.detach()).contiguous().cpu() for k, v in self.state_dict().items()}
+        tensors = {
+            k: (v.detach().to(dtype) if dtype is not None else v.detach()).contiguous().cpu()
+            for k, v in self.state_dict().items()
+        }
         meta = {"format": "armkv-adapter", "version": 1, "arm_config": self.config.to_dict(), "model": self.model_info}
         if extra:
             meta["extra"] = extra
-        _atomic_write(directory / ADAPTER_WEIGHTS, lambda path: save_file(tensors, str(path), metadata={"format": "pt"}))
+        _atomic_write(
+            directory / ADAPTER_WEIGHTS, lambda path: save_file(tensors, str(path), metadata={"format": "pt"})
+        )
         _atomic_write(directory / ADAPTER_CONFIG, lambda path: Path(path).write_text(json.dumps(meta, indent=2)))
         return directory
 
@@ -178,7 +189,8 @@ class ARMModel(nn.Module):
         unexpected = set(tensors) - set(arm.state_dict())
         if missing or unexpected:
             raise ArmkvError(
-                f"{weights_path} does not match its config ({len(missing)} tensors missing, {len(unexpected)} unexpected)"
+                f"{weights_path} does not match its config ({len(missing)} tensors missing, {len(unexpected)} "
+                "unexpected)"
             )
         arm.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
         return arm

@@ -60,7 +60,12 @@ def naive_scan(
 
 
 def naive_plan_writes(
-    state: MemoryState, keys: torch.Tensor, bucket: torch.Tensor, valid: torch.Tensor, params: WriteParams, rule: WriteRule = WriteRule()
+    state: MemoryState,
+    keys: torch.Tensor,
+    bucket: torch.Tensor,
+    valid: torch.Tensor,
+    params: WriteParams,
+    rule: WriteRule = WriteRule(),  # noqa: B008  (frozen)
 ) -> tuple[WritePlan, MemoryState]:
     """What ``write.plan_writes`` decides at inference, one group and one token at a time.
 
@@ -233,10 +238,14 @@ def _naive_make_room(state, g, leaders, cos, tb, deficit, rule) -> tuple[dict[in
         at = {s: i for i, s in enumerate(order)}
         w = min(BAND_WIDTH, S - 1)
         near = {
-            s: [o for o in order[max(0, at[s] - w) : at[s] + w + 1]
-                if o != s and eligible[o] and int(state.bucket[g, o]) == int(state.bucket[g, s])]
-            for s in range(S) if eligible[s]
-        }  # fmt: skip
+            s: [
+                o
+                for o in order[max(0, at[s] - w) : at[s] + w + 1]
+                if o != s and eligible[o] and int(state.bucket[g, o]) == int(state.bucket[g, s])
+            ]
+            for s in range(S)
+            if eligible[s]
+        }
     nearest = {}
     for s, others in near.items():
         if others:
@@ -247,7 +256,9 @@ def _naive_make_room(state, g, leaders, cos, tb, deficit, rule) -> tuple[dict[in
             candidates.append((slot_cos(s, o), 0, s))
     best_of = {}
     for t in leaders:
-        slots = [s for s in range(S) if eligible[s] and (rule.demote_scope == "any" or int(state.bucket[g, s]) == tb[t])]
+        slots = [
+            s for s in range(S) if eligible[s] and (rule.demote_scope == "any" or int(state.bucket[g, s]) == tb[t])
+        ]
         if slots:
             best_of[t] = max(slots, key=lambda s: (cos[t][s], -s))
             candidates.append((cos[t][best_of[t]] - (1e4 if rule.protect_recent > 0 else 0), 1, t))
@@ -268,7 +279,9 @@ def naive_node_score(router: Router, head: int, x: torch.Tensor, node: int, read
     while node > 0:
         parent, child = (node - 1) // C, (node - 1) % C
         logits = router.weight[head, parent] @ x
-        logits = logits * router.read_scale + router.read_bias[head, parent] if read else logits + router.bias[head, parent]
+        logits = (
+            logits * router.read_scale + router.read_bias[head, parent] if read else logits + router.bias[head, parent]
+        )
         score += float(torch.log_softmax(logits, -1)[child])
         node = parent
     return score
@@ -319,7 +332,11 @@ def naive_read(
                         ks.append(exact_keys[b, kv, j]), vs.append(exact_values[b, kv, j]), ls.append(0.0)
                 for s in range(slot_keys.shape[2]):
                     if slot_mask[b, h, t, s]:
-                        ks.append(slot_keys[b, kv, s]), vs.append(slot_values[b, kv, s]), ls.append(float(slot_bias[b, kv, s]))
+                        (
+                            ks.append(slot_keys[b, kv, s]),
+                            vs.append(slot_values[b, kv, s]),
+                            ls.append(float(slot_bias[b, kv, s])),
+                        )
                 for j in range(t + 1):
                     if chunk_valid[b, j]:
                         ks.append(chunk_keys[b, kv, j]), vs.append(chunk_values[b, kv, j]), ls.append(0.0)

@@ -88,8 +88,9 @@ class SlotPool:
         self.dirty = torch.zeros(G, nb + 1, dtype=torch.bool, device=self.state.count.device)
         return None if dirty is None else dirty[:, :nb]
 
-    def _mark_dirty(self, before: MemoryState | None = None, after: MemoryState | None = None,
-                    changed: torch.Tensor | None = None) -> None:
+    def _mark_dirty(
+        self, before: MemoryState | None = None, after: MemoryState | None = None, changed: torch.Tensor | None = None
+    ) -> None:
         """Add the buckets of the ``changed`` slots [G, S] (each slot's bucket before and after
         the write) to :attr:`dirty`; no ``changed``: every bucket."""
         if not self.config.read_summaries or self.dirty is None:
@@ -168,9 +169,12 @@ class SlotPool:
         nothing, and :meth:`grow` adds them only before a write that needs them."""
         c, mem = self.config, self.memory
         return (
-            not mem.training and c.pool == "shared" and c.lazy_merge and c.write != "fifo"
+            not mem.training
+            and c.pool == "shared"
+            and c.lazy_merge
+            and c.write != "fifo"
             and mem.writes.scorer_kind == "similarity"
-        )  # fmt: skip
+        )
 
     def grow(self, packed: MemoryState, valid: torch.Tensor, dtype: torch.dtype) -> MemoryState:
         """The stored state with free slots appended so that every group has room for the
@@ -230,7 +234,10 @@ class SlotPool:
                 return torch.cat([t, t.new_full((G, extra, *t.shape[2:]), fill)], 1)
 
             packed = MemoryState(
-                key=grow(floats.key), value=grow(floats.value), pos=grow(floats.pos), count=grow(floats.count),
+                key=grow(floats.key),
+                value=grow(floats.value),
+                pos=grow(floats.pos),
+                count=grow(floats.count),
                 bucket=grow(floats.bucket, -1),
             ).pack(fmt, mix=self.config.slot_mixing)
             self.state = packed
@@ -258,7 +265,13 @@ class SlotPool:
         G, S = packed.count.shape
         zeros = torch.zeros(G, S, self.head_dim, dtype=dtype, device=packed.count.device)
         return dataclasses.replace(
-            packed, key=zeros, value=zeros.clone(), bucket=packed.bucket.long(), key_scale=None, value_scale=None, mixed=False
+            packed,
+            key=zeros,
+            value=zeros.clone(),
+            bucket=packed.bucket.long(),
+            key_scale=None,
+            value_scale=None,
+            mixed=False,
         )
 
     def write_form(self, packed: MemoryState, dtype: torch.dtype, fused: bool = True) -> MemoryState:
@@ -270,8 +283,12 @@ class SlotPool:
         d = packed.value.shape[-1] * 2
         module = None
         if (
-            fused and packed.key.dtype in (torch.uint8, torch.int8) and packed.value.dtype == torch.uint8 and dtype == torch.float32
-            and packed.key.device.type == "cpu" and (not packed.mixed or d & (d - 1) == 0)  # Hadamard mixing only
+            fused
+            and packed.key.dtype in (torch.uint8, torch.int8)
+            and packed.value.dtype == torch.uint8
+            and dtype == torch.float32
+            and packed.key.device.type == "cpu"
+            and (not packed.mixed or d & (d - 1) == 0)  # Hadamard mixing only
         ):
             module = kernels.int4_read()  # (codes carry no gradient)
         if module is None:
@@ -316,7 +333,9 @@ class SlotPool:
                 parts[name] = old
             else:
                 row_shape = old.shape[2:]  # (explicit: a write may change no slot at all, rows empty)
-                parts[name] = old.view(G * S, *row_shape).index_copy_(0, rows, new.view(rows.numel(), *row_shape)).view(old.shape)
+                parts[name] = (
+                    old.view(G * S, *row_shape).index_copy_(0, rows, new.view(rows.numel(), *row_shape)).view(old.shape)
+                )
         return dataclasses.replace(
             packed, pos=after.pos, count=after.count, bucket=after.bucket.to(packed.bucket.dtype), **parts
         )

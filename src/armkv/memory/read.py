@@ -87,8 +87,14 @@ def partial_row_count(share: float, head_dim: int) -> int:
     return max(1, min(head_dim // 2, round(share * (head_dim // 2))))
 
 
-def bucket_best_of_keys(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, slot_bucket: torch.Tensor,
-                        num_buckets: int, block: int = 32) -> torch.Tensor:
+def bucket_best_of_keys(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    bias: torch.Tensor,
+    slot_bucket: torch.Tensor,
+    num_buckets: int,
+    block: int = 32,
+) -> torch.Tensor:
     """:func:`bucket_best` of the largest logit over a group's R query heads, from float keys,
     a block of queries at a time (the R x T x S logits of a prefill chunk are never held at once).
 
@@ -107,8 +113,9 @@ def bucket_best_of_keys(query: torch.Tensor, keys: torch.Tensor, bias: torch.Ten
     return torch.cat(out, 1)
 
 
-def unit_summaries(slot_k: torch.Tensor, slot_v: torch.Tensor, bias: torch.Tensor, slot_unit: torch.Tensor,
-                   num_units: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def unit_summaries(
+    slot_k: torch.Tensor, slot_v: torch.Tensor, bias: torch.Tensor, slot_unit: torch.Tensor, num_units: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a read that skips a unit (a bucket, or a page of one) reads of it instead
     (``read_summaries``): one entry whose key and value are the means of the unit's slots'
     keys and values weighted by exp(bias) (a slot's count n under ``log_count_bias``, else 1),
@@ -126,14 +133,18 @@ def unit_summaries(slot_k: torch.Tensor, slot_v: torch.Tensor, bias: torch.Tenso
     unit = torch.where(slot_unit < 0, num_units, slot_unit).long()
     sums = torch.zeros(G, num_units + 1, 2 * d + 1, dtype=f32, device=slot_k.device)
     w = weight.unsqueeze(-1)
-    sums.scatter_add_(1, unit.unsqueeze(-1).expand(G, S, 2 * d + 1), torch.cat([slot_k.to(f32) * w, slot_v.to(f32) * w, w], -1))
+    sums.scatter_add_(
+        1, unit.unsqueeze(-1).expand(G, S, 2 * d + 1), torch.cat([slot_k.to(f32) * w, slot_v.to(f32) * w, w], -1)
+    )
     total = sums[:, :num_units, -1]
     means = sums[:, :num_units, :-1] / total.clamp_min(torch.finfo(f32).tiny).unsqueeze(-1)
     log_weight = torch.where(total > 0, total.clamp_min(torch.finfo(f32).tiny).log(), float("-inf"))
     return means[..., :d], means[..., d:], log_weight, unit
 
 
-def index_summaries(state, bias: torch.Tensor, index: "BucketIndex", fused: bool = True, kept=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def index_summaries(
+    state, bias: torch.Tensor, index: "BucketIndex", fused: bool = True, kept=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`unit_summaries` of the units ``index`` lists (buckets, or their pages), in the
     basis the slots are stored in (a read scores them with the query in that basis), from
     the ``state``'s codes (:class:`MemoryState`, its first S slots) and their ``bias`` [G, S]
@@ -147,17 +158,38 @@ def index_summaries(state, bias: torch.Tensor, index: "BucketIndex", fused: bool
     kernel = kernels.fused_read(bias, state.value) if fused and state.key_scale is not None else None
     if kernel is not None:
         if kept is None:
-            return tuple(kernel.unit_summaries(state.key, state.key_scale, state.value, state.value_scale, bias,
-                                               index.kernel_order(), index.start, index.size))
+            return tuple(
+                kernel.unit_summaries(
+                    state.key,
+                    state.key_scale,
+                    state.value,
+                    state.value_scale,
+                    bias,
+                    index.kernel_order(),
+                    index.start,
+                    index.size,
+                )
+            )
         (old_k, old_v, old_w), source = kept
         carried = source >= 0
-        keys, values, log_weight = kernel.unit_summaries(state.key, state.key_scale, state.value, state.value_scale, bias,
-                                                         index.kernel_order(), index.start, index.size, todo=~carried)
+        keys, values, log_weight = kernel.unit_summaries(
+            state.key,
+            state.key_scale,
+            state.value,
+            state.value_scale,
+            bias,
+            index.kernel_order(),
+            index.start,
+            index.size,
+            todo=~carried,
+        )
         at = source.clamp_min(0)
         rows = at.unsqueeze(-1).expand_as(keys)
-        return (torch.where(carried.unsqueeze(-1), old_k.gather(1, rows), keys),
-                torch.where(carried.unsqueeze(-1), old_v.gather(1, rows), values),
-                torch.where(carried, old_w.gather(1, at), log_weight))
+        return (
+            torch.where(carried.unsqueeze(-1), old_k.gather(1, rows), keys),
+            torch.where(carried.unsqueeze(-1), old_v.gather(1, rows), values),
+            torch.where(carried, old_w.gather(1, at), log_weight),
+        )
     G, S = bias.shape
     slot_k, slot_v = (t.reshape(G, S, -1) for t in state.kv(torch.float32, unmix=False))
     return unit_summaries(slot_k, slot_v, bias, slot_units(index), index.size.shape[1])[:3]
@@ -265,10 +297,13 @@ def ranked_chunk_read(
             if summaries is not None:  # each unit's logit (the kernel takes those of the units a query skips)
                 unit_k, unit_v, log_weight = summaries[:3]
                 U = unit_k.shape[1]
-                units = dict(unit_logits=torch.bmm(flat, unit_k.transpose(1, 2)).view(G, R, tb, U) + log_weight.view(G, 1, 1, U),
-                             unit_values=unit_v)
-            acc, peak, den = kernel.ranked_slot_read(slots, slot_bias, slot_v, index.kernel_order(), index.start, index.size, m,
-                                                     **units)
+                units = dict(
+                    unit_logits=torch.bmm(flat, unit_k.transpose(1, 2)).view(G, R, tb, U) + log_weight.view(G, 1, 1, U),
+                    unit_values=unit_v,
+                )
+            acc, peak, den = kernel.ranked_slot_read(
+                slots, slot_bias, slot_v, index.kernel_order(), index.start, index.size, m, **units
+            )
             rest = torch.cat([exact, chunk], -1)  # [G, R, tb, L + T]
             top = torch.maximum(peak, rest.amax(-1)).nan_to_num_(0.0, 0.0, 0.0)  # (-inf: the query reads nothing)
             e = torch.exp(rest - top.unsqueeze(-1))
@@ -288,7 +323,11 @@ def ranked_chunk_read(
             skipped = torch.bmm(flat, unit_k.transpose(1, 2)).view(G, R, tb, U) + log_weight.view(G, 1, 1, U)
             parts.append(skipped.masked_fill_(units_read(picked, unit, U).unsqueeze(1), float("-inf")))
         w = torch.softmax(torch.cat(parts, -1), dim=-1).nan_to_num_(0.0).view(G, R * tb, -1)
-        o = torch.bmm(w[..., :S], slot_v) + torch.bmm(w[..., S : S + L], exact_v) + torch.bmm(w[..., S + L : S + L + T], chunk_v)
+        o = (
+            torch.bmm(w[..., :S], slot_v)
+            + torch.bmm(w[..., S : S + L], exact_v)
+            + torch.bmm(w[..., S + L : S + L + T], chunk_v)
+        )
         if summaries is not None:
             o = o + torch.bmm(w[..., S + L + T :], unit_v)
         out.append(o.view(G, R, tb, d))
@@ -341,7 +380,9 @@ class BucketIndex:
         return held + self.start.nbytes + self.size.nbytes
 
 
-def bucket_index(slot_bucket: torch.Tensor, occupied: torch.Tensor, num_buckets: int, fused: bool = True) -> BucketIndex:
+def bucket_index(
+    slot_bucket: torch.Tensor, occupied: torch.Tensor, num_buckets: int, fused: bool = True
+) -> BucketIndex:
     """slot_bucket [G, S] bucket of each slot, occupied [G, S] bool -> :class:`BucketIndex`.
     Free slots (in the paper's pool they keep their bucket) are listed under no bucket. On a
     CPU the kernel's counting sort builds it (``bucket_lists``, which counts the run breaks
@@ -401,7 +442,9 @@ def slot_units(index: BucketIndex) -> torch.Tensor:
     U = size.shape[1]
     ids = torch.arange(U, device=size.device).expand(G, U)
     # each non-empty unit's id where it begins (the empty ones at S, dropped), then the running largest
-    marks = torch.full((G, S + 1), -1, dtype=torch.long, device=size.device).scatter_(1, torch.where(size > 0, start, S), ids)
+    marks = torch.full((G, S + 1), -1, dtype=torch.long, device=size.device).scatter_(
+        1, torch.where(size > 0, start, S), ids
+    )
     at = marks[:, :S].cummax(1).values
     at = torch.where(torch.arange(S, device=size.device) < size.sum(1, keepdim=True), at, -1)
     return torch.full((G, S), -1, dtype=torch.long, device=size.device).scatter_(1, index.order.long().expand(G, S), at)
@@ -468,8 +511,14 @@ def gather_slots(state: MemoryState, slots: torch.Tensor, for_reading: bool = Fa
     else:
         pos, bucket = rows(state.pos), rows(state.bucket)
     return MemoryState(
-        key=key, value=rows(state.value), pos=pos, count=count, bucket=bucket,
-        key_scale=rows(state.key_scale), value_scale=rows(state.value_scale), mixed=state.mixed,
+        key=key,
+        value=rows(state.value),
+        pos=pos,
+        count=count,
+        bucket=bucket,
+        key_scale=rows(state.key_scale),
+        value_scale=rows(state.value_scale),
+        mixed=state.mixed,
     )
 
 
@@ -531,7 +580,9 @@ def gathered_read(
     mix = mixing_matrix(d, query.dtype, query.device) if slots.mixed else None
     kernel = kernels.fused_read(query, slots.value) if fused and T == 1 and slots.key_scale is not None else None
     if kernel is not None:
-        return fused_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, slots, slot_bias, mix, scaling)
+        return fused_decode_read(
+            kernel, query, key, value, valid, exact_k, exact_v, exact_valid, slots, slot_bias, mix, scaling
+        )
     q = query.reshape(B, H, R, T, d)
     q_slots = (q if mix is None else q @ mix).transpose(2, 3).reshape(G * T, R, d)
     # logits from products in the model's dtype, biased and softmaxed in float32, as the dense
@@ -560,7 +611,9 @@ def fused_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_
     """One query's read through the fused CPU kernel (``armkv.memory.kernels.fused_read``):
     slots [G, ..., W] quantised (their codes and scales as stored), slot_bias [B, H, W] or
     [G, W], the rest as :func:`gathered_read` takes them with T = 1. Returns [B, 1, Hq, d]."""
-    return dense_decode_call(kernel, slots, slot_bias, mix)(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
+    return dense_decode_call(kernel, slots, slot_bias, mix)(
+        query, key, value, valid, exact_k, exact_v, exact_valid, scaling
+    )
 
 
 def dense_decode_call(kernel, state, bias, mix):
@@ -584,8 +637,9 @@ def _bound_call(kernel, kind: str, state, bias, mix, index: BucketIndex | None =
     other Python work."""
     if index is not None:
         tail.update(order=index.kernel_order(), start=index.start, size=index.size)
-    return kernel.DecodeCall(kind, state.key, state.key_scale, state.value, state.value_scale, bias,
-                             _NO_MIX if mix is None else mix, **tail)
+    return kernel.DecodeCall(
+        kind, state.key, state.key_scale, state.value, state.value_scale, bias, _NO_MIX if mix is None else mix, **tail
+    )
 
 
 def _unit_args(units) -> dict:
@@ -594,8 +648,24 @@ def _unit_args(units) -> dict:
     return {} if units is None else dict(zip(("unit_keys", "unit_values", "unit_log_weight"), units))
 
 
-def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,
-                             index: BucketIndex, buckets: torch.Tensor, take: torch.Tensor, units=None) -> torch.Tensor:
+def fused_sparse_decode_read(
+    kernel,
+    query,
+    key,
+    value,
+    valid,
+    exact_k,
+    exact_v,
+    exact_valid,
+    state,
+    bias,
+    mix,
+    scaling,
+    index: BucketIndex,
+    buckets: torch.Tensor,
+    take: torch.Tensor,
+    units=None,
+) -> torch.Tensor:
     """One query's sparse read through the fused CPU kernel: the slots of each group's first
     ``take`` of ``buckets`` ([G, M], [G]) read where they lie in the quantised ``state``
     (bucket by bucket as ``index`` lists them), without gathering them first; ``bias``
@@ -607,8 +677,18 @@ def fused_sparse_decode_read(kernel, query, key, value, valid, exact_k, exact_v,
     return call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
 
 
-def ranked_decode_call(kernel, state, bias, mix, index: BucketIndex, m: int, take: torch.Tensor, rows: int | None = None,
-                       units=None, max_runs: int = -1):
+def ranked_decode_call(
+    kernel,
+    state,
+    bias,
+    mix,
+    index: BucketIndex,
+    m: int,
+    take: torch.Tensor,
+    rows: int | None = None,
+    units=None,
+    max_runs: int = -1,
+):
     """The fused ranked decode read with what stays between writes bound (the slots' codes and
     scales, ``bias``, ``mix``, the ``index``, ``m`` and ``take``): ``read_rank="best"``
     (:func:`fused_best_decode_read`), or with ``rows`` ``"partial"``
@@ -619,11 +699,29 @@ def ranked_decode_call(kernel, state, bias, mix, index: BucketIndex, m: int, tak
     unit's runs of consecutive slots (its ``nbytes()``) where no group has more than
     ``max_runs`` (< 0: always), else finds them at each call."""
     kind, n = ("best", 0) if rows is None else ("partial", rows)
-    return _bound_call(kernel, kind, state, bias, mix, index, m=m, take=take, n=n, max_runs=max_runs, **_unit_args(units))
+    return _bound_call(
+        kernel, kind, state, bias, mix, index, m=m, take=take, n=n, max_runs=max_runs, **_unit_args(units)
+    )
 
 
-def fused_partial_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,
-                              index: BucketIndex, m: int, take: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_partial_decode_read(
+    kernel,
+    query,
+    key,
+    value,
+    valid,
+    exact_k,
+    exact_v,
+    exact_valid,
+    state,
+    bias,
+    mix,
+    scaling,
+    index: BucketIndex,
+    m: int,
+    take: torch.Tensor,
+    rows: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One query's read of ``read_rank="partial"`` in one fused kernel call: each group's m
     buckets ranked by their best partial logit (the ``rows`` key-code rows of
     :func:`partial_rows`, :meth:`MemoryState.partial_key_scores`), then the first ``take`` [G]
@@ -633,8 +731,23 @@ def fused_partial_decode_read(kernel, query, key, value, valid, exact_k, exact_v
     return call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
 
 
-def fused_best_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, state, bias, mix, scaling,
-                           index: BucketIndex, m: int, take: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_best_decode_read(
+    kernel,
+    query,
+    key,
+    value,
+    valid,
+    exact_k,
+    exact_v,
+    exact_valid,
+    state,
+    bias,
+    mix,
+    scaling,
+    index: BucketIndex,
+    m: int,
+    take: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One query's read of ``read_rank="best"`` in one fused kernel call: every slot scored
     once, each group's m buckets ranked by their best logit (:func:`bucket_best`), and the
     first ``take`` [G] of them read with the logits already computed. Arguments as

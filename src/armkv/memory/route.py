@@ -20,7 +20,6 @@ from torch import nn
 
 from armkv.memory.checks import check_tensor
 
-
 # Trees with at most this many router outputs (nodes x C: 84 for the default D = 3, C = 4)
 # route writes with one product over all of them (Router.route_writes)
 ALL_NODES_AT_ONCE = 512
@@ -143,7 +142,9 @@ class Router(nn.Module):
         beam's D * m * C dot products per query, and is exact) rather than the beam."""
         return self.num_nodes * self.branching <= self.depth * min(m, self.num_buckets) * self.branching
 
-    def fused_group_topm(self, kernel, query: torch.Tensor, positions: torch.Tensor, rotary, m: int) -> torch.Tensor | None:
+    def fused_group_topm(
+        self, kernel, query: torch.Tensor, positions: torch.Tensor, rotary, m: int
+    ) -> torch.Tensor | None:
         """:meth:`group_topm_buckets` of one decoded token in one call of the fused CPU kernel
         (``armkv.memory.kernels``), un-rotating the query inside; None where it does not
         serve (the beam search, or routers not in float32).
@@ -155,9 +156,16 @@ class Router(nn.Module):
         H, K, C, d = self.weight.shape
         B, Hq = query.shape[:2]
         return kernel.group_leaf_topm(
-            query.reshape(B * H, Hq // H, d), positions[:, 0], rotary.inv_freq, rotary.scaling,
-            self.weight.detach().reshape(H, K * C, d), self.read_bias.detach().reshape(H, K * C), self.read_scale,
-            self._leaf_paths(query.device), C, min(m, self.num_buckets),
+            query.reshape(B * H, Hq // H, d),
+            positions[:, 0],
+            rotary.inv_freq,
+            rotary.scaling,
+            self.weight.detach().reshape(H, K * C, d),
+            self.read_bias.detach().reshape(H, K * C),
+            self.read_scale,
+            self._leaf_paths(query.device),
+            C,
+            min(m, self.num_buckets),
         )[0]
 
     def beam_topm(self, x: torch.Tensor, m: int, read: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +180,9 @@ class Router(nn.Module):
         for _ in range(self.depth):
             logp = torch.log_softmax(self._logits_at(x, node, read), dim=-1)  # [B, H, N, K, C]
             cand = (score.unsqueeze(-1) + logp).flatten(-2)
-            child = (node.unsqueeze(-1) * self.branching + 1 + torch.arange(self.branching, device=x.device)).flatten(-2)
+            child = (node.unsqueeze(-1) * self.branching + 1 + torch.arange(self.branching, device=x.device)).flatten(
+                -2
+            )
             k = min(m, cand.shape[-1])
             score, idx = cand.topk(k, dim=-1)
             node = child.gather(-1, idx)

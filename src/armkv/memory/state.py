@@ -9,8 +9,14 @@ import torch.nn.functional as F
 
 from armkv.config import QUANTISED_SLOTS, SLOT_SCALE_BYTES, value_groups
 from armkv.memory.kernels import fused_read
-from armkv.memory.quant import dequantise_symmetric, int4_halves, mixing_matrix, pack_int4, quantise_symmetric, unpack_int4
-
+from armkv.memory.quant import (
+    dequantise_symmetric,
+    int4_halves,
+    mixing_matrix,
+    pack_int4,
+    quantise_symmetric,
+    unpack_int4,
+)
 
 # The slots' quantisation scales: bfloat16 (2 bytes; its 8-bit mantissa adds at most 0.4% to a
 # scale whose int4 step is 1/7 of the range) keeps fp32's range, which fp16 would not.
@@ -99,10 +105,14 @@ class MemoryState:
             return self
         channel_major = self.key_scale is not None  # quantised keys are [G, d or d / 2, S]
         return MemoryState(
-            key=self.key[..., :n] if channel_major else self.key[:, :n], value=self.value[:, :n], pos=self.pos[:, :n],
-            count=self.count[:, :n], bucket=self.bucket[:, :n],
+            key=self.key[..., :n] if channel_major else self.key[:, :n],
+            value=self.value[:, :n],
+            pos=self.pos[:, :n],
+            count=self.count[:, :n],
+            bucket=self.bucket[:, :n],
             key_scale=None if self.key_scale is None else self.key_scale[:, :n],
-            value_scale=None if self.value_scale is None else self.value_scale[:, :n], mixed=self.mixed,
+            value_scale=None if self.value_scale is None else self.value_scale[:, :n],
+            mixed=self.mixed,
         )
 
     def clone(self) -> "MemoryState":
@@ -140,7 +150,9 @@ class MemoryState:
     def unpack(self, dtype: torch.dtype) -> "MemoryState":
         """The state with float keys and values of ``dtype`` and int64 bucket ids (what writes use)."""
         key, value = self.kv(dtype)
-        return replace(self, key=key, value=value, bucket=self.bucket.long(), key_scale=None, value_scale=None, mixed=False)
+        return replace(
+            self, key=key, value=value, bucket=self.bucket.long(), key_scale=None, value_scale=None, mixed=False
+        )
 
     def kv(self, dtype: torch.dtype, unmix: bool = True, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values as floats of ``dtype``, dequantised if packed (all a read needs).
@@ -153,7 +165,12 @@ class MemoryState:
         d = self.value.shape[-1] * 2
         unmixing = self.mixed and unmix
         kernel = None
-        if fused and dtype == torch.float32 and self.key.dtype in (torch.uint8, torch.int8) and (not unmixing or d & (d - 1) == 0):
+        if (
+            fused
+            and dtype == torch.float32
+            and self.key.dtype in (torch.uint8, torch.int8)
+            and (not unmixing or d & (d - 1) == 0)
+        ):
             kernel = fused_read(torch.empty(0), self.value)  # (codes and scales carry no gradient)
         if kernel is not None:
             key, value = kernel.int4_dequantise(self.key, self.key_scale, self.value, self.value_scale, unmixing)

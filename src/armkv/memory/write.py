@@ -157,7 +157,9 @@ class WriteRule:
     """How a layer decides and blends its writes: the write switches of the run-time
     ``ARMConfig``, fixed for a cache (``WriteRule.from_config``; docs/design.md, "Writes")."""
 
-    write: str = "gated"  # "gated" (the learned gate), "mean" (beta = 1 / (n + 1)) or "fifo" (overwrite the oldest slot)
+    write: str = (
+        "gated"  # "gated" (the learned gate), "mean" (beta = 1 / (n + 1)) or "fifo" (overwrite the oldest slot)
+    )
     slots_per_bucket: int = 0  # Y of the paper's fixed partition, 0 for the shared pool
     # (shared pool, similarity scorer) a group whose free slots can hold all of the chunk's
     # valid tokens gives each its own slot, however similar; merging starts when the pool runs short
@@ -183,10 +185,14 @@ class WriteRule:
     @classmethod
     def from_config(cls, config: ARMConfig) -> WriteRule:
         return cls(
-            write=config.write, slots_per_bucket=config.slots_per_bucket, lazy=config.lazy_merge,
-            demote_scope=config.demote_scope, protect_recent=config.protect_recent, tau=config.tau,
+            write=config.write,
+            slots_per_bucket=config.slots_per_bucket,
+            lazy=config.lazy_merge,
+            demote_scope=config.demote_scope,
+            protect_recent=config.protect_recent,
+            tau=config.tau,
             empty_slot_rule=config.empty_slot_rule,
-        )  # fmt: skip
+        )
 
 
 def _gumbel_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -296,7 +302,9 @@ def _exclusive_rank(index: torch.Tensor, mask: torch.Tensor, size: int) -> torch
     return rank * mask
 
 
-def roomy_groups(state: MemoryState, valid: torch.Tensor, params: WriteParams, slots_per_bucket: int = 0) -> torch.Tensor | None:
+def roomy_groups(
+    state: MemoryState, valid: torch.Tensor, params: WriteParams, slots_per_bucket: int = 0
+) -> torch.Tensor | None:
     """Under lazy merging, which groups' free slots can hold every valid token of the chunk
     ([G, 1] bool): those tokens each take a free slot, whatever their similarity. None where
     lazy merging does not apply (a scorer other than the similarity one, or fixed slots per
@@ -458,9 +466,7 @@ def plan_writes(
         Y, NB = slots_per_bucket, S // slots_per_bucket
         free_mask = (~occ).view(G, NB, Y)
         free_count = free_mask.sum(-1)  # [G, NB]
-        table = true_first(free_mask) + (
-            torch.arange(NB, device=dev) * Y
-        ).view(1, NB, 1)
+        table = true_first(free_mask) + (torch.arange(NB, device=dev) * Y).view(1, NB, 1)
         rank = _exclusive_rank(bucket, leader, NB)
         fits = rank < free_count.gather(1, bucket.clamp(0, NB - 1))
         new_slot = table[torch.arange(G, device=dev).unsqueeze(1), bucket.clamp(0, NB - 1), rank.clamp(0, Y - 1)]
@@ -539,7 +545,9 @@ def _masked_neighbours(ss: torch.Tensor, state: MemoryState) -> tuple[torch.Tens
     return ss.masked_fill(eye | ~occ.unsqueeze(1) | ~occ.unsqueeze(2), -math.inf).max(-1)
 
 
-def banded_neighbours(state: MemoryState, width: int = BAND_WIDTH, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def banded_neighbours(
+    state: MemoryState, width: int = BAND_WIDTH, fused: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each slot's nearest occupied slot among the ``width`` slots on either side of it in
     bucket order: the same bucket's slots, which the tree filed together because their keys
     are close. Exact within any bucket of at most ``width + 1`` slots; costs S * width, not S^2.
@@ -560,7 +568,9 @@ def banded_neighbours(state: MemoryState, width: int = BAND_WIDTH, fused: bool =
         return nn_sim, nn_idx
     pos = torch.arange(S, device=order.device)
     if w < 1:
-        return torch.full((G, S), -math.inf, device=state.key.device), torch.zeros(G, S, dtype=torch.long, device=state.key.device)
+        return torch.full((G, S), -math.inf, device=state.key.device), torch.zeros(
+            G, S, dtype=torch.long, device=state.key.device
+        )
 
     def sort(x: torch.Tensor) -> torch.Tensor:  # rows of x [G, S, ...] in bucket order
         return gather_rows(x, order)
@@ -667,7 +677,9 @@ def _plan_fifo(state: MemoryState, keys: torch.Tensor, bucket: torch.Tensor, val
     target = torch.where(valid, order.gather(1, rank), torch.full_like(rank, -1))
     new_bucket = _scatter_where(state.bucket, target.clamp_min(0), bucket, valid)
     zeros = torch.zeros(G, N, dtype=keys.dtype, device=keys.device)
-    return WritePlan(target=target, alpha=torch.ones_like(zeros), cand=torch.zeros_like(keys), count=zeros, bucket=new_bucket)
+    return WritePlan(
+        target=target, alpha=torch.ones_like(zeros), cand=torch.zeros_like(keys), count=zeros, bucket=new_bucket
+    )
 
 
 def gate_weights(
@@ -773,8 +785,12 @@ def scan_writes(
     key = put(flat_k, 0, seg_ids, update(flat_k[seg_ids], a_kv, u_key)).view(G, S, d)
     value = put(flat_v, 0, seg_ids, update(flat_v[seg_ids], a_kv, u_value)).view(G, S, d)
     flat_p, flat_c = state.pos.reshape(G * S), state.count.reshape(G * S)
-    pos = flat_p.index_copy(0, seg_ids, update(flat_p[seg_ids], a_p.to(flat_p.dtype), u_pos.to(flat_p.dtype))).view(G, S)
-    count = flat_c.index_copy(0, seg_ids, update(flat_c[seg_ids], a_c.to(flat_c.dtype), u_count.to(flat_c.dtype)).detach()).view(G, S)
+    pos = flat_p.index_copy(0, seg_ids, update(flat_p[seg_ids], a_p.to(flat_p.dtype), u_pos.to(flat_p.dtype))).view(
+        G, S
+    )
+    count = flat_c.index_copy(
+        0, seg_ids, update(flat_c[seg_ids], a_c.to(flat_c.dtype), u_count.to(flat_c.dtype)).detach()
+    ).view(G, S)
     return MemoryState(key=key, value=value, pos=pos, count=count, bucket=plan.bucket)
 
 

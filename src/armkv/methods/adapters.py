@@ -25,9 +25,32 @@ from armkv.methods.base import ModelInfo
 # ARMConfig fields that may differ from the adapter's at run time: none of them changes
 # a parameter's shape (the tree, scorer, gate and policy come with the adapter).
 RUNTIME_FIELDS = {
-    "sinks", "window", "sync", "slots", "pool", "chunk", "position_mode", "write", "empty_slot_rule",
-    "log_count_bias", "demote_scope", "protect_recent", "lazy_merge", "slot_format", "slot_ladder", "slot_mixing", "tau", "top_m", "m_fixed", "read_rank", "partial_share", "read_pages", "page_split", "read_summaries", "epsilon",
-}  # fmt: skip
+    "sinks",
+    "window",
+    "sync",
+    "slots",
+    "pool",
+    "chunk",
+    "position_mode",
+    "write",
+    "empty_slot_rule",
+    "log_count_bias",
+    "demote_scope",
+    "protect_recent",
+    "lazy_merge",
+    "slot_format",
+    "slot_ladder",
+    "slot_mixing",
+    "tau",
+    "top_m",
+    "m_fixed",
+    "read_rank",
+    "partial_share",
+    "read_pages",
+    "page_split",
+    "read_summaries",
+    "epsilon",
+}
 
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
 
@@ -112,7 +135,9 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
             f"(run-time options: {', '.join(sorted(RUNTIME_FIELDS))})"
         )
 
-    def fit(slot_format: str) -> ARMConfig:  # sinks, window, sync (as given, or split off) and slots that fit the budget
+    def fit(
+        slot_format: str,
+    ) -> ARMConfig:  # sinks, window, sync (as given, or split off) and slots that fit the budget
         given = {k: int(overrides[k]) for k in ("sinks", "window", "sync") if k in overrides}
         return ARMConfig.for_budget(budget, info.head_dim, info.dtype_bytes, slot_format=slot_format, **given)
 
@@ -123,13 +148,17 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
         if adapter in DEFAULT_ADAPTER_ORDER:
             found = [f for f in sorted(SHIPPED_ADAPTERS.glob(f"*-{adapter}")) if _fits(f, info)]
             if not found:
-                raise ArmkvError(f"no {adapter} adapter ships for this model; make one with armkv calibrate / armkv train")
+                raise ArmkvError(
+                    f"no {adapter} adapter ships for this model; make one with armkv calibrate / armkv train"
+                )
             adapter = str(found[0])
         if adapter == "random":
             import json
 
             tree_for_budget = fit(overrides.get("slot_format", ARMConfig.slot_format))
-            base = dataclasses.replace(tree_for_budget, **{k: v for k, v in overrides.items() if k in {"top_m", "m_fixed"}})
+            base = dataclasses.replace(
+                tree_for_budget, **{k: v for k, v in overrides.items() if k in {"top_m", "m_fixed"}}
+            )
             arm = _random_arm(info.num_layers, info.num_kv_heads, info.head_dim, json.dumps(base.to_dict()))
         else:
             if not Path(adapter).is_dir():
@@ -137,8 +166,8 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
             arm = _load_adapter(str(Path(adapter).resolve()))
     arm.check_fits(info.num_layers, info.num_kv_heads, info.head_dim)
     tree = arm.config
-    # the storage format (and its mixing) and lazy merging are run-time choices (they change no parameter): the library's default
-    # unless asked, whatever the adapter was saved with
+    # the storage format (and its mixing) and lazy merging are run-time choices (they change no parameter):
+    # the library's default unless asked, whatever the adapter was saved with
     split = fit(overrides.get("slot_format", ARMConfig.slot_format))
     runtime = dataclasses.replace(tree, sinks=split.sinks, window=split.window, sync=split.sync)
     # the paper's pool partitions the slots over this adapter's buckets: a multiple of N_b
@@ -148,13 +177,19 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
         slots = (slots // tree.num_buckets) * tree.num_buckets
     if slots < 1:
         raise ArmkvError(
-            f"budget {budget} is too small for arm: raise --budget to at least {split.sinks + split.window + split.sync + 2}"
+            f"budget {budget} is too small for arm: raise --budget to at least "
+            f"{split.sinks + split.window + split.sync + 2}"
         )
     fields = {
-        "slots": int(slots), "pool": pool, "slot_format": split.slot_format, "slot_mixing": ARMConfig.slot_mixing,
-        "slot_ladder": ARMConfig.slot_ladder, "lazy_merge": ARMConfig.lazy_merge,
-        "demote_scope": ARMConfig.demote_scope, **overrides,
-    }  # fmt: skip
+        "slots": int(slots),
+        "pool": pool,
+        "slot_format": split.slot_format,
+        "slot_mixing": ARMConfig.slot_mixing,
+        "slot_ladder": ARMConfig.slot_ladder,
+        "lazy_merge": ARMConfig.lazy_merge,
+        "demote_scope": ARMConfig.demote_scope,
+        **overrides,
+    }
     fields.setdefault("chunk", min(tree.chunk, int(slots)))
     runtime = dataclasses.replace(runtime, **fields)
     if runtime.top_m == "fixed" and runtime.fixed_m < runtime.num_buckets:
@@ -205,11 +240,19 @@ def _with_index_bytes(runtime: ARMConfig, info: ModelInfo, budget: int) -> ARMCo
     d, db = info.head_dim, info.dtype_bytes
     own = slot_bytes(runtime.slot_format, d, db)
     smallest = min(slot_bytes(f, d, db) for f in [*runtime.ladder, runtime.slot_format])
-    per_bucket = INDEX_BUCKET_BYTES + (PAGES_BUCKET_BYTES * runtime.page_split if runtime.read_pages else 0) + summary_bytes(runtime, d)
+    per_bucket = (
+        INDEX_BUCKET_BYTES
+        + (PAGES_BUCKET_BYTES * runtime.page_split if runtime.read_pages else 0)
+        + summary_bytes(runtime, d)
+    )
     # the slots' share of what is left: each (at the ladder's smallest format) with its index entry
     # and its share of the runs the bound call keeps (max_runs: RUN_BYTES / RESORT_SHARE a slot)
-    left = ((runtime.pool_slots * own - runtime.num_buckets * per_bucket - RUNS_BYTES) * smallest * RESORT_SHARE
-            // ((smallest + INDEX_SLOT_BYTES) * RESORT_SHARE + RUN_BYTES))
+    left = (
+        (runtime.pool_slots * own - runtime.num_buckets * per_bucket - RUNS_BYTES)
+        * smallest
+        * RESORT_SHARE
+        // ((smallest + INDEX_SLOT_BYTES) * RESORT_SHARE + RUN_BYTES)
+    )
     slots = left // own
     if runtime.pool == "paper":
         slots = (slots // runtime.num_buckets) * runtime.num_buckets
@@ -217,11 +260,21 @@ def _with_index_bytes(runtime: ARMConfig, info: ModelInfo, budget: int) -> ARMCo
         if runtime.read_summaries:
             raise ArmkvError(
                 f"budget {budget} is too small for arm with read_summaries: its {runtime.num_buckets} buckets keep "
-                f"{runtime.num_buckets * summary_bytes(runtime, d)} bytes of summaries a KV head beside the slots; raise --budget "
+                f"{runtime.num_buckets * summary_bytes(runtime, d)} bytes of summaries a KV head beside the slots; "
+                "raise --budget "
                 "or drop --option arm.read_summaries=true"
             )
         raise ArmkvError(f"budget {budget} is too small for arm reading fewer buckets than all: raise --budget")
     return dataclasses.replace(runtime, slots=int(slots), chunk=min(runtime.chunk, int(slots)))
 
 
-__all__ = ["DEFAULT_ADAPTER_ORDER", "max_runs", "relay_breaks", "RUNTIME_FIELDS", "SHIPPED_ADAPTERS", "arm_on_device", "resolve_arm", "shipped_adapter"]
+__all__ = [
+    "DEFAULT_ADAPTER_ORDER",
+    "max_runs",
+    "relay_breaks",
+    "RUNTIME_FIELDS",
+    "SHIPPED_ADAPTERS",
+    "arm_on_device",
+    "resolve_arm",
+    "shipped_adapter",
+]

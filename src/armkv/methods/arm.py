@@ -29,25 +29,56 @@ import warnings
 
 import torch
 
-from armkv.budget import LAYER_SHARE_RULES, adapter_layer_weights, layer_budget, parse_layer_weights, retrieval_layer_weights
+from armkv.budget import (
+    LAYER_SHARE_RULES,
+    adapter_layer_weights,
+    layer_budget,
+    parse_layer_weights,
+    retrieval_layer_weights,
+)
 from armkv.config import ARMConfig
 from armkv.errors import ArmkvError
 from armkv.memory import kernels
 from armkv.memory.module import ARMModel
 from armkv.memory.pool import SlotPool
+from armkv.memory.quant import at_least_float32, mixing_matrix
 from armkv.memory.read import (
-    BucketIndex, bucket_best, bucket_best_of_keys, bucket_index, bucket_slot_mask, paged_index, slot_units, dense_decode_call, fused_sparse_decode_read, gather_slots, gathered_read,
-    partial_row_count, partial_rows, ranked_chunk_read, ranked_decode_call, run_breaks, slots_of_buckets, sort_by_bucket,
-    carried_units, index_summaries, unit_summaries, units_read,
+    BucketIndex,
+    bucket_best,
+    bucket_best_of_keys,
+    bucket_index,
+    bucket_slot_mask,
+    carried_units,
+    dense_decode_call,
+    fused_sparse_decode_read,
+    gather_slots,
+    gathered_read,
+    index_summaries,
+    paged_index,
+    partial_row_count,
+    partial_rows,
+    ranked_chunk_read,
+    ranked_decode_call,
+    run_breaks,
+    slot_units,
+    slots_of_buckets,
+    sort_by_bucket,
+    unit_summaries,
+    units_read,
 )
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
 from armkv.memory.write import WriteRule
-from armkv.memory.quant import at_least_float32, mixing_matrix
-from armkv.methods.attention import decode_scores, decode_values, joint_attention, safe_softmax
 from armkv.methods.adapters import (
-    DEFAULT_ADAPTER_ORDER, SHIPPED_ADAPTERS, arm_on_device, max_runs, relay_breaks, resolve_arm, shipped_adapter,
+    DEFAULT_ADAPTER_ORDER,
+    SHIPPED_ADAPTERS,
+    arm_on_device,
+    max_runs,
+    relay_breaks,
+    resolve_arm,
+    shipped_adapter,
 )
+from armkv.methods.attention import decode_scores, decode_values, joint_attention, safe_softmax
 from armkv.methods.base import CacheLayer, ModelInfo, register_method, require_budget
 from armkv.methods.buffers import ExactBuffer
 
@@ -69,8 +100,10 @@ def _warn_slow_sparse_reads(m: int, num_buckets: int, device: torch.device, trai
         return
     _warned_slow_sparse = True
     warnings.warn(
-        f"armkv: ARM reads {m} of {num_buckets} buckets on {device.type} with PyTorch ops (its fused sparse kernels run on "
-        "CPUs only); there this was slower than reading every bucket (2.8-3.8x on an H200, docs/evaluation.md). For speed "
+        f"armkv: ARM reads {m} of {num_buckets} buckets on {device.type} with PyTorch ops (its fused sparse kernels "
+        "run on "
+        "CPUs only); there this was slower than reading every bucket (2.8-3.8x on an H200, docs/evaluation.md). For "
+        "speed "
         "on this device read every bucket (the default: top_m=adaptive with a shipped adapter).",
         RuntimeWarning,
         stacklevel=3,
@@ -124,8 +157,12 @@ class ARMLayer(CacheLayer):
         # [B, H, sync, d], values, valid [B, sync], positions [B, sync]) and the steps since the write
         self.waiting: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.waiting_steps = 0
-        self._route_k = 0  # buckets routed (and gathered by a sparse read) per query: the largest M, +1 for the training mix
-        self._partial_rows = partial_row_count(config.partial_share, info.head_dim)  # read_rank="partial"'s key-code rows
+        self._route_k = (
+            0  # buckets routed (and gathered by a sparse read) per query: the largest M, +1 for the training mix
+        )
+        self._partial_rows = partial_row_count(
+            config.partial_share, info.head_dim
+        )  # read_rank="partial"'s key-code rows
         # [slots read, slots occupied], summed over the decode reads and their KV heads while
         # it is a list (``armkv bench decode`` sets it): what share of the memory a read touches
         self.read_tally: list[int] | None = None
@@ -158,7 +195,8 @@ class ARMLayer(CacheLayer):
         self.mixing = mixing_matrix(d, key.dtype, key.device)  # (fetched once: a compiled step reads it as a tensor)
         if self._step is not None:
             self.waiting = (
-                key.new_zeros(B, H, c.sync, d), key.new_zeros(B, H, c.sync, d),
+                key.new_zeros(B, H, c.sync, d),
+                key.new_zeros(B, H, c.sync, d),
                 torch.zeros(B, c.sync, dtype=torch.bool, device=key.device),
                 torch.zeros(B, c.sync, dtype=torch.long, device=key.device),
             )
@@ -180,7 +218,9 @@ class ARMLayer(CacheLayer):
         if self._reads_all and self.config.position_mode == "stored":
             out = self._decode_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
         else:
-            out = self._chunk_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, self._reads_all)
+            out = self._chunk_read(
+                query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, self._reads_all
+            )
         overflow = self.buffer.push(key, value, valid, positions)  # one entry a row, valid where a token left
         for held, new in zip(self.waiting, (overflow.key, overflow.value, overflow.valid, overflow.positions)):
             dim = 2 if held.ndim == 4 else 1
@@ -241,21 +281,27 @@ class ARMLayer(CacheLayer):
         overflow = self.buffer.push(key, value, valid, positions)
         if overflow.key.shape[2] > 0:
             new = (overflow.key, overflow.value, overflow.valid, overflow.positions)
-            self.pending = new if self.pending is None else tuple(
-                torch.cat([a, b], 2 if a.ndim == 4 else 1) for a, b in zip(self.pending, new)
+            self.pending = (
+                new
+                if self.pending is None
+                else tuple(torch.cat([a, b], 2 if a.ndim == 4 else 1) for a, b in zip(self.pending, new))
             )
         if self.pending is not None and (T > 1 or self.pending[0].shape[2] >= c.sync):
             self._flush()
         return out
 
-    def _read(self, query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all) -> torch.Tensor:
+    def _read(
+        self, query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all
+    ) -> torch.Tensor:
         """A read of the slots (the decode step's dense read aside): at M < N_b gathered
         (:meth:`_sparse_read`) or ranked (:meth:`_ranked_chunk_read`) where either serves,
         else masked over the whole pool (:meth:`_chunk_read`, their reference). With
         ``read_summaries`` (each unit a read skips one entry of its softmax) a decoded token
         takes the sparse read (fused; where the kernels do not serve, the masked read), a chunk
         ranked by its logits the ranked read, any other read the masked one."""
-        if not reads_all and (call := self._held(self._ranked_for, query)) is not None:  # (a decode step: _sparse_read's call)
+        if (
+            not reads_all and (call := self._held(self._ranked_for, query)) is not None
+        ):  # (a decode step: _sparse_read's call)
             return call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)[0]
         T, summarised = query.shape[2], self.config.read_summaries
         if self._reads_sparse(T, reads_all) and (T == 1 or not summarised):
@@ -276,7 +322,9 @@ class ARMLayer(CacheLayer):
             exact_valid = torch.cat([exact_valid, self.pending[2]], 1)
         return exact_k, exact_v, exact_valid
 
-    def _decode_read(self, query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused: bool = True) -> torch.Tensor:
+    def _decode_read(
+        self, query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused: bool = True
+    ) -> torch.Tensor:
         """The decode step's read when every bucket is read (one token, stored positions): the
         same softmax as :meth:`_chunk_read`, written for one query so that nothing the size of
         the state is copied. Slots, exact entries and the token itself are scored apart and
@@ -340,7 +388,9 @@ class ARMLayer(CacheLayer):
         self._bias_for = (self.state, bias)
         return bias
 
-    def _chunk_read(self, query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all) -> torch.Tensor:
+    def _chunk_read(
+        self, query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all
+    ) -> torch.Tensor:
         """A chunk's read: one joint softmax over [exact | slots of the top-M buckets | the
         chunk, causally]. Returns [B, T, Hq, d]."""
         c = self.config
@@ -383,7 +433,11 @@ class ARMLayer(CacheLayer):
             slot_unit, num_units = self._read_units()
             S, dk = slot_k.shape[2], slot_k.shape[-1]
             unit_k, unit_v, log_weight, unit = unit_summaries(
-                slot_k.reshape(B * H, S, dk), slot_v.reshape(B * H, S, -1), bias.reshape(B * H, S), slot_unit.reshape(B * H, S), num_units
+                slot_k.reshape(B * H, S, dk),
+                slot_v.reshape(B * H, S, -1),
+                bias.reshape(B * H, S),
+                slot_unit.reshape(B * H, S),
+                num_units,
             )
             summaries = (unit.view(B, H, S).repeat_interleave(rep, 1).reshape(B * Hq, S), num_units)  # (per query head)
             slot_k = torch.cat([slot_k, unit_k.view(B, H, num_units, dk).to(slot_k.dtype)], 2)
@@ -402,10 +456,24 @@ class ARMLayer(CacheLayer):
                     mask = torch.cat([mask, ~taken.view(B, Hq, T, num_units)], -1)
                 state_mask = torch.cat([torch.ones(B, Hq, T, L, dtype=torch.bool, device=key.device), mask], -1)
             out = joint_attention(
-                q_in, chunk_k, chunk_v, valid, scaling, state_k, state_v, state_valid, state_bias, state_mask, state_clean=True
+                q_in,
+                chunk_k,
+                chunk_v,
+                valid,
+                scaling,
+                state_k,
+                state_v,
+                state_valid,
+                state_bias,
+                state_mask,
+                state_clean=True,
             )
             outs.append(out[..., :d])
-        out = outs[0] if len(outs) == 1 else self.mix.view(B, 1, 1, 1) * outs[1] + (1 - self.mix.view(B, 1, 1, 1)) * outs[0]
+        out = (
+            outs[0]
+            if len(outs) == 1
+            else self.mix.view(B, 1, 1, 1) * outs[1] + (1 - self.mix.view(B, 1, 1, 1)) * outs[0]
+        )
         return out if mix is None else out @ mix.T
 
     def _slots(self, unmix: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -454,10 +522,16 @@ class ARMLayer(CacheLayer):
         wanted = mem.training or keys.requires_grad or values.requires_grad
         with contextlib.nullcontext() if wanted else torch.no_grad():
             self.pool.write(
-                keys, valid, lambda state: mem.write(state, k_pre, values, positions, valid, self.generator, self.rule, inplace=not mem.training)
+                keys,
+                valid,
+                lambda state: mem.write(
+                    state, k_pre, values, positions, valid, self.generator, self.rule, inplace=not mem.training
+                ),
             )
 
-    def _masks_for(self, q_pre: torch.Tensor, best: torch.Tensor | None, occupied: torch.Tensor, rep: int) -> list[torch.Tensor]:
+    def _masks_for(
+        self, q_pre: torch.Tensor, best: torch.Tensor | None, occupied: torch.Tensor, rep: int
+    ) -> list[torch.Tensor]:
         mem = self.memory
         B, Hq = q_pre.shape[:2]
         buckets = self._group_buckets(self._route_k, q_pre, best).repeat_interleave(rep, 1)
@@ -483,7 +557,9 @@ class ARMLayer(CacheLayer):
         x = q_pre.reshape(B, self.info.num_kv_heads, -1, T, d).to(router.weight.dtype)
         return router.group_topm_buckets(x, m)[0]
 
-    def _bucket_scores(self, query: torch.Tensor, scaling: float, keys: torch.Tensor | None = None) -> torch.Tensor | None:
+    def _bucket_scores(
+        self, query: torch.Tensor, scaling: float, keys: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """For ``read_rank="best"`` and ``"partial"`` (None for the tree): each bucket's best
         logit, the largest over its readable slots and the KV head's R query heads of
         q.k * scaling + log n (``read.bucket_best``), in float32 from the stored codes, so that
@@ -519,7 +595,10 @@ class ARMLayer(CacheLayer):
         masked read, :meth:`_chunk_read`, is the reference): at inference, stored positions,
         fewer buckets than all."""
         return (
-            not reads_all and self.mix is None and not self.memory.training and self.config.position_mode == "stored"
+            not reads_all
+            and self.mix is None
+            and not self.memory.training
+            and self.config.position_mode == "stored"
             and self._route_k < self.memory.router.num_buckets
         )
 
@@ -537,7 +616,9 @@ class ARMLayer(CacheLayer):
         ``"best"``)."""
         return self._reads_top_m(reads_all) and self.config.read_rank != "tree"
 
-    def _ranked_chunk_read(self, query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused: bool = True) -> torch.Tensor:
+    def _ranked_chunk_read(
+        self, query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused: bool = True
+    ) -> torch.Tensor:
         """:meth:`_chunk_read` at M < N_b with ``read_rank="best"``, each slot's logit computed
         once for both the ranking and the softmax (``read.ranked_chunk_read``, in float32, a
         block of queries at a time) instead of once to rank and again under a mask of
@@ -550,7 +631,8 @@ class ARMLayer(CacheLayer):
         G, R = B * H, Hq // H
         # (the read is in float32 whatever the model's dtype)
         kernel = kernels.fused_cpu(query.float()) if fused else None
-        # what it ranks: buckets, or their pages (read_pages); either's first build may re-lay the pool, so before the slots are read
+        # what it ranks: buckets, or their pages (read_pages); either's first build may re-lay the pool,
+        # so before the slots are read
         index = self._page_index() or self._bucket_index()
         if kernel is not None:  # the kernel takes the units' index
             by_kernel = (kernel, index, self._take(self._units(self.memory.router.num_buckets), H))
@@ -573,17 +655,28 @@ class ARMLayer(CacheLayer):
             def pick(logits: torch.Tensor) -> torch.Tensor:  # [G, T', S] -> the slots of each query's buckets
                 best = bucket_best(logits, slot_unit, num_units).view(B, H, -1, num_units)
                 buckets = self._group_buckets(self._route_k, None, best)
-                return (bucket_slot_mask(buckets, self._units(self.m), slot_unit.view(B, H, S), num_units) & occupied).view(G, -1, S)
+                return (
+                    bucket_slot_mask(buckets, self._units(self.m), slot_unit.view(B, H, S), num_units) & occupied
+                ).view(G, -1, S)
 
         summaries = None
         if self.config.read_summaries:  # each unit a query skips one entry (the PyTorch ops also need each slot's unit)
             unit = None if by_kernel is not None else torch.where(slot_unit < 0, num_units, slot_unit).reshape(G, S)
             summaries = (*self._unit_summaries(index), unit)
         out = ranked_chunk_read(
-            mixed(query).reshape(G, R, T, d), mixed(key).reshape(G, T, d), mixed(value).reshape(G, T, d),
-            valid[:, None].expand(B, H, T).reshape(G, T), scaling,
-            mixed(exact_k).reshape(G, L, d), mixed(exact_v).reshape(G, L, d), exact_valid[:, None].expand(B, H, L).reshape(G, L),
-            slot_k.reshape(G, S, d), slot_v.reshape(G, S, d), self._decode_bias().reshape(G, S), pick, fused=by_kernel,
+            mixed(query).reshape(G, R, T, d),
+            mixed(key).reshape(G, T, d),
+            mixed(value).reshape(G, T, d),
+            valid[:, None].expand(B, H, T).reshape(G, T),
+            scaling,
+            mixed(exact_k).reshape(G, L, d),
+            mixed(exact_v).reshape(G, L, d),
+            exact_valid[:, None].expand(B, H, L).reshape(G, L),
+            slot_k.reshape(G, S, d),
+            slot_v.reshape(G, S, d),
+            self._decode_bias().reshape(G, S),
+            pick,
+            fused=by_kernel,
             summaries=summaries,
         )
         if mix is not None:
@@ -639,7 +732,9 @@ class ARMLayer(CacheLayer):
         self.read_tally[0] += read
         self.read_tally[1] += occupied
 
-    def _sparse_read(self, query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, fused: bool = True) -> torch.Tensor:
+    def _sparse_read(
+        self, query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, fused: bool = True
+    ) -> torch.Tensor:
         """:meth:`_chunk_read` at M < N_b with each query's slots gathered: the slots of its
         KV head's top-M buckets (``read.slots_of_buckets``), read from their stored codes
         (``read.gathered_read``). Its cost
@@ -647,7 +742,9 @@ class ARMLayer(CacheLayer):
         With ``read_summaries`` only the fused calls read (each skipped unit one entry,
         :meth:`_unit_summaries`); where they do not serve, the masked read does.
         Returns [B, T, Hq, d]."""
-        if fused and (call := self._held(self._ranked_for, query)) is not None:  # best / partial: the call kept from the last step
+        if (
+            fused and (call := self._held(self._ranked_for, query)) is not None
+        ):  # best / partial: the call kept from the last step
             return call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)[0]
         B, Hq, T, d = query.shape
         H, M = key.shape[1], self._route_k
@@ -655,8 +752,12 @@ class ARMLayer(CacheLayer):
         index = self._page_index() or self._bucket_index()  # what it ranks and reads: pages (read_pages) or buckets
         st = self._readable()
         kernel = kernels.fused_read(query, st.value) if fused and T == 1 and st.key_scale is not None else None
-        if kernel is None and self.config.read_summaries:  # (the skipped units' entries: the fused reads, or the masked one)
-            return self._chunk_read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all=False)
+        if (
+            kernel is None and self.config.read_summaries
+        ):  # (the skipped units' entries: the fused reads, or the masked one)
+            return self._chunk_read(
+                query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all=False
+            )
         if kernel is not None:  # one query on a CPU: ranked and read in one call (best), or routed, then read (tree)
             mix = self.mixing.to(query.dtype) if st.mixed else None
             m = self._units(min(M, self.memory.router.num_buckets))
@@ -667,7 +768,9 @@ class ARMLayer(CacheLayer):
                 # rows of every key to rank, the chosen buckets' keys whole. What the call binds
                 # changes only with the state or M: kept until then, a decode step makes the one call
                 rows = self._partial_rows if self.config.read_rank == "partial" else None
-                call = ranked_decode_call(kernel, st, self._decode_bias(), mix, index, m, take, rows, units, max_runs(st.slots))
+                call = ranked_decode_call(
+                    kernel, st, self._decode_bias(), mix, index, m, take, rows, units, max_runs(st.slots)
+                )
                 self._ranked_for = (self.pool.state, self.m, call)
                 out, buckets = call(query, key, value, valid, exact_k, exact_v, exact_valid, scaling)
             else:
@@ -675,8 +778,22 @@ class ARMLayer(CacheLayer):
                 if buckets is None:
                     buckets = self._group_buckets(M, self.rotary.unrotate(query, positions.unsqueeze(1))).reshape(G, -1)
                 out = fused_sparse_decode_read(
-                    kernel, query, key, value, valid, exact_k, exact_v, exact_valid, st, self._decode_bias(), mix, scaling, index,
-                    buckets, take, units,
+                    kernel,
+                    query,
+                    key,
+                    value,
+                    valid,
+                    exact_k,
+                    exact_v,
+                    exact_valid,
+                    st,
+                    self._decode_bias(),
+                    mix,
+                    scaling,
+                    index,
+                    buckets,
+                    take,
+                    units,
                 )
             if self.read_tally is not None:
                 chosen = torch.arange(buckets.shape[-1], device=buckets.device) < take.unsqueeze(1)
@@ -689,14 +806,26 @@ class ARMLayer(CacheLayer):
         # eager on a CPU, the width these queries need (a host sync costs nothing there); compiled
         # or on an accelerator, the width any M buckets need, fixed until the next write
         eager_cpu = query.device.type == "cpu" and not torch.compiler.is_compiling()
-        ids, used = slots_of_buckets(index, buckets.reshape(G, T, M), None if eager_cpu else index.width(M), take.reshape(G, T, M))
+        ids, used = slots_of_buckets(
+            index, buckets.reshape(G, T, M), None if eager_cpu else index.width(M), take.reshape(G, T, M)
+        )
         W = ids.shape[-1]
         if self.read_tally is not None:
             self._tally(int(used.sum()) // T, int(index.size.sum()))
         bias = self._decode_bias().reshape(G, st.slots).gather(1, ids.view(G, T * W)).view(B, H, T, W)
         bias = bias.masked_fill(~used.view(B, H, T, W), -torch.inf)
         return gathered_read(
-            query, key, value, valid, scaling, exact_k, exact_v, exact_valid, gather_slots(st, ids, for_reading=True), bias, fused=fused
+            query,
+            key,
+            value,
+            valid,
+            scaling,
+            exact_k,
+            exact_v,
+            exact_valid,
+            gather_slots(st, ids, for_reading=True),
+            bias,
+            fused=fused,
         )
 
     def _held(self, held, query: torch.Tensor):
@@ -707,8 +836,15 @@ class ARMLayer(CacheLayer):
         decode step then makes one kernel call a layer and little else: in a step of the model
         each layer's Python work comes cold, and the checks and calls it skips had taken
         70-100 us a layer, about a sixth of a sparse read at 16k."""
-        if (held is None or held[0] is not self.pool.state or held[1] is not self.m or self.read_tally is not None
-                or query.shape[2] != 1 or query.requires_grad or torch.compiler.is_compiling()):
+        if (
+            held is None
+            or held[0] is not self.pool.state
+            or held[1] is not self.m
+            or self.read_tally is not None
+            or query.shape[2] != 1
+            or query.requires_grad
+            or torch.compiler.is_compiling()
+        ):
             return None
         return held[2]
 
@@ -726,7 +862,11 @@ class ARMLayer(CacheLayer):
             if self._summaries_for is not None and dirty is not None and self._summaries_for[2].shape == sizes.shape:
                 pages = self.memory.router.num_buckets * self.config.page_split if self.config.read_pages else None
                 kept = (self._summaries_for[1], carried_units(dirty, self._summaries_for[2], sizes, pages))
-            self._summaries_for = (index, index_summaries(st, self._decode_bias().reshape(-1, st.slots), index, kept=kept), sizes)
+            self._summaries_for = (
+                index,
+                index_summaries(st, self._decode_bias().reshape(-1, st.slots), index, kept=kept),
+                sizes,
+            )
         return self._summaries_for[1]
 
     def _take(self, m: int, H: int) -> torch.Tensor:
@@ -825,7 +965,9 @@ def make_arm(
             # steps between are free of writes; the window stays what the layer's share gives it
             own = ARMConfig.for_budget(share, info.head_dim, info.dtype_bytes, slot_format=runtime.slot_format)
             overrides = {"window": own.window, **overrides, "sync": runtime.sync}
-        arm_model, runtime = resolve_arm(info, share, arm=arm_model, overrides=overrides)  # the same parameters, resized
+        arm_model, runtime = resolve_arm(
+            info, share, arm=arm_model, overrides=overrides
+        )  # the same parameters, resized
     arm_model = arm_on_device(arm_model, info.device, given=arm is not None)
     return ARMLayer(layer_idx, info, rotary, arm_model.layers[layer_idx], runtime)
 
@@ -835,7 +977,13 @@ def make_fifo(layer_idx: int, info: ModelInfo, rotary: Rotary | None, budget: in
     overrides = dict(options.pop("arm_overrides", None) or {})
     overrides.update(write="fifo", top_m="fixed", log_count_bias=False)
     given = options.get("arm") is not None
-    arm_model, runtime = resolve_arm(info, require_budget("fifo", budget, 8, "sinks + window + slots"), options.pop("adapter", None), options.pop("arm", None), {**overrides, "chunk": chunk})
+    arm_model, runtime = resolve_arm(
+        info,
+        require_budget("fifo", budget, 8, "sinks + window + slots"),
+        options.pop("adapter", None),
+        options.pop("arm", None),
+        {**overrides, "chunk": chunk},
+    )
     if options:
         raise ArmkvError(f"method 'fifo' takes no option {', '.join(sorted(options))}")
     runtime = dataclasses.replace(runtime, m_fixed=arm_model.config.num_buckets)
@@ -846,6 +994,12 @@ def make_fifo(layer_idx: int, info: ModelInfo, rotary: Rotary | None, budget: in
 # (the adapter lookup and the budget shares live in methods/adapters.py and budget.py; these
 # names are also importable from here)
 __all__ = [
-    "ARMLayer", "DEFAULT_ADAPTER_ORDER", "LAYER_SHARE_RULES", "SHIPPED_ADAPTERS", "arm_on_device", "resolve_arm",
-    "retrieval_layer_weights", "shipped_adapter",
-]  # fmt: skip
+    "ARMLayer",
+    "DEFAULT_ADAPTER_ORDER",
+    "LAYER_SHARE_RULES",
+    "SHIPPED_ADAPTERS",
+    "arm_on_device",
+    "resolve_arm",
+    "retrieval_layer_weights",
+    "shipped_adapter",
+]

@@ -143,8 +143,11 @@ def _flash_with_lse():
 def _split_serves(q: torch.Tensor) -> bool:
     """Whether :func:`_split_attention` serves: a CPU float32 read with no gradient wanted."""
     return (
-        q.device.type == "cpu" and q.dtype == torch.float32 and not (torch.is_grad_enabled() and q.requires_grad)
-        and _flash_with_lse() is not None and SPLIT_ATTENTION
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and not (torch.is_grad_enabled() and q.requires_grad)
+        and _flash_with_lse() is not None
+        and SPLIT_ATTENTION
     )
 
 
@@ -238,9 +241,7 @@ def joint_attention(
             out = _split_attention(q, state_key, state_value, state_part, key, chunk_value, chunk_mask, scaling)
             return out.reshape(b, hq, t, d).transpose(1, 2)
         heads = max(state_part.shape[1], 1)
-        mask = torch.cat(
-            [state_part.expand(b, heads, g * t, n), chunk_mask.expand(b, heads, g * t, t)], dim=-1
-        )
+        mask = torch.cat([state_part.expand(b, heads, g * t, n), chunk_mask.expand(b, heads, g * t, t)], dim=-1)
         keys, values = torch.cat([state_key, key], dim=2), torch.cat([state_value, chunk_value], dim=2)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
     return out.reshape(b, hq, t, d).transpose(1, 2)
@@ -269,7 +270,9 @@ def decode_scores(
     return torch.cat([scores, own], -1)
 
 
-def decode_values(weights: torch.Tensor, state_value: torch.Tensor, value: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def decode_values(
+    weights: torch.Tensor, state_value: torch.Tensor, value: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
     """The weighted sum of :func:`decode_scores`' softmax: weights [B, Hkv, G, L + 1],
     state_value [B, Hkv, L, d] (invalid entries zero), value [B, Hkv, 1, d] -> [B, Hkv, G, d]."""
     n = state_value.shape[2]
@@ -277,7 +280,9 @@ def decode_values(weights: torch.Tensor, state_value: torch.Tensor, value: torch
     return torch.matmul(weights[..., :n], state_value) + weights[..., n:] * own
 
 
-def _decode_attention(query, key, value, valid, scaling, state_key, state_value, state_valid, state_bias, state_mask, state_clean):
+def _decode_attention(
+    query, key, value, valid, scaling, state_key, state_value, state_valid, state_bias, state_mask, state_clean
+):
     """:func:`joint_attention` for one new token: the state's and the token's logits in one
     softmax, with no copy of the state (SDPA would need [state | token] concatenated and a
     float mask the size of the state, every decode step)."""
@@ -288,6 +293,8 @@ def _decode_attention(query, key, value, valid, scaling, state_key, state_value,
     state_key, state_value, ok = _readable(state_key, state_value, state_valid, state_mask, state_clean, g)
     # softmax in float32 (the logits of a bfloat16 or float16 model as its products round
     # them, as transformers' eager attention takes them; no-ops for float32)
-    weights = safe_softmax(at_least_float32(decode_scores(q, key, valid, scaling, state_key, ok, state_bias))).to(query.dtype)
+    weights = safe_softmax(at_least_float32(decode_scores(q, key, valid, scaling, state_key, ok, state_bias))).to(
+        query.dtype
+    )
     out = decode_values(weights, state_value, value, valid)
     return out.reshape(b, hq, 1, d).transpose(1, 2)

@@ -183,7 +183,9 @@ def require_budget(method: str, budget: int | None, minimum: int, why: str) -> i
     if budget is None:
         raise ArmkvError(f"method {method!r} needs a budget: pass --budget N (token-equivalents, at least {minimum})")
     if budget < minimum:
-        raise ArmkvError(f"budget {budget} is too small for method {method!r} ({why}): raise --budget to at least {minimum}")
+        raise ArmkvError(
+            f"budget {budget} is too small for method {method!r} ({why}): raise --budget to at least {minimum}"
+        )
     return budget
 
 

@@ -96,9 +96,7 @@ class ExactBuffer:
         """L = sinks + window."""
         return self.sinks + self.window
 
-    def push(
-        self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor
-    ) -> Overflow:
+    def push(self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> Overflow:
         """Append a chunk's valid tokens; return the valid tokens that left the window.
 
         Parameters
@@ -179,7 +177,12 @@ class ExactBuffer:
             self.sink_valid |= hot
             v = v & ~hot.any(1)
         if self.window == 0:
-            return Overflow(key=zero_invalid(key, v[:, None, None]), value=zero_invalid(value, v[:, None, None]), valid=v[:, None], positions=pos)
+            return Overflow(
+                key=zero_invalid(key, v[:, None, None]),
+                value=zero_invalid(value, v[:, None, None]),
+                valid=v[:, None],
+                positions=pos,
+            )
         # The ring's oldest entry leaves (O(1) in the window: no shift of the other entries).
         kernel = kernels.fused_cpu(key) if self.fused_push else None
         if kernel is not None:
@@ -195,7 +198,10 @@ class ExactBuffer:
         old_valid, old_pos = self.win_valid.gather(1, at), self.win_pos.gather(1, at)
         leaves = old_valid & v[:, None]
         lost = Overflow(
-            key=zero_invalid(old_k, leaves[:, None]), value=zero_invalid(old_v, leaves[:, None]), valid=leaves, positions=old_pos
+            key=zero_invalid(old_k, leaves[:, None]),
+            value=zero_invalid(old_v, leaves[:, None]),
+            valid=leaves,
+            positions=old_pos,
         )
         row = v[:, None, None, None]
         self.win_k.scatter_(2, at_kv, torch.where(row, key, old_k))

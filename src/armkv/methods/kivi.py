@@ -210,9 +210,13 @@ class KiviLayer(CacheLayer):
         new = self._quantised_groups(gk, gv)
         if self.capacity is not None:
             # More new groups than the ring holds: only the last `capacity` of a row survive.
-            is_new = is_new & (torch.arange(n, device=gk.device)[None, :] >= is_new.sum(1, keepdim=True) - self.capacity)
+            is_new = is_new & (
+                torch.arange(n, device=gk.device)[None, :] >= is_new.sum(1, keepdim=True) - self.capacity
+            )
             first = is_new.long().argmax(1)  # [B] index of the first surviving group
-            slot = (self.write_at[:, None] + torch.arange(n, device=gk.device)[None, :] - first[:, None]) % self.capacity
+            slot = (
+                self.write_at[:, None] + torch.arange(n, device=gk.device)[None, :] - first[:, None]
+            ) % self.capacity
         else:
             slot = self.write_at[:, None] + torch.arange(n, device=gk.device)[None, :]
             need = int((self.write_at + is_new.sum(1)).max())

@@ -56,9 +56,14 @@ def held_window(window: int, sinks: int, horizon: int | None) -> int:
 
 @register_method("swa", "sliding window of the last `budget` tokens")
 def make_swa(
-    layer_idx: int, info: ModelInfo, rotary: Rotary | None, budget: int | None, chunk: int,
-    horizon: int | None = None, **options,
-):  # fmt: skip
+    layer_idx: int,
+    info: ModelInfo,
+    rotary: Rotary | None,
+    budget: int | None,
+    chunk: int,
+    horizon: int | None = None,
+    **options,
+):
     reject_options("swa", options)
     window = require_budget("swa", budget, 1, "the window holds budget tokens")
     return WindowLayer(layer_idx, info, rotary, chunk, sinks=0, window=held_window(window, 0, horizon))
@@ -66,9 +71,15 @@ def make_swa(
 
 @register_method("sink", "StreamingLLM: 4 attention sinks + a window of budget - 4 tokens")
 def make_sink(
-    layer_idx: int, info: ModelInfo, rotary: Rotary | None, budget: int | None, chunk: int, sinks: int = 4,
-    horizon: int | None = None, **options,
-):  # fmt: skip
+    layer_idx: int,
+    info: ModelInfo,
+    rotary: Rotary | None,
+    budget: int | None,
+    chunk: int,
+    sinks: int = 4,
+    horizon: int | None = None,
+    **options,
+):
     reject_options("sink", options)
     budget = require_budget("sink", budget, sinks + 1, f"{sinks} sinks + a window of at least 1")
     return WindowLayer(layer_idx, info, rotary, chunk, sinks=sinks, window=held_window(budget - sinks, sinks, horizon))

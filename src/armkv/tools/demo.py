@@ -30,17 +30,33 @@ BEFORE = (
 )
 QUESTION = "\nWhat are all the special magic numbers for {key} mentioned in the provided text?"
 ANSWER_PREFIX = " The special magic numbers for {key} mentioned in the provided text are"
-KEYS = ["tense-lobster", "quiet-harbor", "amber-falcon", "rusty-violin", "silver-meadow", "brave-comet",
-        "lucky-orchid", "hollow-summit", "gentle-walrus", "crimson-maple"]
+KEYS = [
+    "tense-lobster",
+    "quiet-harbor",
+    "amber-falcon",
+    "rusty-violin",
+    "silver-meadow",
+    "brave-comet",
+    "lucky-orchid",
+    "hollow-summit",
+    "gentle-walrus",
+    "crimson-maple",
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=int, default=512, help="token-equivalents per layer, for every bounded method")
     parser.add_argument("--methods", default=None, help="comma-separated methods (default: every registered one)")
     parser.add_argument("--lengths", default="1024,2048,4096", help="context lengths in tokens")
-    parser.add_argument("--samples", type=int, default=1, help="samples per length (more: a finer accuracy, a longer run)")
-    parser.add_argument("--model", default=None, help="local transformers model folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--adapter", default=None, help="ARM parameters for arm-family methods (folder, 'calibrated', 'random')")
+    parser.add_argument(
+        "--samples", type=int, default=1, help="samples per length (more: a finer accuracy, a longer run)"
+    )
+    parser.add_argument(
+        "--model", default=None, help="local transformers model folder (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--adapter", default=None, help="ARM parameters for arm-family methods (folder, 'calibrated', 'random')"
+    )
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk P")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="most tokens generated per answer")
     parser.add_argument("--seed", type=int, default=0, help="seed of the needles and their depths")
@@ -58,15 +74,17 @@ def make_samples(tokenizer, lengths: list[int], per_length: int, seed: int) -> l
             repeats = max(1, (length - 40) // unit)
             depth = rng.randint(0, repeats)
             context = BEFORE + NOISE * depth + NEEDLE.format(key=key, value=value) + NOISE * (repeats - depth)
-            samples.append({
-                "id": f"{length}-{i}",
-                "length": length,
-                "context": context,
-                "question": QUESTION.format(key=key),
-                "answer_prefix": ANSWER_PREFIX.format(key=key),
-                "answer": value,
-                "depth": round(depth / repeats, 2),
-            })
+            samples.append(
+                {
+                    "id": f"{length}-{i}",
+                    "length": length,
+                    "context": context,
+                    "question": QUESTION.format(key=key),
+                    "answer_prefix": ANSWER_PREFIX.format(key=key),
+                    "answer": value,
+                    "depth": round(depth / repeats, 2),
+                }
+            )
     return samples
 
 
@@ -112,8 +130,15 @@ def main(args: argparse.Namespace) -> int:
         bounded = METHODS[method].bounded
         options = {"adapter": args.adapter} if args.adapter is not None and method in ("arm", "fifo") else {}
         try:
-            runner = Runner(model, tokenizer, method, budget=args.budget if bounded else None, chunk=args.chunk,
-                            chat=True, **options)
+            runner = Runner(
+                model,
+                tokenizer,
+                method,
+                budget=args.budget if bounded else None,
+                chunk=args.chunk,
+                chat=True,
+                **options,
+            )
         except ArmkvError as e:
             notes.append(f"{method}: skipped ({e})")
             bar.update(len(samples))
@@ -122,7 +147,9 @@ def main(args: argparse.Namespace) -> int:
         for sample in samples:
             bar.set_postfix_str(f"{method} {sample['id']}")
             (result,) = runner.generate([sample], max_new_tokens=args.max_new_tokens)
-            result.update(length=sample["length"], answer=sample["answer"], correct=sample["answer"] in result["output"])
+            result.update(
+                length=sample["length"], answer=sample["answer"], correct=sample["answer"] in result["output"]
+            )
             results.append(result)
             bar.update(1)
         rows.append(summarise(method, bounded, results, lengths))
@@ -133,7 +160,12 @@ def main(args: argparse.Namespace) -> int:
 
     table = format_table(rows, lengths, args.budget)
     example = [s for s in samples if s["length"] == max(lengths)][0]
-    lines = [table, "", f"Answers to sample {example['id']} (needle {example['answer']} at depth {example['depth']}):", ""]
+    lines = [
+        table,
+        "",
+        f"Answers to sample {example['id']} (needle {example['answer']} at depth {example['depth']}):",
+        "",
+    ]
     lines += [f"- **{m}**: {json.dumps(r['output'].strip())}" for m, r in answers.items()]
     lines += [""] + [f"- note: {n}" for n in notes]
     lines += ["", f"{len(methods)} methods x {len(samples)} samples in {elapsed:.0f} s on {model.device}."]
@@ -141,8 +173,10 @@ def main(args: argparse.Namespace) -> int:
     print(report)
     (out_dir / "table.md").write_text(report + "\n", encoding="utf-8")
     (out_dir / "results.json").write_text(
-        json.dumps({"budget": args.budget, "lengths": lengths, "rows": rows, "answers": answers, "notes": notes},
-                   indent=2) + "\n",
+        json.dumps(
+            {"budget": args.budget, "lengths": lengths, "rows": rows, "answers": answers, "notes": notes}, indent=2
+        )
+        + "\n",
         encoding="utf-8",
     )
     plot(rows, lengths, args.budget, out_dir / "demo.png")

@@ -29,32 +29,60 @@ TOOL = "generate"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", required=True, help="cache method (full, swa, sink, kivi, offload, arm, fifo)")
-    parser.add_argument("--budget", type=int, default=None,
-                        help=f"token-equivalents of KV memory per layer for a bounded method (default: {DEFAULT_BUDGET}; "
-                        "full and offload keep every token and take none)")  # fmt: skip
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help=f"token-equivalents of KV memory per layer for a bounded method (default: {DEFAULT_BUDGET}; "
+        "full and offload keep every token and take none)",
+    )
     parser.add_argument("--input", required=True, help="requests, one JSON object per line ('-': standard input)")
-    parser.add_argument("--output", required=True,
-                        help="results, one JSON object per line ('-': standard output). An existing file is resumed: "
-                        "ids already answered under the same settings are kept and skipped")  # fmt: skip
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the results already in --output instead of resuming them (the output is "
-                        "replaced when the run has as many results)")  # fmt: skip
-    parser.add_argument("--model", default=None, help="local transformers model folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--adapter", default=None,
-                        help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default) or 'random'")  # fmt: skip
-    parser.add_argument("--option", action="append", metavar="METHOD.KEY=VALUE",
-                        help="a method option (repeatable), e.g. kivi.bits=4 or arm.slot_format=int8")  # fmt: skip
+    parser.add_argument(
+        "--output",
+        required=True,
+        help="results, one JSON object per line ('-': standard output). An existing file is resumed: "
+        "ids already answered under the same settings are kept and skipped",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results already in --output instead of resuming them (the output is "
+        "replaced when the run has as many results)",
+    )
+    parser.add_argument(
+        "--model", default=None, help="local transformers model folder (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--adapter", default=None, help="arm and fifo: ARM parameters, a folder, 'calibrated' (the default) or 'random'"
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        metavar="METHOD.KEY=VALUE",
+        help="a method option (repeatable), e.g. kivi.bits=4 or arm.slot_format=int8",
+    )
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk P (the sync point)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="most tokens generated per request")
-    parser.add_argument("--chat", action="store_true",
-                        help="wrap context + question in the model's chat template (instruct models answer better so)")  # fmt: skip
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap context + question in the model's chat template (instruct models answer better so)",
+    )
     g = parser.add_argument_group("sampling (default: greedy)")
-    g.add_argument("--temperature", type=float, default=None,
-                   help="sample with this temperature (0: greedy); unset sampling options come from the model's generation config")  # fmt: skip
-    g.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of tokens with this probability")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sample with this temperature (0: greedy); unset sampling options come from the model's generation config",
+    )
+    g.add_argument(
+        "--top-p", type=float, default=None, help="sample from the smallest set of tokens with this probability"
+    )
     g.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     g.add_argument("--seed", type=int, default=0, help="seed of each request's draws (sampling only)")
-    parser.add_argument("--compile", action="store_true", help="decode through the method's torch.compile'd step (bounded methods)")
+    parser.add_argument(
+        "--compile", action="store_true", help="decode through the method's torch.compile'd step (bounded methods)"
+    )
 
 
 def read_requests(path: str) -> list[dict]:
@@ -81,8 +109,10 @@ def read_requests(path: str) -> list[dict]:
             continue
         key = id_key(request["id"])
         if key in seen:
-            print(f"armkv generate: warning: {name}:{number}: skipped, id {request['id']!r} repeats line {seen[key]}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"armkv generate: warning: {name}:{number}: skipped, id {request['id']!r} repeats line {seen[key]}",
+                file=sys.stderr,
+            )
             continue
         seen[key] = number
         requests.append(request)
@@ -107,7 +137,9 @@ def sampling_of(args: argparse.Namespace) -> dict | None:
         raise ArmkvError(f"--top-k {k} must be >= 1")
     if t == 0:
         if p is not None or k is not None:
-            raise ArmkvError("--temperature 0 is greedy decoding: drop --top-p / --top-k, or give a temperature above 0")
+            raise ArmkvError(
+                "--temperature 0 is greedy decoding: drop --top-p / --top-k, or give a temperature above 0"
+            )
         return None
     if t is None and p is None and k is None:
         return None
@@ -157,14 +189,18 @@ class Output:
                         "or --overwrite to replace them"
                     )
                 compare_settings(
-                    record.get("settings", {}), settings, str(source),
+                    record.get("settings", {}),
+                    settings,
+                    str(source),
                     "pass another --output, or --overwrite to replace them",
-                )  # fmt: skip
+                )
                 by_id[id_key(record["id"])] = record
         self.kept = list(by_id.values())
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = self.partial.open("w", encoding="utf-8")  # before the model loads: a path we cannot write fails now
+            self.file = self.partial.open(
+                "w", encoding="utf-8"
+            )  # before the model loads: a path we cannot write fails now
         except OSError as e:
             raise ArmkvError(f"--output {self.path}: cannot write there ({e.strerror})") from None
         for record in self.kept:
@@ -257,16 +293,28 @@ def run(args, requests: list[dict], output: Output, budget, options: dict, sampl
     done = output.done
     todo = [r for r in requests if id_key(r["id"]) not in done]
     if len(todo) < len(requests):
-        print(f"armkv generate: {len(requests) - len(todo)} of {len(requests)} requests already in {args.output}, "
-              "skipped", file=sys.stderr)  # fmt: skip
+        print(
+            f"armkv generate: {len(requests) - len(todo)} of {len(requests)} requests already in {args.output}, "
+            "skipped",
+            file=sys.stderr,
+        )
     if not todo:
         return 0
     model, tokenizer = load_model(args.model)
-    runner = Runner(model, tokenizer, args.method, budget=budget, chunk=args.chunk, chat=args.chat, compile=args.compile, **options)
-    sample = {} if sampling is None else {
-        "do_sample": True, "temperature": sampling["temperature"], "top_p": sampling["top_p"],
-        "top_k": sampling["top_k"], "seed": sampling["seed"],
-    }  # fmt: skip
+    runner = Runner(
+        model, tokenizer, args.method, budget=budget, chunk=args.chunk, chat=args.chat, compile=args.compile, **options
+    )
+    sample = (
+        {}
+        if sampling is None
+        else {
+            "do_sample": True,
+            "temperature": sampling["temperature"],
+            "top_p": sampling["top_p"],
+            "top_k": sampling["top_k"],
+            "seed": sampling["seed"],
+        }
+    )
     failed = empty = 0
     with tqdm(total=len(todo), desc=args.method, unit="req", file=sys.stderr) as bar:
         for request in todo:
@@ -281,7 +329,9 @@ def run(args, requests: list[dict], output: Output, budget, options: dict, sampl
                 empty += not result["output"].strip()
             bar.update(1)
     if empty and not args.chat:
-        print(f"armkv generate: note: {empty} of {len(todo)} outputs are empty; an instruct model (the default one is) "
-              "often answers only inside its chat template: try --chat, or give each request an answer_prefix",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"armkv generate: note: {empty} of {len(todo)} outputs are empty; an instruct model (the default one is) "
+            "often answers only inside its chat template: try --chat, or give each request an answer_prefix",
+            file=sys.stderr,
+        )
     return 1 if failed else 0

@@ -22,7 +22,9 @@ def model_folder(model_dir: str | Path | None) -> Path | None:
     if model_dir is not None:
         return Path(model_dir)
     # armkv.hf.model.default_model_dir()'s folder, found without importing transformers (a test keeps them equal)
-    folder = Path(os.environ.get("ARMKV_CACHE") or Path.home() / ".cache" / "armkv") / "models" / "smollm2-135m-instruct"
+    folder = (
+        Path(os.environ.get("ARMKV_CACHE") or Path.home() / ".cache" / "armkv") / "models" / "smollm2-135m-instruct"
+    )
     return folder if (folder / "config.json").is_file() else None
 
 

@@ -34,10 +34,18 @@ ORDER = ["full", "arm", "kivi", "sink", "swa", "offload", "fifo"]
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--results", type=Path, default=Path("docs/results"), help="folder of JSON summaries (default: %(default)s)")
-    parser.add_argument("--output", type=Path, default=Path("docs/results.md"), help="the page to write (default: %(default)s)")
-    parser.add_argument("--readme", type=Path, default=Path("README.md"),
-                        help="file whose results markers receive the headline table (default: %(default)s)")
+    parser.add_argument(
+        "--results", type=Path, default=Path("docs/results"), help="folder of JSON summaries (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--output", type=Path, default=Path("docs/results.md"), help="the page to write (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--readme",
+        type=Path,
+        default=Path("README.md"),
+        help="file whose results markers receive the headline table (default: %(default)s)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="write the tables only (no matplotlib needed)")
 
 
@@ -71,7 +79,10 @@ def _provenance(entries: list[tuple[str, str, str | None]]) -> list[str]:
     seen: dict[tuple[str, str | None], list[str]] = {}
     for what, command, commit in entries:
         seen.setdefault((command, commit), []).append(what)
-    return [f"- {', '.join(whats)}: `{command}` at commit {commit or 'not recorded'}" for (command, commit), whats in seen.items()]
+    return [
+        f"- {', '.join(whats)}: `{command}` at commit {commit or 'not recorded'}"
+        for (command, commit), whats in seen.items()
+    ]
 
 
 # The RULER matrix's cells: {haystack: {method: {task@length: {score, n, ...}}}}, as
@@ -105,17 +116,31 @@ def ruler_section(ruler: dict) -> tuple[list[str], dict]:
     """The matrix per haystack, ARM checked against the bar; and per-method means for the headline."""
     within = float(ruler.get("within", 10.0))
     bounded = ruler.get("bounded") or [m for m in ORDER if m != "full"]
-    lines = ["## RULER needle tasks", "", ruler.get("what", ""), "",
-             f"**Bold**: ARM within {within:g} points of the full cache and above every other bounded method "
-             "in that cell. Samples per cell in brackets where not 10."
-             + (" The prose haystack is RULER's essay haystack filled with the held-out text "
-                "(`--haystack essay --haystack-file heldout.txt`)." if "essay" in ruler["cells"] else ""), ""]
+    lines = [
+        "## RULER needle tasks",
+        "",
+        ruler.get("what", ""),
+        "",
+        f"**Bold**: ARM within {within:g} points of the full cache and above every other bounded method "
+        "in that cell. Samples per cell in brackets where not 10."
+        + (
+            " The prose haystack is RULER's essay haystack filled with the held-out text "
+            "(`--haystack essay --haystack-file heldout.txt`)."
+            if "essay" in ruler["cells"]
+            else ""
+        ),
+        "",
+    ]
     means: dict = {}
     for haystack, rows in ruler["cells"].items():
         keys = column_keys(rows)
         methods = _order(rows)
-        lines += [f"### {haystack_name(haystack).capitalize()} haystack", "",
-                  "| method | " + " | ".join(short_name(k) for k in keys) + " |", "|---|" + "---:|" * len(keys)]
+        lines += [
+            f"### {haystack_name(haystack).capitalize()} haystack",
+            "",
+            "| method | " + " | ".join(short_name(k) for k in keys) + " |",
+            "|---|" + "---:|" * len(keys),
+        ]
         met = 0
         for m in methods:
             out = []
@@ -144,9 +169,14 @@ def ppl_section(ppl: dict) -> tuple[list[str], dict]:
     lengths = sorted({r["tokens"] for r in runs})
     by = {(r["method"], r["tokens"]): r for r in runs}
     methods = _order({r["method"] for r in runs})
-    lines = ["## Perplexity on held-out text", "", ppl.get("what", ""), "",
-             "| method | " + " | ".join(f"{n:,} tokens" for n in lengths) + " | cache bytes (largest) |",
-             "|---|" + "---:|" * (len(lengths) + 1)]
+    lines = [
+        "## Perplexity on held-out text",
+        "",
+        ppl.get("what", ""),
+        "",
+        "| method | " + " | ".join(f"{n:,} tokens" for n in lengths) + " | cache bytes (largest) |",
+        "|---|" + "---:|" * (len(lengths) + 1),
+    ]
     for m in methods:
         out = []
         for n in lengths:
@@ -173,15 +203,24 @@ def windows_section(windows: dict) -> tuple[list[str], dict]:
     count = max(len(r["ppl"]) for r in rows)
     full = next((r for r in rows if r["method"] == "full" and not r.get("options")), None)
     full_gm = geometric_mean(full["ppl"]) if full else None
-    lines = ["## Perplexity over every window of the held-out text", "", windows.get("what", ""), "",
-             "| method | " + " | ".join(f"w{k}" for k in range(count)) + " | geometric mean | over full | cache bytes |",
-             "|---|" + "---:|" * (count + 3)]
+    lines = [
+        "## Perplexity over every window of the held-out text",
+        "",
+        windows.get("what", ""),
+        "",
+        "| method | " + " | ".join(f"w{k}" for k in range(count)) + " | geometric mean | over full | cache bytes |",
+        "|---|" + "---:|" * (count + 3),
+    ]
     gms = {}
     for r in rows:
         gm = geometric_mean(r["ppl"])
         gms[_row_name(r)] = gm
         over = f"{100 * (gm / full_gm - 1):+.2f}%" if full_gm else "-"
-        lines.append(f"| {_row_name(r)} | " + " | ".join(f"{p:.3f}" for p in r["ppl"]) + f" | {gm:.3f} | {over} | {r['cache_bytes']:,} |")
+        lines.append(
+            f"| {_row_name(r)} | "
+            + " | ".join(f"{p:.3f}" for p in r["ppl"])
+            + f" | {gm:.3f} | {over} | {r['cache_bytes']:,} |"
+        )
     lines.append("")
     return lines, gms
 
@@ -190,14 +229,26 @@ def decode_section(decode: dict) -> list[str]:
     res = decode["results"]
     lengths = sorted({int(n) for per in res["decode_ms_per_token"].values() for n in per})
     floor = res.get("floor_ms_per_token")
-    lines = ["## Decode latency", "", decode.get("what", ""), "",
-             f"Floor (the full cache with a 4-token context): {floor:.1f} ms/token." if floor else "", "",
-             "| method | " + " | ".join(f"decode ms/token at {n:,} (x floor)" for n in lengths)
-             + " | " + " | ".join(f"prefill tokens/s at {n:,}" for n in lengths) + " | cache bytes |",
-             "|---|" + "---:|" * (2 * len(lengths) + 1)]
+    lines = [
+        "## Decode latency",
+        "",
+        decode.get("what", ""),
+        "",
+        f"Floor (the full cache with a 4-token context): {floor:.1f} ms/token." if floor else "",
+        "",
+        "| method | "
+        + " | ".join(f"decode ms/token at {n:,} (x floor)" for n in lengths)
+        + " | "
+        + " | ".join(f"prefill tokens/s at {n:,}" for n in lengths)
+        + " | cache bytes |",
+        "|---|" + "---:|" * (2 * len(lengths) + 1),
+    ]
     for m in _order(res["decode_ms_per_token"]):
         med = res["decode_ms_per_token"][m]
-        cells = [f"{med[str(n)]:.1f}" + (f" ({med[str(n)] / floor:.2f}x)" if floor else "") if str(n) in med else "-" for n in lengths]
+        cells = [
+            f"{med[str(n)]:.1f}" + (f" ({med[str(n)] / floor:.2f}x)" if floor else "") if str(n) in med else "-"
+            for n in lengths
+        ]
         pre = res.get("prefill_tokens_per_s", {}).get(m, {})
         cells += [f"{pre[str(n)]:.0f}" if str(n) in pre else "-" for n in lengths]
         size = max(res.get("cache_bytes", {}).get(m, {"": 0}).values())
@@ -207,11 +258,17 @@ def decode_section(decode: dict) -> list[str]:
 
 
 def curve_markdown(rows: list[dict], caption: str) -> str:
-    lines = [caption, "", "| top-M | buckets read | perplexity | fixed M at the same cost | cache bytes |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        caption,
+        "",
+        "| top-M | buckets read | perplexity | fixed M at the same cost | cache bytes |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
         beside = "" if r.get("fixed_at_same_share") is None else f"{r['fixed_at_same_share']:.3f}"
-        lines.append(f"| {r['label']} | {100 * r['read_share']:.1f}% | {r['ppl']:.3f} | {beside} | {r['cache_bytes']:,} |")
+        lines.append(
+            f"| {r['label']} | {100 * r['read_share']:.1f}% | {r['ppl']:.3f} | {beside} | {r['cache_bytes']:,} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -223,14 +280,31 @@ def plot_curve(rows: list[dict], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     fixed = sorted((r for r in rows if r["kind"] == "fixed"), key=lambda r: r["read_share"])
-    ax.plot([100 * r["read_share"] for r in fixed], [r["ppl"] for r in fixed], marker="o", label="fixed M (shipped adapter)")
+    ax.plot(
+        [100 * r["read_share"] for r in fixed], [r["ppl"] for r in fixed], marker="o", label="fixed M (shipped adapter)"
+    )
     for r in fixed:
-        ax.annotate(r["label"].split("=")[-1], (100 * r["read_share"], r["ppl"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.annotate(
+            r["label"].split("=")[-1],
+            (100 * r["read_share"], r["ppl"]),
+            textcoords="offset points",
+            xytext=(4, 4),
+            fontsize=8,
+        )
     learned = [r for r in rows if r["kind"] == "learned"]
-    ax.scatter([100 * r["read_share"] for r in learned], [r["ppl"] for r in learned], marker="*", s=140, color="tab:red",
-               label="policy's M", zorder=3)
+    ax.scatter(
+        [100 * r["read_share"] for r in learned],
+        [r["ppl"] for r in learned],
+        marker="*",
+        s=140,
+        color="tab:red",
+        label="policy's M",
+        zorder=3,
+    )
     for r in learned:
-        ax.annotate(r["label"], (100 * r["read_share"], r["ppl"]), textcoords="offset points", xytext=(4, -10), fontsize=8)
+        ax.annotate(
+            r["label"], (100 * r["read_share"], r["ppl"]), textcoords="offset points", xytext=(4, -10), fontsize=8
+        )
     ax.set_xlabel("buckets read (% of N_b, mean over layers and windows)")
     ax.set_ylabel("perplexity (lower is better)")
     ax.set_title(title, fontsize=9)
@@ -243,18 +317,31 @@ def plot_curve(rows: list[dict], path: Path, title: str) -> None:
 def policy_section(policy: dict) -> list[str]:
     """The learned top-M: the curve of perplexity against buckets read, and M per layer."""
     rows = policy["curve"]["rows"]
-    lines = ["## Learned top-M against fixed M", "", policy.get("what", ""), "",
-             curve_markdown(rows, "Perplexity against the share of buckets read (the policies' M is chosen per layer and input).")]
+    lines = [
+        "## Learned top-M against fixed M",
+        "",
+        policy.get("what", ""),
+        "",
+        curve_markdown(
+            rows, "Perplexity against the share of buckets read (the policies' M is chosen per layer and input)."
+        ),
+    ]
     learned = [r for r in rows if r["kind"] == "learned" and r.get("fixed_at_same_share") is not None]
     if learned:
         better = sum(r["ppl"] < r["fixed_at_same_share"] for r in learned)
-        lines += [f"The learned M is below the fixed-M curve (lower perplexity at the same read cost) at {better} of "
-                  f"{len(learned)} points.", ""]
+        lines += [
+            f"The learned M is below the fixed-M curve (lower perplexity at the same read cost) at {better} of "
+            f"{len(learned)} points.",
+            "",
+        ]
     picked = policy.get("picked")
     if picked:
         per = ", ".join(f"{row['mean']:.0f}" for row in picked["per_layer"])
-        lines += [f"M picked per layer (mean over {picked['inputs']} windows of {picked['tokens']} tokens, "
-                  f"{picked['num_buckets']} buckets), policy `{picked['adapter']}`: {per}.", ""]
+        lines += [
+            f"M picked per layer (mean over {picked['inputs']} windows of {picked['tokens']} tokens, "
+            f"{picked['num_buckets']} buckets), policy `{picked['adapter']}`: {per}.",
+            "",
+        ]
     return lines
 
 
@@ -278,10 +365,14 @@ def headline(means: dict, ppl_by: dict, gms: dict) -> list[str]:
 
 def render(data: dict, plots: list[str]) -> tuple[str, str]:
     """(the results page, the headline table) from the loaded summaries."""
-    page = ["# Results", "",
-            "Generated by `armkv report` from the JSON summaries in `docs/results/`; edit those, not this page. "
-            "Every figure names the command that produced it and the commit that added it to the repository "
-            "(last section).", ""]
+    page = [
+        "# Results",
+        "",
+        "Generated by `armkv report` from the JSON summaries in `docs/results/`; edit those, not this page. "
+        "Every figure names the command that produced it and the commit that added it to the repository "
+        "(last section).",
+        "",
+    ]
     means, ppl_by, gms, prov = {}, {}, {}, []
     if "ruler" in data:
         lines, means = ruler_section(data["ruler"])
@@ -393,6 +484,9 @@ def main(args) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     _write(args.output, page)
     readme = update_readme(args.readme, table)
-    print(f"wrote {args.output}" + (f", {', '.join(plots)} in {args.results}" if plots else "")
-          + (f", the table in {args.readme}" if readme else ""))
+    print(
+        f"wrote {args.output}"
+        + (f", {', '.join(plots)} in {args.results}" if plots else "")
+        + (f", the table in {args.readme}" if readme else "")
+    )
     return 0

@@ -37,7 +37,9 @@ def read_records(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             if i == len(lines) - 1:
                 break
-            raise ArmkvError(f"{path}:{i + 1} is not JSON; remove the file (or that line) to produce it again") from None
+            raise ArmkvError(
+                f"{path}:{i + 1} is not JSON; remove the file (or that line) to produce it again"
+            ) from None
         if not isinstance(record, dict):
             raise ArmkvError(f"{path}:{i + 1} is not a JSON object; remove the file (or that line) to produce it again")
         records.append(record)

@@ -101,7 +101,9 @@ def prepare_arm_training(model: nn.Module, budget: int, chunk: int, adapter: str
     return wrapped, teacher
 
 
-def calibrate_arm(model: nn.Module, keys: list[torch.Tensor], budget: int, seed: int = 0, **config_overrides) -> ARMModel:
+def calibrate_arm(
+    model: nn.Module, keys: list[torch.Tensor], budget: int, seed: int = 0, **config_overrides
+) -> ARMModel:
     """The training-free adapter: each layer's tree from hierarchical k-means of its keys.
 
     keys : per layer, [Hkv, N, d] pre-RoPE keys of calibration text

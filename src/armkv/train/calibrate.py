@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from armkv.errors import ArmkvError
 from armkv.budget import retrieval_layer_weights
+from armkv.errors import ArmkvError
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -166,22 +166,39 @@ def retrieval_passages(documents: Iterable[str], tokenize, length: int, count: i
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from armkv.train.data import add_data_arguments
 
-    parser.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: the default model)")
+    parser.add_argument(
+        "--model", metavar="DIR", help="local Hugging Face model directory (default: the default model)"
+    )
     parser.add_argument("--gguf-file", help="GGUF file inside --model to load")
     add_data_arguments(parser)
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per forward pass")
     parser.add_argument("--tokens", type=int, default=65_536, help="calibration tokens to run through the model")
-    parser.add_argument("--max-keys-per-head", type=int, default=8192, help="keys kept per layer and KV head for the tree")
+    parser.add_argument(
+        "--max-keys-per-head", type=int, default=8192, help="keys kept per layer and KV head for the tree"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the data sampling and the k-means")
-    parser.add_argument("--budget", type=int, default=512, help="memory budget the tree is sized for (token-equivalents)")
-    parser.add_argument("--depth", type=int, default=None,
-                        help="levels of the tree, branching 4 (unset: sized for --budget, about 6 slots a bucket; "
-                        "the shipped adapter has 3: 64 buckets)")
-    parser.add_argument("--retrieval-tokens", type=int, default=768,
-                        help="tokens per passage of the retrieval score that shares the budget over the layers (0: even shares)")
+    parser.add_argument(
+        "--budget", type=int, default=512, help="memory budget the tree is sized for (token-equivalents)"
+    )
+    parser.add_argument(
+        "--depth",
+        type=int,
+        default=None,
+        help="levels of the tree, branching 4 (unset: sized for --budget, about 6 slots a bucket; "
+        "the shipped adapter has 3: 64 buckets)",
+    )
+    parser.add_argument(
+        "--retrieval-tokens",
+        type=int,
+        default=768,
+        help="tokens per passage of the retrieval score that shares the budget over the layers (0: even shares)",
+    )
     parser.add_argument("--retrieval-passages", type=int, default=3, help="passages of the retrieval score")
-    parser.add_argument("--layer-weights-only", action="store_true",
-                        help="only (re)compute the per-layer budget shares of the adapter already in --out")
+    parser.add_argument(
+        "--layer-weights-only",
+        action="store_true",
+        help="only (re)compute the per-layer budget shares of the adapter already in --out",
+    )
     parser.add_argument("--out", required=True, help="adapter directory to write")
 
 
@@ -244,18 +261,31 @@ def main(args: argparse.Namespace) -> int:
         print("retrieval score per layer:", " ".join(f"{s:.3f}" for s in scores))
         print("budget share per layer:", " ".join(f"{w:.2f}" for w in layer_weights))
     if args.layer_weights_only:
-        update_layer_weights(args.out, layer_weights, {"retrieval_tokens": args.retrieval_tokens,
-                                                       "retrieval_passages": args.retrieval_passages,
-                                                       "rule": "lift-late"}, scores)
+        update_layer_weights(
+            args.out,
+            layer_weights,
+            {
+                "retrieval_tokens": args.retrieval_tokens,
+                "retrieval_passages": args.retrieval_passages,
+                "rule": "lift-late",
+            },
+            scores,
+        )
         print(f"ARM adapter: {args.out} (per-layer budget shares updated)")
         return 0
-    data = PackedSequences(source_from_args(args, args.seed), hf_tokenize(tokenizer), tokenizer.eos_token_id, args.seq_len, max_epochs=1)
+    data = PackedSequences(
+        source_from_args(args, args.seed), hf_tokenize(tokenizer), tokenizer.eos_token_id, args.seq_len, max_epochs=1
+    )
     sequences = (s for _, s in zip(range(args.tokens // args.seq_len), data))
 
     from tqdm.auto import tqdm
 
-    keys = collect_keys(model, tqdm(sequences, total=args.tokens // args.seq_len, desc="calibrate", unit="seq"),
-                        args.max_keys_per_head, seed=args.seed)
+    keys = collect_keys(
+        model,
+        tqdm(sequences, total=args.tokens // args.seq_len, desc="calibrate", unit="seq"),
+        args.max_keys_per_head,
+        seed=args.seed,
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = build_adapter(model, keys, args, layer_weights, scores)

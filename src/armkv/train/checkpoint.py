@@ -99,7 +99,9 @@ def restore_rng(tensors: dict[str, torch.Tensor], scalars: dict) -> None:
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
     n = scalars["numpy"]
-    np.random.set_state((n["kind"], tensors["numpy"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (n["kind"], tensors["numpy"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     p = scalars["python"]
     random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
 
@@ -137,7 +139,9 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / MARKER_FILE).is_file()]
+    found = [
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / MARKER_FILE).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -250,9 +254,7 @@ def _config_diff(saved: dict, current: dict) -> str:
     return ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys[:6])
 
 
-def load_checkpoint(
-    path: str | Path, *, fingerprint: str | None = None, config: dict | None = None
-) -> Checkpoint:
+def load_checkpoint(path: str | Path, *, fingerprint: str | None = None, config: dict | None = None) -> Checkpoint:
     """Read and verify a checkpoint directory (or the latest one under a root directory).
 
     Raises
@@ -291,16 +293,18 @@ def load_checkpoint(
             f"checkpoint {path} belongs to another model (fingerprint {meta['fingerprint']}, this model {fingerprint})"
         )
     if config is not None and meta["config_hash"] != config_hash(config):
-        raise ArmkvError(f"checkpoint {path} was written with another training config ({_config_diff(meta['config'], config)})")
+        raise ArmkvError(
+            f"checkpoint {path} was written with another training config ({_config_diff(meta['config'], config)})"
+        )
 
     rng: dict[int, tuple[dict[str, torch.Tensor], dict]] = {}
     for rank, scalars in meta["rng"].items():
         prefix = f"rng.{rank}."
-        rng[int(rank)] = ({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, scalars)
+        rng[int(rank)] = ({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, scalars)
     return Checkpoint(
         path=path,
         step=int(meta["step"]),
-        params={k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")},
+        params={k[len("param.") :]: v for k, v in tensors.items() if k.startswith("param.")},
         optimizer=_optimizer_from_tensors(tensors, meta["optimizer"]),
         scheduler=meta["scheduler"],
         data=meta["data"],

@@ -30,45 +30,100 @@ METHODS = ("arm", "lm", "policy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--method", choices=METHODS, default="arm",
-                        help="arm: train the ARM parameters (router, writes, policy) through the model's loss; policy: fit only "
-                        "the top-M policy of --adapter to the M its layer's attention outputs need (--error); "
-                        "lm: train the model itself (needs --unfreeze all or --lora-rank)")
-    parser.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: the default model)")
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default="arm",
+        help="arm: train the ARM parameters (router, writes, policy) through the model's loss; policy: fit only "
+        "the top-M policy of --adapter to the M its layer's attention outputs need (--error); "
+        "lm: train the model itself (needs --unfreeze all or --lora-rank)",
+    )
+    parser.add_argument(
+        "--model", metavar="DIR", help="local Hugging Face model directory (default: the default model)"
+    )
     parser.add_argument("--gguf-file", help="GGUF file inside --model to load")
-    parser.add_argument("--unfreeze", choices=("none", "all"), default="none", help="base model parameters to train beside the method's own")
-    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on the attention projections (peft)")
-    parser.add_argument("--budget", type=int, default=512, help="ARM memory budget in token-equivalents (sinks + window + slots)")
+    parser.add_argument(
+        "--unfreeze",
+        choices=("none", "all"),
+        default="none",
+        help="base model parameters to train beside the method's own",
+    )
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on the attention projections (peft)"
+    )
+    parser.add_argument(
+        "--budget", type=int, default=512, help="ARM memory budget in token-equivalents (sinks + window + slots)"
+    )
     parser.add_argument("--chunk", type=int, default=256, help="P: prefill chunk of the ARM forward")
-    parser.add_argument("--adapter", help="start from this ARM adapter (e.g. a calibrated one) instead of a fresh initialisation "
-                        "(--method policy: the shipped one by default)")
+    parser.add_argument(
+        "--adapter",
+        help="start from this ARM adapter (e.g. a calibrated one) instead of a fresh initialisation "
+        "(--method policy: the shipped one by default)",
+    )
     add_data_arguments(parser)
 
     d = TrainConfig()
     g = parser.add_argument_group("optimisation (defaults: the paper's recipe)")
     g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per packed sequence")
-    g.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="tokens per optimizer step over all processes")
-    g.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per forward pass (gradient accumulation makes up the batch)")
+    g.add_argument(
+        "--batch-tokens", type=int, default=d.batch_tokens, help="tokens per optimizer step over all processes"
+    )
+    g.add_argument(
+        "--micro-batch",
+        type=int,
+        default=d.micro_batch,
+        help="sequences per forward pass (gradient accumulation makes up the batch)",
+    )
     g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=d.min_lr, help="learning rate at the end of the cosine")
     g.add_argument("--warmup", type=float, default=d.warmup, help="fraction of steps of linear warm-up")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
     g.add_argument("--betas", type=float, nargs=2, default=list(d.betas), metavar=("B1", "B2"), help="AdamW betas")
     g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm (0: off)")
-    g.add_argument("--precision", choices=("fp32", "bf16"), default=d.precision, help="autocast precision of the forward")
+    g.add_argument(
+        "--precision", choices=("fp32", "bf16"), default=d.precision, help="autocast precision of the forward"
+    )
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the initialisation, data order and sampling")
 
     g = parser.add_argument_group("loss")
     g.add_argument("--ce-weight", type=float, default=1.0, help="weight of next-token cross-entropy")
-    g.add_argument("--kl-weight", type=float, default=0.0, help="weight of distillation from the full-cache model (KL on logits)")
+    g.add_argument(
+        "--kl-weight", type=float, default=0.0, help="weight of distillation from the full-cache model (KL on logits)"
+    )
     g.add_argument("--kd-temperature", type=float, default=1.0, help="distillation temperature")
     g.add_argument("--alpha", type=float, default=0.01, help="weight of the router balance loss")
-    g.add_argument("--budget-penalty", type=float, default=0.01, help="lambda: weight of the policy's read cost E[M]/N_b")
-    g.add_argument("--tau", type=float, nargs=2, default=[1.0, 0.1], metavar=("START", "END"), help="Gumbel-Softmax temperature over the run")
-    g.add_argument("--tau-schedule", choices=("linear", "cosine", "constant"), default="linear", help="how --tau goes from START to END")
-    g.add_argument("--epsilon", type=float, nargs=2, default=[0.1, 0.0], metavar=("START", "END"), help="policy exploration over the run")
-    g.add_argument("--epsilon-schedule", choices=("linear", "cosine", "constant"), default="linear", help="how --epsilon goes from START to END")
+    g.add_argument(
+        "--budget-penalty", type=float, default=0.01, help="lambda: weight of the policy's read cost E[M]/N_b"
+    )
+    g.add_argument(
+        "--tau",
+        type=float,
+        nargs=2,
+        default=[1.0, 0.1],
+        metavar=("START", "END"),
+        help="Gumbel-Softmax temperature over the run",
+    )
+    g.add_argument(
+        "--tau-schedule",
+        choices=("linear", "cosine", "constant"),
+        default="linear",
+        help="how --tau goes from START to END",
+    )
+    g.add_argument(
+        "--epsilon",
+        type=float,
+        nargs=2,
+        default=[0.1, 0.0],
+        metavar=("START", "END"),
+        help="policy exploration over the run",
+    )
+    g.add_argument(
+        "--epsilon-schedule",
+        choices=("linear", "cosine", "constant"),
+        default="linear",
+        help="how --epsilon goes from START to END",
+    )
 
     from armkv.train.policy import add_arguments as add_policy_arguments
 
@@ -86,15 +141,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
-        steps=args.steps, seq_len=args.seq_len, batch_tokens=args.batch_tokens, micro_batch=args.micro_batch,
-        lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, weight_decay=args.weight_decay, betas=tuple(args.betas),
-        grad_clip=args.grad_clip, precision=args.precision, seed=args.seed,
+        steps=args.steps,
+        seq_len=args.seq_len,
+        batch_tokens=args.batch_tokens,
+        micro_batch=args.micro_batch,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        warmup=args.warmup,
+        weight_decay=args.weight_decay,
+        betas=tuple(args.betas),
+        grad_clip=args.grad_clip,
+        precision=args.precision,
+        seed=args.seed,
         schedules={
             "tau": ScalarSchedule(*args.tau, kind=args.tau_schedule),
             "epsilon": ScalarSchedule(*args.epsilon, kind=args.epsilon_schedule),
         },
-        out_dir=args.out, save_every=args.save_every, keep_last=args.keep_last, log_every=args.log_every,
-        progress=not args.no_progress, plot=not args.no_plot,
+        out_dir=args.out,
+        save_every=args.save_every,
+        keep_last=args.keep_last,
+        log_every=args.log_every,
+        progress=not args.no_progress,
+        plot=not args.no_plot,
     )
 
 
@@ -130,7 +198,9 @@ def add_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise ArmkvError("--lora-rank needs peft: pip install peft") from None
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    return get_peft_model(
+        model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    )
 
 
 def prepare_arm(model: torch.nn.Module, args: argparse.Namespace):
@@ -182,7 +252,10 @@ def main(args: argparse.Namespace) -> int:
 
     data = PackedSequences(source, hf_tokenize(tokenizer), tokenizer.eos_token_id, args.seq_len)
     loss_fn = make_arm_loss(
-        ce_weight=args.ce_weight, kl_weight=args.kl_weight, temperature=args.kd_temperature, teacher=teacher,
+        ce_weight=args.ce_weight,
+        kl_weight=args.kl_weight,
+        temperature=args.kd_temperature,
+        teacher=teacher,
         aux_weights={"balance": args.alpha, "budget": args.budget_penalty},
     )
     try:
@@ -192,12 +265,21 @@ def main(args: argparse.Namespace) -> int:
             torch.distributed.destroy_process_group()
     if args.method == "arm" and int(os.environ.get("RANK", "0")) == 0:
         adapter = model.arm.save(
-            Path(args.out) / "adapter", dtype=torch.bfloat16,
+            Path(args.out) / "adapter",
+            dtype=torch.bfloat16,
             extra={"steps": result.step, "budget": args.budget, "chunk": args.chunk, "init": args.adapter or "random"},
-        )  # fmt: skip
+        )
         print(f"ARM adapter: {adapter}")
     if result.history:
         last = result.history[-1]
-        print(json.dumps({"step": result.step, "loss": last["loss"], "out_dir": str(result.out_dir),
-                          "checkpoint": str(result.checkpoint) if result.checkpoint else None}))
+        print(
+            json.dumps(
+                {
+                    "step": result.step,
+                    "loss": last["loss"],
+                    "out_dir": str(result.out_dir),
+                    "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+                }
+            )
+        )
     return 0

@@ -182,14 +182,18 @@ def read_local_documents(path: str | Path, text_column: str = "text") -> list[st
                         raise ArmkvError(f"{file} line {lineno} is not JSON: {e.msg}") from None
                     if not isinstance(record, dict) or text_column not in record:
                         keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                        raise ArmkvError(f"{file} line {lineno} has no {text_column!r} column (it has: {keys}); pass --text-column")
+                        raise ArmkvError(
+                            f"{file} line {lineno} has no {text_column!r} column (it has: {keys}); pass --text-column"
+                        )
                     docs.append(str(record[text_column]))
         else:
             import pyarrow.parquet as pq
 
             names = pq.read_schema(file).names
             if text_column not in names:
-                raise ArmkvError(f"{file} has no {text_column!r} column (it has: {', '.join(names)}); pass --text-column")
+                raise ArmkvError(
+                    f"{file} has no {text_column!r} column (it has: {', '.join(names)}); pass --text-column"
+                )
             docs.extend(str(t) for t in pq.read_table(file, columns=[text_column]).column(text_column).to_pylist())
     docs = [d for d in docs if d.strip()]
     if not docs:
@@ -237,10 +241,21 @@ class DocumentSource:
                 for doc in self.documents:
                     h.update(doc.encode("utf-8", "replace") + b"\0")
                 self._digest = h.hexdigest()[:16]
-            return {"kind": "list", "num_docs": len(self.documents), "sha256": self._digest, "seed": self.seed, "shuffle": self.shuffle}
+            return {
+                "kind": "list",
+                "num_docs": len(self.documents),
+                "sha256": self._digest,
+                "seed": self.seed,
+                "shuffle": self.shuffle,
+            }
         return {
-            "kind": "hf", "dataset": self.dataset, "config": self.dataset_config, "split": self.split,
-            "text_column": self.text_column, "seed": self.seed, "shuffle": self.shuffle,
+            "kind": "hf",
+            "dataset": self.dataset,
+            "config": self.dataset_config,
+            "split": self.split,
+            "text_column": self.text_column,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
         }
 
     def iter_epoch(self, epoch: int, start: int = 0) -> Iterator[str]:
@@ -269,7 +284,8 @@ class DocumentSource:
         for record in ds:
             if self.text_column not in record:
                 raise ArmkvError(
-                    f"dataset {self.dataset!r} has no {self.text_column!r} column (it has: {', '.join(record)}); pass --text-column"
+                    f"dataset {self.dataset!r} has no {self.text_column!r} column (it has: {', '.join(record)}); "
+                    "pass --text-column"
                 )
             text = record[self.text_column]
             if text and text.strip():
@@ -317,8 +333,12 @@ class PackedSequences:
     def state_dict(self) -> dict:
         """The position of the next sequence; JSON-serialisable."""
         return {
-            "epoch": self.epoch, "doc": self.doc, "offset": self.offset, "sequences": self.sequences,
-            "seq_len": self.seq_len, "source": self.source.describe(),
+            "epoch": self.epoch,
+            "doc": self.doc,
+            "offset": self.offset,
+            "sequences": self.sequences,
+            "seq_len": self.seq_len,
+            "source": self.source.describe(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -371,7 +391,9 @@ class PackedSequences:
         while (seq := self.next_sequence()) is not None:
             yield seq
 
-    def next_step_batch(self, micro_batch: int, accum: int, rank: int = 0, world_size: int = 1) -> list[torch.Tensor] | None:
+    def next_step_batch(
+        self, micro_batch: int, accum: int, rank: int = 0, world_size: int = 1
+    ) -> list[torch.Tensor] | None:
         """This rank's micro-batches for one optimizer step.
 
         The step consumes ``world_size * accum * micro_batch`` consecutive sequences, cut
@@ -412,7 +434,12 @@ def make_source(
         raise ArmkvError("pass --data (local files) or --dataset (Hugging Face), not both")
     if dataset:
         return DocumentSource(
-            dataset=dataset, dataset_config=dataset_config, split=split, text_column=text_column, seed=seed, shuffle=shuffle
+            dataset=dataset,
+            dataset_config=dataset_config,
+            split=split,
+            text_column=text_column,
+            seed=seed,
+            shuffle=shuffle,
         )
     docs = read_local_documents(data, text_column) if data else default_corpus("train")
     return DocumentSource(docs, seed=seed, shuffle=shuffle)
@@ -421,7 +448,6 @@ def make_source(
 def hf_tokenize(tokenizer) -> Callable[[str], list[int]]:
     """A ``tokenize`` callable from a Hugging Face tokenizer (no BOS/EOS added: the packer adds EOS)."""
     return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-
 
 
 def write_default_corpus(split: str, path: str | Path) -> Path:
@@ -436,7 +462,9 @@ def add_data_arguments(parser) -> None:
     """The data flags shared by ``armkv train`` and ``armkv calibrate``."""
     g = parser.add_argument_group("data (default: the offline corpus, see armkv.train.data)")
     g.add_argument("--data", metavar="PATH", help="local .txt/.jsonl/.parquet file, or a directory of them")
-    g.add_argument("--dataset", metavar="NAME", help="Hugging Face dataset name, streamed (e.g. HuggingFaceFW/fineweb-edu)")
+    g.add_argument(
+        "--dataset", metavar="NAME", help="Hugging Face dataset name, streamed (e.g. HuggingFaceFW/fineweb-edu)"
+    )
     g.add_argument("--dataset-config", metavar="C", help="dataset configuration (e.g. sample-10BT)")
     g.add_argument("--split", default="train", help="dataset split (default: train)")
     g.add_argument("--text-column", default="text", help="column holding the text (default: text)")
@@ -444,7 +472,12 @@ def add_data_arguments(parser) -> None:
 
 def source_from_args(args, seed: int) -> DocumentSource:
     return make_source(
-        args.data, args.dataset, dataset_config=args.dataset_config, split=args.split, text_column=args.text_column, seed=seed
+        args.data,
+        args.dataset,
+        dataset_config=args.dataset_config,
+        split=args.split,
+        text_column=args.text_column,
+        seed=seed,
     )
 
 

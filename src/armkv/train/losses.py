@@ -141,7 +141,9 @@ def make_arm_loss(
             metrics["kl"] = kl.detach()
         for name, value in collect_aux_losses(model).items():
             if name not in aux_weights:
-                raise ArmkvError(f"the model reports an auxiliary loss {name!r} without a weight; pass aux_weights[{name!r}]")
+                raise ArmkvError(
+                    f"the model reports an auxiliary loss {name!r} without a weight; pass aux_weights[{name!r}]"
+                )
             loss = loss + aux_weights[name] * value
             metrics[name] = value.detach()
         return loss, metrics

@@ -120,8 +120,9 @@ def read_errors(
     return torch.stack(errors), torch.stack(pooled)
 
 
-def best_ranking(q: torch.Tensor, k: torch.Tensor, in_memory: torch.Tensor, bucket: torch.Tensor, num_buckets: int,
-                 block: int = 64) -> torch.Tensor:
+def best_ranking(
+    q: torch.Tensor, k: torch.Tensor, in_memory: torch.Tensor, bucket: torch.Tensor, num_buckets: int, block: int = 64
+) -> torch.Tensor:
     """The buckets of each query ranked as ``read_rank="best"`` reads them: by the best logit
     a bucket's keys in the query's memory give the query's group (``read.bucket_best_of_keys``;
     every key stands for one token here). q [B, Hq, T, d], k [B, H, S, d] post-RoPE;
@@ -130,12 +131,20 @@ def best_ranking(q: torch.Tensor, k: torch.Tensor, in_memory: torch.Tensor, buck
     H, S = k.shape[1], k.shape[2]
     G = B * H
     bias = torch.zeros(T, S, device=q.device).masked_fill(~in_memory, -torch.inf).expand(G, T, S)
-    best = bucket_best_of_keys(q.reshape(G, Hq // H, T, d), k.reshape(G, S, d), bias, bucket.reshape(G, S), num_buckets, block)
+    best = bucket_best_of_keys(
+        q.reshape(G, Hq // H, T, d), k.reshape(G, S, d), bias, bucket.reshape(G, S), num_buckets, block
+    )
     return best.argsort(-1, descending=True).view(B, H, T, num_buckets)
 
 
-def output_error(p: torch.Tensor, in_memory: torch.Tensor, bucket: torch.Tensor, ranked: torch.Tensor, v: torch.Tensor,
-                 block: int = 64) -> torch.Tensor:
+def output_error(
+    p: torch.Tensor,
+    in_memory: torch.Tensor,
+    bucket: torch.Tensor,
+    ranked: torch.Tensor,
+    v: torch.Tensor,
+    block: int = 64,
+) -> torch.Tensor:
     """Relative error of each query's attention output when it reads only its top-M buckets
     of the memory (the exact part always read, the softmax renormalised over what is read),
     against reading all of them; mean over the queries that have memory, per input.
@@ -155,8 +164,11 @@ def output_error(p: torch.Tensor, in_memory: torch.Tensor, bucket: torch.Tensor,
         idx = key_rank[:, :, sl].unsqueeze(2).expand_as(pm)
         mass = torch.zeros(*pm.shape[:-1], N_b, device=p.device).scatter_add_(-1, idx, pm).cumsum(-1)
         pv = pm.unsqueeze(-1) * v[:, :, None, None]  # [B, H, R, t, S, d]
-        num = torch.zeros(*pm.shape[:-1], N_b, d, device=p.device).scatter_add_(
-            -2, idx.unsqueeze(-1).expand_as(pv), pv).cumsum(-2)
+        num = (
+            torch.zeros(*pm.shape[:-1], N_b, d, device=p.device)
+            .scatter_add_(-2, idx.unsqueeze(-1).expand_as(pv), pv)
+            .cumsum(-2)
+        )
         exact_num = torch.einsum("bhrts,bhsd->bhrtd", pe, v).unsqueeze(-2)
         o = (exact_num + num) / (pe.sum(-1, keepdim=True) + mass).unsqueeze(-1)  # [B, H, R, t, N_b, d]
         err = (o - o[..., -1:, :]).norm(dim=-1) / o[..., -1:, :].norm(dim=-1).clamp_min(1e-6)
@@ -216,9 +228,13 @@ def fit_policy(
         losses.append(float(loss.detach()))
     with torch.no_grad():
         m, _, _ = policy.decide(x)
-    return {"loss_first": losses[0] if losses else math.nan, "loss_last": losses[-1] if losses else math.nan,
-            "mean_abs_error": float((m - target).abs().float().mean()), "mean_m": float(m.float().mean()),
-            "mean_target": float(target.float().mean())}
+    return {
+        "loss_first": losses[0] if losses else math.nan,
+        "loss_last": losses[-1] if losses else math.nan,
+        "mean_abs_error": float((m - target).abs().float().mean()),
+        "mean_m": float(m.float().mean()),
+        "mean_target": float(target.float().mean()),
+    }
 
 
 def collect(model, arm, sequences: Iterable[torch.Tensor], progress=None) -> dict[str, torch.Tensor]:
@@ -262,11 +278,22 @@ TARGETS_FILE = "targets.safetensors"
 
 def add_arguments(group) -> None:
     """The flags of ``armkv train --method policy`` (an argument group of ``armkv train``)."""
-    group.add_argument("--error", type=float, default=0.05,
-                       help="policy: an input's target M keeps its attention outputs within this mean relative error "
-                       "of reading every bucket")
-    group.add_argument("--sequences", type=int, default=32, help="policy: training sequences of --seq-len tokens the targets are read from")
-    group.add_argument("--policy-steps", type=int, default=100, help="policy: full-batch optimiser steps of the fit, per layer")
+    group.add_argument(
+        "--error",
+        type=float,
+        default=0.05,
+        help="policy: an input's target M keeps its attention outputs within this mean relative error "
+        "of reading every bucket",
+    )
+    group.add_argument(
+        "--sequences",
+        type=int,
+        default=32,
+        help="policy: training sequences of --seq-len tokens the targets are read from",
+    )
+    group.add_argument(
+        "--policy-steps", type=int, default=100, help="policy: full-batch optimiser steps of the fit, per layer"
+    )
     group.add_argument("--policy-lr", type=float, default=1e-2, help="policy: learning rate of the fit")
 
 
@@ -314,8 +341,12 @@ def main(args, model, tokenizer) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     source = source_from_args(args, args.seed)
-    settings = {"adapter": str(Path(folder).resolve()), "seq_len": args.seq_len, "sequences": args.sequences,
-                "data": source.describe()}
+    settings = {
+        "adapter": str(Path(folder).resolve()),
+        "seq_len": args.seq_len,
+        "sequences": args.sequences,
+        "data": source.describe(),
+    }
     path = out / TARGETS_FILE
     tensors = None
     if path.is_file():
@@ -339,16 +370,31 @@ def main(args, model, tokenizer) -> int:
     target = {"error": args.error}
     targets = error_targets(tensors["error"], args.error)
     reports = train_policy(arm, targets, tensors["pooled"], args.policy_steps, args.policy_lr, args.seed)
-    extra = {"policy": {**target, "sequences": targets.shape[1], "seq_len": args.seq_len,
-                        "steps": args.policy_steps, "lr": args.policy_lr, "from": str(folder)}}
+    extra = {
+        "policy": {
+            **target,
+            "sequences": targets.shape[1],
+            "seq_len": args.seq_len,
+            "steps": args.policy_steps,
+            "lr": args.policy_lr,
+            "from": str(folder),
+        }
+    }
     adapter = arm.save(out / "adapter", extra=extra)
-    summary = {**target, "num_buckets": arm.config.num_buckets,
-               "mean_target": sum(r["mean_target"] for r in reports) / len(reports),
-               "mean_m": sum(r["mean_m"] for r in reports) / len(reports), "layers": reports, "adapter": str(adapter)}
+    summary = {
+        **target,
+        "num_buckets": arm.config.num_buckets,
+        "mean_target": sum(r["mean_target"] for r in reports) / len(reports),
+        "mean_m": sum(r["mean_m"] for r in reports) / len(reports),
+        "layers": reports,
+        "adapter": str(adapter),
+    }
     _atomic_write(out / "policy_fit.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1)))
     for r in reports:
-        print(f"layer {r['layer']:2d}: target M {r['mean_target']:5.1f}, picked {r['mean_m']:5.1f} "
-              f"(mean |error| {r['mean_abs_error']:.1f}), loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}")
+        print(
+            f"layer {r['layer']:2d}: target M {r['mean_target']:5.1f}, picked {r['mean_m']:5.1f} "
+            f"(mean |error| {r['mean_abs_error']:.1f}), loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}"
+        )
     print(f"ARM adapter: {adapter}")
     print(json.dumps({k: v for k, v in summary.items() if k != "layers"}))
     return 0

@@ -139,7 +139,14 @@ class TrainConfig:
 
     def trajectory(self) -> dict:
         """The fields a resumed run must share with the checkpoint (JSON-serialisable)."""
-        keep = {f.name for f in dataclasses.fields(self)} - {"out_dir", "save_every", "keep_last", "log_every", "progress", "plot"}
+        keep = {f.name for f in dataclasses.fields(self)} - {
+            "out_dir",
+            "save_every",
+            "keep_last",
+            "log_every",
+            "progress",
+            "plot",
+        }
         out = {k: v for k, v in dataclasses.asdict(self).items() if k in keep}
         out["betas"] = list(self.betas)
         return out
@@ -184,7 +191,11 @@ def _make_optimizer(params: dict[str, torch.nn.Parameter], config: TrainConfig) 
     # what the GPT-style recipe the paper follows does.
     decay = [p for p in params.values() if p.ndim >= 2]
     no_decay = [p for p in params.values() if p.ndim < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    groups = [
+        g
+        for g in ({"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
 
 
@@ -215,7 +226,9 @@ def _truncate_log(path: Path, step: int) -> list[dict]:
     steps are about to be redone."""
     if not path.exists():
         return []
-    kept = [r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if r["step"] <= step]
+    kept = [
+        r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip()) if r["step"] <= step
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
     return kept
 
@@ -245,12 +258,15 @@ def plot_log(log_path: str | Path, out_path: str | Path) -> None:
         values = [r.get(name, float("nan")) for r in rows]
         ax.plot(steps, values, color="tab:blue", alpha=0.35 if window > 1 else 1.0)
         if window > 1 and not name.startswith("schedule/") and name != "lr":
-            smooth = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+            smooth = [
+                sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+                for i in range(len(values))
+            ]
             ax.plot(steps, smooth, color="tab:blue", label=f"mean of {window}")
             ax.legend()
         ax.set_title(name)
         ax.set_xlabel("step")
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)
@@ -315,12 +331,21 @@ def train(
     start, history, last_ckpt = 0, [], None
     if resume and latest_checkpoint(ckpt_root) is not None:
         start, history, last_ckpt = _restore(
-            ckpt_root, params=params, optimizer=optimizer, data=data, config=config, fingerprint=fingerprint, rank=rank, log_path=log_path
+            ckpt_root,
+            params=params,
+            optimizer=optimizer,
+            data=data,
+            config=config,
+            fingerprint=fingerprint,
+            rank=rank,
+            log_path=log_path,
         )
     elif latest_checkpoint(ckpt_root) is not None:
         # A fresh run would mix its checkpoints with the old ones (and keep-last would
         # delete its own, lower-numbered, first).
-        raise ArmkvError(f"{ckpt_root} holds checkpoints of an earlier run: pass --resume to continue it, or use another --out")
+        raise ArmkvError(
+            f"{ckpt_root} holds checkpoints of an earlier run: pass --resume to continue it, or use another --out"
+        )
     elif rank == 0 and log_path.exists():
         log_path.unlink()
     last_ckpt_step = start if last_ckpt else None
@@ -355,7 +380,9 @@ def train(
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=config.steps, initial=start, disable=not (config.progress and rank == 0), unit="step", dynamic_ncols=True)
+    bar = tqdm(
+        total=config.steps, initial=start, disable=not (config.progress and rank == 0), unit="step", dynamic_ncols=True
+    )
     tokens_per_step = config.batch_tokens
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16")
     t0 = time.perf_counter()
@@ -384,7 +411,9 @@ def train(
             if config.grad_clip > 0:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(param_list, config.grad_clip))
             else:
-                grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in param_list if p.grad is not None])))
+                grad_norm = float(
+                    torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in param_list if p.grad is not None]))
+                )
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
@@ -396,9 +425,16 @@ def train(
                 bar.update(1)
                 bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{tok_s:,.0f}")
                 if step % config.log_every == 0 or step == config.steps:
-                    row = {"step": step, **values, "lr": lr, "grad_norm": grad_norm,
-                           **{f"schedule/{k}": v for k, v in schedule.items() if k != "step"},
-                           "tokens": step * tokens_per_step, "tokens_per_s": tok_s, "elapsed_s": elapsed}
+                    row = {
+                        "step": step,
+                        **values,
+                        "lr": lr,
+                        "grad_norm": grad_norm,
+                        **{f"schedule/{k}": v for k, v in schedule.items() if k != "step"},
+                        "tokens": step * tokens_per_step,
+                        "tokens_per_s": tok_s,
+                        "elapsed_s": elapsed,
+                    }
                     history.append(row)
                     with log_path.open("a") as f:
                         f.write(json.dumps(row) + "\n")
