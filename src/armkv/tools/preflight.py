@@ -37,10 +37,15 @@ def model_info_from_config(model_dir: str | Path | None):
     from armkv.methods.base import ModelInfo
 
     folder = model_folder(model_dir)
-    if folder is None or not (folder / "config.json").is_file():
+    if folder is None and model_dir is None:
+        # the default model before its first load converts it: its shape ships with armkv
+        path = Path(__file__).resolve().parent.parent / "data" / "model_configs" / "smollm2-135m.json"
+    elif folder is None or not (folder / "config.json").is_file():
         return None, None
+    else:
+        path = folder / "config.json"
     try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"))
         config = config.get("text_config", config)
         heads = int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
