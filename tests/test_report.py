@@ -120,6 +120,10 @@ def test_the_page_has_every_table_the_bar_and_the_provenance(tmp_path):
     assert "| arm | 11.000 | 44.000 | 22.000 | +10.00% | 25 |" in page
     assert "| arm (window=96) |" in page
     assert "| arm | 110.0 (1.10x) | 100.0 (1.00x) | 120 | 90 | 25 |" in page
+    # the provenance names the cells each run gave, not the run's folder
+    assert "- RULER noise full: single 2k, mk1 4k; noise sink: single 2k, mk1 4k: `armkv eval ruler" in page
+    assert "- RULER noise arm: single 2k, mk1 4k: `armkv eval ruler --methods arm` at commit bbbbbbb" in page
+    assert "`f1`" not in page and "`f2`" not in page
     for command, commit in [
         ("armkv eval ruler --methods arm", "bbbbbbb"),
         ("armkv eval ppl --method full", "ccccccc"),
