@@ -216,6 +216,6 @@ def test_the_policy_section_sets_the_learned_m_beside_the_fixed_curve(tmp_path):
     page = out.read_text()
     assert "| p | 56.2% | 18.500 | 19.000 | 7 |" in page and "| M=8 | 12.5% | 20.000 |  | 7 |" in page
     assert "below the fixed-M curve (lower perplexity at the same read cost) at 1 of 1 points" in page
-    assert "policy `p`: 40, 20." in page
+    assert "policy `p` (the folder the command under Provenance writes): 40, 20." in page
     assert "](results/policy_curve.png)" in page and (folder / "policy_curve.png").stat().st_size > 0
     assert "`armkv eval policy --fixed 8,64 --adapter p/adapter` at commit 0123456" in page

@@ -351,7 +351,8 @@ def policy_section(policy: dict) -> list[str]:
         per = ", ".join(f"{row['mean']:.0f}" for row in picked["per_layer"])
         lines += [
             f"M picked per layer (mean over {picked['inputs']} windows of {picked['tokens']} tokens, "
-            f"{picked['num_buckets']} buckets), policy `{picked['adapter']}`: {per}.",
+            f"{picked['num_buckets']} buckets), policy `{picked['adapter']}` (the folder the command under "
+            f"Provenance writes): {per}.",
             "",
         ]
     return lines
