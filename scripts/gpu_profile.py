@@ -16,7 +16,7 @@ random tokens, ``--warmup`` untimed steps (a compiled step compiles and records 
 
 Writes ``profile.md`` (per method: the figures, the top operators by device and by host
 time, and for a compiled run torch's log of graph breaks, recompiles and CUDA-graph skips) and
-``profile.json`` under ``--out`` (default ``$OUT``, else ``out/gpu_profile``); the
+``profile.json`` under ``--out`` (default ``out/gpu_profile`` under the working directory); the
 last stdout line is a one-line JSON summary.
 """
 
@@ -269,7 +269,11 @@ def main() -> int:
     p.add_argument(
         "--dry-run", action="store_true", help="a two-layer toy of the shape, float32 on the CPU, small sizes"
     )
-    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "out" / "gpu_profile"))
+    p.add_argument(
+        "--out",
+        default=str(Path("out") / "gpu_profile"),
+        help="where profile.md and profile.json go (default: %(default)s, under the working directory)",
+    )
     a = p.parse_args()
     runs = [r.strip() for r in a.runs.split(",") if r.strip()]
     for r in runs:

@@ -3,6 +3,7 @@ process, a failing run is recorded and the others go on, and three files come ba
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -69,8 +70,14 @@ def test_the_plan_is_the_issue_s_matrix():
 
 def test_transformers_range():
     gpu = load_script()
-    assert gpu.in_range("5.20.0") and gpu.in_range("5.23.1") and gpu.in_range("5.23.0.dev0")
-    assert not gpu.in_range("5.17.0") and not gpu.in_range("5.24.0") and not gpu.in_range("4.57.1")
+    assert gpu.in_range("5.20.0") and gpu.in_range("5.24.0") and gpu.in_range("5.23.0.dev0")
+    assert not gpu.in_range("5.17.0") and not gpu.in_range("5.25.0") and not gpu.in_range("4.57.1")
+
+
+def test_the_range_is_armkvs():
+    from armkv.hf.compat import SUPPORTED
+
+    assert load_script().TRANSFORMERS_RANGE == SUPPORTED
 
 
 def test_dry_run_fails_soft(tmp_path):
@@ -123,6 +130,24 @@ def test_spent_budget_runs_nothing_and_says_so(tmp_path):
     doc = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert len(doc["runs"]) == 16
     assert all(r["exit_code"] == "not run" and "spent" in r["why"] for r in doc["runs"].values())
+
+
+def test_without_out_the_files_go_under_the_working_directory(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--budget-s", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "OUT": str(tmp_path / "elsewhere")},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (tmp_path / "elsewhere").exists()
+    assert sorted(p.name for p in (tmp_path / "out" / "gpu_bench").iterdir()) == [
+        "gpu_bench.json",
+        "gpu_bench.log",
+        "tables.md",
+    ]
 
 
 def test_unknown_run_name(tmp_path):

@@ -47,6 +47,10 @@ def test_eval_help_lists_every_eval():
     text = dict(parsers())[("armkv", "eval")].format_help()
     for name in EVALS:
         assert name in text.split("positional arguments:")[1]
+    # and `armkv --help`'s line for eval names every one
+    from armkv.cli import SUBCOMMANDS
+
+    assert set(SUBCOMMANDS["eval"][1].split(": ")[1].split(", ")) == set(EVALS)
 
 
 def test_every_option_has_help_and_its_default_once():

@@ -77,3 +77,29 @@ def test_results_page_and_readme_table_are_what_report_makes_of_the_summaries():
 @pytest.mark.parametrize("name", ["design.md", "results.md", "decisions.md", "evaluation.md", "training.md"])
 def test_readme_links_every_doc(name):
     assert f"docs/{name}" in (ROOT / "README.md").read_text()
+
+
+def _paragraphs(text: str) -> list[str]:
+    """Prose paragraphs: blank-line separated blocks that are not tables, code or markers."""
+    blocks = re.split(r"\n\s*\n", re.sub(r"```.*?```", "", text, flags=re.S))
+    return [b for b in blocks if b.strip() and not b.lstrip().startswith(("|", "<!--", "    "))]
+
+
+@pytest.mark.parametrize("name,lines,words", [("README.md", 120, 120), ("docs/design.md", 400, 150)])
+def test_readme_and_design_stay_short(name, lines, words):
+    text = (ROOT / name).read_text()
+    assert len(text.splitlines()) <= lines, f"{name}: {len(text.splitlines())} lines, at most {lines}"
+    longest = max(_paragraphs(text), key=lambda p: len(p.split()))
+    assert len(longest.split()) <= words, f"{name}: a paragraph of {len(longest.split())} words: {longest[:80]!r}"
+
+
+def test_no_commit_hash_in_the_docs_prose():
+    """Commits are provenance: they live in docs/results/*.json and results.md's last section."""
+    sha = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        if path.name == "results.md":
+            text = text.split("## Provenance")[0]
+        found += [f"{path.relative_to(ROOT)}: {m.group(0)}" for m in sha.finditer(text)]
+    assert not found, found

@@ -2,6 +2,7 @@
 with its timings and operator counts; an unknown method refused before anything is built."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,8 @@ def test_an_unknown_method_fails_before_the_model_is_built(tmp_path):
 
 def test_options_reach_the_runs_cache(tmp_path):
     """--option METHOD.KEY=VALUE goes to that method's cache (here a bad value, refused by the
-    cache; the run's failure is recorded) and to the settings; other methods' runs ignore it."""
+    cache; the run's failure is recorded) and to the settings; other methods' runs ignore it.
+    Run without --out from another folder: the files go to out/gpu_profile under it."""
     done = subprocess.run(
         [
             sys.executable,
@@ -56,16 +58,17 @@ def test_options_reach_the_runs_cache(tmp_path):
             "full,arm",
             "--option",
             "arm.read_rank=nope",
-            "--out",
-            str(tmp_path),
         ],
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=ROOT,
+        cwd=tmp_path,
+        env={**os.environ, "OUT": str(tmp_path / "elsewhere")},
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    doc = json.loads((tmp_path / "profile.json").read_text())
+    # without --out the files go under the working directory, whatever $OUT says
+    assert not (tmp_path / "elsewhere").exists()
+    doc = json.loads((tmp_path / "out" / "gpu_profile" / "profile.json").read_text())
     assert doc["settings"]["option"] == ["arm.read_rank=nope"]
     assert doc["runs"]["full"]["decode_ms_median"] > 0
     assert "read_rank" in doc["runs"]["arm"]["error"] and "nope" in doc["runs"]["arm"]["error"]

@@ -6,6 +6,7 @@ import torch
 
 from armkv.errors import ArmkvError
 from armkv.hf import ArmkvCache, attach, attached, detach, is_attached, make_cache
+from armkv.hf.compat import cache_arg
 from armkv.hf.runner import Runner
 from armkv.methods.base import METHODS, _load_builtin_methods
 from conftest import ARCHS, DEVICES, TOLERANCE, dtype_id, tiny_model
@@ -52,7 +53,7 @@ def test_greedy_generation_equals_plain_generate(arch, dtype, method, device):
     ids, mask = (t.to(device) for t in left_padded())
     cache = make_cache(model, method, budget=BIG, chunk=7)
     got = model.generate(
-        ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, past_key_values=cache
+        ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, **cache_arg(cache)
     )
     if dtype == torch.float32:
         want = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
@@ -64,9 +65,9 @@ def test_greedy_generation_equals_plain_generate(arch, dtype, method, device):
 def prefill_then_decode(model, cache, ids: torch.Tensor, prompt: int) -> torch.Tensor:
     """The last logits of a prefill of ids[:, :prompt], then of each later token decoded one
     at a time through ``cache``: [1 + n, B, vocab]."""
-    out = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
+    out = [model(ids[:, :prompt], **cache_arg(cache), use_cache=True).logits[:, -1]]
     for t in range(prompt, ids.shape[1]):
-        out.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        out.append(model(ids[:, t : t + 1], **cache_arg(cache), use_cache=True).logits[:, -1])
     return torch.stack(out)
 
 
@@ -144,7 +145,7 @@ def test_chunked_prefill_and_decode_equal_no_cache_forward(arch, dtype, method, 
             ids[:, :prompt],
             attention_mask=mask[:, :prompt],
             position_ids=positions[:, :prompt],
-            past_key_values=cache,
+            **cache_arg(cache),
             use_cache=True,
         )
         got.append(out.logits)
@@ -153,7 +154,7 @@ def test_chunked_prefill_and_decode_equal_no_cache_forward(arch, dtype, method, 
                 ids[:, t : t + 1],
                 attention_mask=mask[:, : t + 1],
                 position_ids=positions[:, t : t + 1],
-                past_key_values=cache,
+                **cache_arg(cache),
                 use_cache=True,
             )
             got.append(out.logits)
@@ -177,12 +178,12 @@ def test_batched_equals_one_by_one(method, device):
     ids, mask = (t.to(device) for t in left_padded(batch=3, length=24, seed=2))
     cache = make_cache(model, method, chunk=64, **kwargs)
     batched = model.generate(
-        ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0, past_key_values=cache
+        ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0, **cache_arg(cache)
     )[:, ids.shape[1] :]
     for i in range(ids.shape[0]):
         row = ids[i : i + 1, mask[i].bool()]
         cache = make_cache(model, method, chunk=64, **kwargs)
-        alone = model.generate(row, max_new_tokens=20, do_sample=False, pad_token_id=0, past_key_values=cache)
+        alone = model.generate(row, max_new_tokens=20, do_sample=False, pad_token_id=0, **cache_arg(cache))
         alone = alone[0, row.shape[1] :]
         # A row that stopped early is padded in the batch.
         assert torch.equal(alone, batched[i, : len(alone)]) and not batched[i, len(alone) :].any(), f"row {i}"
@@ -205,12 +206,12 @@ def test_batched_logits_equal_one_by_one_in_half_precision(method, dtype, device
         cache = make_cache(model, method, chunk=64, **kwargs)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         with torch.no_grad():
-            logits = [model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1:]]
+            logits = [model(ids, attention_mask=mask, position_ids=positions, **cache_arg(cache)).logits[:, -1:]]
             for t in range(fed.shape[1]):
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
                 step = positions[:, -1:] + 1 + t
                 logits.append(
-                    model(fed[:, t : t + 1], attention_mask=mask, position_ids=step, past_key_values=cache).logits
+                    model(fed[:, t : t + 1], attention_mask=mask, position_ids=step, **cache_arg(cache)).logits
                 )
         return torch.cat(logits, 1)
 
@@ -229,7 +230,7 @@ def test_kivi_logits_within_quantisation_error():
     with torch.no_grad():
         want = model(ids, attention_mask=mask, use_cache=False).logits[:, -1]
         cache = make_cache(model, "kivi", bits=4, group=8, residual=8, chunk=8)
-        got = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
+        got = model(ids, attention_mask=mask, **cache_arg(cache), use_cache=True).logits[:, -1]
     assert cache.layers[0].write_at.min() >= 4, "most tokens went through the quantiser"
     scale = want.abs().max()
     assert (got - want).abs().max() < 0.05 * scale
@@ -247,7 +248,7 @@ def test_sampled_runner_equals_generate():
         top_k=20,
         top_p=0.9,
         pad_token_id=0,
-        past_key_values=make_cache(model, "sink", budget=BIG),
+        **cache_arg(make_cache(model, "sink", budget=BIG)),
     )[0, 17:]
     runner = Runner(model, _NoTokenizer(), "sink", budget=BIG, chunk=4)
     torch.manual_seed(7)
@@ -285,7 +286,7 @@ def test_attach_detach_gives_identical_logits():
             during = model(ids, attention_mask=mask, use_cache=False).logits  # sdpa fallback, no ArmkvCache
             assert torch.equal(model.generate(ids, **generate), plain)  # transformers' DynamicCache still works
             cache = make_cache(model, "full")
-            with_cache = model(ids, attention_mask=mask, past_key_values=cache).logits
+            with_cache = model(ids, attention_mask=mask, **cache_arg(cache)).logits
         assert not is_attached(model)
         assert model.config._attn_implementation == original
         after = model(ids, attention_mask=mask).logits
@@ -300,7 +301,7 @@ def test_cache_without_attach_is_an_error():
     cache = make_cache(model, "full")
     detach(model)
     with pytest.raises(ArmkvError, match="attach"):
-        model(torch.randint(3, 128, (1, 5)), past_key_values=cache)
+        model(torch.randint(3, 128, (1, 5)), **cache_arg(cache))
 
 
 def test_cache_reports_lengths_and_bytes():
@@ -308,7 +309,7 @@ def test_cache_reports_lengths_and_bytes():
     cache = make_cache(model, "swa", budget=8, chunk=4)
     assert isinstance(cache, ArmkvCache) and cache.get_seq_length() == 0 and cache.get_max_length() == -1
     with torch.no_grad():
-        model(torch.randint(3, 128, (2, 13)), past_key_values=cache)
+        model(torch.randint(3, 128, (2, 13)), **cache_arg(cache))
     assert cache.get_seq_length() == 13
     assert cache.get_mask_sizes(1, 0) == (1, 13)
     bound = 2 * 8 * cache.layers[0].info.token_bytes() * len(cache.layers)

@@ -120,6 +120,10 @@ def test_the_page_has_every_table_the_bar_and_the_provenance(tmp_path):
     assert "| arm | 11.000 | 44.000 | 22.000 | +10.00% | 25 |" in page
     assert "| arm (window=96) |" in page
     assert "| arm | 110.0 (1.10x) | 100.0 (1.00x) | 120 | 90 | 25 |" in page
+    # the provenance names the cells each run gave, not the run's folder
+    assert "- RULER noise full: single 2k, mk1 4k; noise sink: single 2k, mk1 4k: `armkv eval ruler" in page
+    assert "- RULER noise arm: single 2k, mk1 4k: `armkv eval ruler --methods arm` at commit bbbbbbb" in page
+    assert "`f1`" not in page and "`f2`" not in page
     for command, commit in [
         ("armkv eval ruler --methods arm", "bbbbbbb"),
         ("armkv eval ppl --method full", "ccccccc"),
@@ -212,6 +216,6 @@ def test_the_policy_section_sets_the_learned_m_beside_the_fixed_curve(tmp_path):
     page = out.read_text()
     assert "| p | 56.2% | 18.500 | 19.000 | 7 |" in page and "| M=8 | 12.5% | 20.000 |  | 7 |" in page
     assert "below the fixed-M curve (lower perplexity at the same read cost) at 1 of 1 points" in page
-    assert "policy `p`: 40, 20." in page
+    assert "policy `p` (the folder the command under Provenance writes): 40, 20." in page
     assert "](results/policy_curve.png)" in page and (folder / "policy_curve.png").stat().st_size > 0
     assert "`armkv eval policy --fixed 8,64 --adapter p/adapter` at commit 0123456" in page

@@ -24,7 +24,7 @@ SUBCOMMANDS = {
     "demo": ("armkv.tools.demo", "needle-in-a-haystack demo: every method at one budget, table and plot"),
     "calibrate": ("armkv.train.calibrate", "training-free start: build each layer's tree from keys, save an adapter"),
     "train": ("armkv.train.cli", "train the ARM parameters (router, writes, policy)"),
-    "eval": ("armkv.evals.cli", "evaluations: ruler, longbench, ablation, ppl, policy"),
+    "eval": ("armkv.evals.cli", "evaluations: ruler, longbench, ablation, ppl, policy, reads, matrix"),
     "bench": ("armkv.bench.cli", "benchmarks: ops (memory kernels), decode (latency and memory against length)"),
     "report": ("armkv.tools.report", "the results page (docs/results.md) and README's table, from docs/results/*.json"),
 }

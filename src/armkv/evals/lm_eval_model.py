@@ -84,15 +84,19 @@ class ArmkvLM(HFLM):
         """
         if attn_mask is not None or labels is not None:
             raise NotImplementedError("armkv serves decoder-only models")
+        from armkv.hf.compat import cache_arg
+
         with torch.no_grad():
-            return self.model(inps, past_key_values=self.new_cache(horizon=inps.shape[1]), use_cache=True).logits
+            return self.model(inps, **cache_arg(self.new_cache(horizon=inps.shape[1])), use_cache=True).logits
 
     def _model_generate(
         self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs
     ) -> torch.Tensor:
-        """``HFLM._model_generate`` with a fresh cache of the method as ``past_key_values``."""
+        """``HFLM._model_generate`` with a fresh cache of the method as its cache argument."""
+        from armkv.hf.compat import cache_arg
+
         cache = self.new_cache(horizon=max_length)  # HFLM's max_length: context plus new tokens
-        return super()._model_generate(context, max_length, stop, past_key_values=cache, **generation_kwargs)
+        return super()._model_generate(context, max_length, stop, **cache_arg(cache), **generation_kwargs)
 
 
 if __name__ == "__main__":

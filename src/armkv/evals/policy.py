@@ -77,11 +77,12 @@ def picked_m(
     import torch
 
     from armkv.hf.attach import make_cache
+    from armkv.hf.compat import cache_arg
 
     options = dict(options or {}) if adapter is None else {**(options or {}), "adapter": adapter}
     cache = make_cache(model, "arm", budget=budget, chunk=windows.shape[1], **options)
     with torch.inference_mode():
-        model(input_ids=windows, past_key_values=cache, use_cache=True)
+        model(input_ids=windows, **cache_arg(cache), use_cache=True)
     return torch.stack([layer.m.cpu() for layer in cache.layers]), cache.layers[0].memory.router.num_buckets
 
 

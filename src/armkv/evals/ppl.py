@@ -54,6 +54,7 @@ def perplexity(model, ids: torch.Tensor, method: str, budget: int | None, chunk:
     """Mean next-token NLL of ``ids`` [1, T] fed chunk by chunk through one cache of ``method``;
     ``on_cache(cache)``, if given, sees the cache at the end (e.g. to read what ARM's policy picked)."""
     from armkv.hf.attach import make_cache
+    from armkv.hf.compat import cache_arg
 
     # the text's length is known: a method that plans by length (arm's budget shares) sees it
     cache = make_cache(model, method, budget=budget, chunk=chunk, horizon=ids.shape[1], **options)
@@ -63,7 +64,7 @@ def perplexity(model, ids: torch.Tensor, method: str, budget: int | None, chunk:
         for start in range(0, ids.shape[1], chunk):
             part = ids[:, start : start + chunk]
             positions = torch.arange(start, start + part.shape[1])[None]
-            logits = model(input_ids=part, position_ids=positions, past_key_values=cache, use_cache=True).logits.float()
+            logits = model(input_ids=part, position_ids=positions, **cache_arg(cache), use_cache=True).logits.float()
             if previous is not None:
                 logits = torch.cat([previous, logits], 1)
                 targets = part

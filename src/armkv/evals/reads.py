@@ -230,6 +230,7 @@ def measure_sample(
     each decode step of each layer measured (:func:`missed_mass`). Returns the sample's record."""
     import torch
 
+    from armkv.hf.compat import cache_arg
     from armkv.hf.runner import Runner
 
     answer = tokenizer(" " + ", ".join(sample["answers"]), add_special_tokens=False)["input_ids"]
@@ -268,7 +269,7 @@ def measure_sample(
         model(
             input_ids=ids,
             position_ids=torch.arange(len(context), device=model.device)[None],
-            past_key_values=cache,
+            **cache_arg(cache),
             use_cache=True,
         )
         num_buckets = layers[0].memory.router.num_buckets
@@ -282,7 +283,7 @@ def measure_sample(
             model(
                 input_ids=torch.tensor([[token]], device=model.device),
                 position_ids=torch.tensor([[position]], device=model.device),
-                past_key_values=cache,
+                **cache_arg(cache),
                 use_cache=True,
             )
     record = {

@@ -1,6 +1,6 @@
 """The ``armkv`` attention implementation for transformers, and its mask function.
 
-transformers' attention layers call ``past_key_values.update(key, value, layer_idx)`` and
+transformers' attention layers call the cache's ``update(key, value, layer_idx)`` and
 then the attention function, without passing it the cache. :class:`ArmkvCache.update`
 therefore marks itself active for that layer (a context variable) and hands the new key and
 value back unchanged; :func:`armkv_attention` picks the layer up and lets it attend over its

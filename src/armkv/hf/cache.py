@@ -27,7 +27,19 @@ class ArmkvCache(Cache):
         self.budget = budget
         super().__init__(layers=[make_layer(i) for i in range(num_layers)])
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict | None = None,
+        *,
+        kwargs: dict | None = None,
+    ):
+        """Called by each attention layer before its attention function: as
+        ``update(key, value, layer_idx)`` up to transformers 5.23, ``update(key, value,
+        layer_idx, kwargs=the layer's kwargs)`` from 5.24. Both are ignored: the layer's
+        positions reach :func:`~armkv.hf.attention.armkv_attention` as ``position_ids``."""
         if ACTIVE.get() is not None:
             # The previous layer's update was never consumed: the attention that ran was not ours.
             ACTIVE.set(None)

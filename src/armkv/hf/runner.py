@@ -14,6 +14,7 @@ import torch
 
 from armkv.errors import ArmkvError
 from armkv.hf.attach import make_cache, model_info
+from armkv.hf.compat import cache_arg
 
 
 def check_request(request: dict) -> None:
@@ -261,7 +262,7 @@ class Runner:
     def _forward(self, ids: torch.Tensor, cache, position: int) -> torch.Tensor:
         """Feed ids [1, T] at positions position.. ; returns the last position's logits [1, V] (fp32)."""
         positions = torch.arange(position, position + ids.shape[1], device=ids.device)[None]
-        out = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, position_ids=positions, **cache_arg(cache), use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
 
     def _sampler(self, do_sample: bool, temperature, top_k, top_p, seed: int | None = None):

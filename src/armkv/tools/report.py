@@ -112,6 +112,18 @@ def meets_bar(rows: dict, key: str, bar: str, bounded: list[str], within: float)
     return cell >= rows["full"][key]["score"] - within - 1e-9 and all(cell > o for o in others)
 
 
+def source_cells(ruler: dict, source: str) -> str:
+    """The cells of the matrix that one source run gave, e.g. ``noise arm: mk1 4k, mv 4k``
+    (the provenance names cells, not the run folders the summary was made from)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for haystack, rows in ruler["cells"].items():
+        for m in _order(rows):
+            keys = [k for k in column_keys({m: rows[m]}) if rows[m][k].get("source") == source]
+            if keys:
+                groups.setdefault((haystack_name(haystack), m), []).extend(keys)
+    return "; ".join(f"{h} {m}: {', '.join(short_name(k) for k in keys)}" for (h, m), keys in groups.items())
+
+
 def ruler_section(ruler: dict) -> tuple[list[str], dict]:
     """The matrix per haystack, ARM checked against the bar; and per-method means for the headline."""
     within = float(ruler.get("within", 10.0))
@@ -339,7 +351,8 @@ def policy_section(policy: dict) -> list[str]:
         per = ", ".join(f"{row['mean']:.0f}" for row in picked["per_layer"])
         lines += [
             f"M picked per layer (mean over {picked['inputs']} windows of {picked['tokens']} tokens, "
-            f"{picked['num_buckets']} buckets), policy `{picked['adapter']}`: {per}.",
+            f"{picked['num_buckets']} buckets), policy `{picked['adapter']}` (the folder the command under "
+            f"Provenance writes): {per}.",
             "",
         ]
     return lines
@@ -380,7 +393,9 @@ def render(data: dict, plots: list[str]) -> tuple[str, str]:
         if "ruler.png" in plots:
             page += ["![RULER scores against context length](results/ruler.png)", ""]
         for src, s in data["ruler"].get("sources", {}).items():
-            prov.append((f"RULER cells from `{src}`", s["command"], s.get("commit")))
+            cells = source_cells(data["ruler"], src)
+            if cells:
+                prov.append((f"RULER {cells}", s["command"], s.get("commit")))
     if "ppl" in data:
         lines, ppl_by = ppl_section(data["ppl"])
         page += lines

@@ -46,12 +46,13 @@ class ARMTrainModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, **kwargs):
         from armkv.hf.attach import make_cache
+        from armkv.hf.compat import cache_arg
 
         cache = make_cache(
             self.model, "arm", budget=self.budget, chunk=self.chunk, arm=self.arm, arm_overrides=self.overrides
         )
         self._cache = cache
-        return self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, **kwargs)
+        return self.model(input_ids=input_ids, **cache_arg(cache), use_cache=True, **kwargs)
 
     def aux_losses(self) -> dict[str, torch.Tensor]:
         if self._cache is None:
@@ -87,6 +88,7 @@ def prepare_arm_training(model: nn.Module, budget: int, chunk: int, adapter: str
     teacher input_ids -> logits with the full cache). A fresh initialisation depends on
     ``seed`` only, so two runs with the same seed start from the same parameters."""
     from armkv.hf.attach import make_cache
+    from armkv.hf.compat import cache_arg
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -96,7 +98,7 @@ def prepare_arm_training(model: nn.Module, budget: int, chunk: int, adapter: str
 
     @torch.no_grad()
     def teacher(input_ids: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=input_ids, past_key_values=make_cache(model, "full", chunk=chunk), use_cache=True).logits
+        return model(input_ids=input_ids, **cache_arg(make_cache(model, "full", chunk=chunk)), use_cache=True).logits
 
     return wrapped, teacher
 

@@ -20,21 +20,7 @@ import torch
 
 from armkv.budget import retrieval_layer_weights
 from armkv.errors import ArmkvError
-
-
-def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The attention modules (those with a ``k_proj``), in layer order."""
-    found = [m for m in model.modules() if isinstance(getattr(m, "k_proj", None), torch.nn.Module)]
-    if not found:
-        raise ArmkvError(f"{type(model).__name__} has no attention module with a k_proj: not a Llama-family model")
-    return found
-
-
-def _head_dim(attn: torch.nn.Module, model: torch.nn.Module) -> int:
-    if getattr(attn, "head_dim", None):
-        return int(attn.head_dim)
-    config = model.config
-    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+from armkv.train.models import attention_modules, load_model, module_head_dim
 
 
 @torch.no_grad()
@@ -88,7 +74,7 @@ def collect_keys(
     try:
         for i, attn in enumerate(layers):
             target = attn.k_norm if isinstance(getattr(attn, "k_norm", None), torch.nn.Module) else attn.k_proj
-            handles.append(target.register_forward_hook(make_hook(i, _head_dim(attn, model))))
+            handles.append(target.register_forward_hook(make_hook(i, module_head_dim(attn, model))))
         model.eval()
         # Only the keys matter: skip the vocabulary projection where the model allows it.
         extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
@@ -244,7 +230,6 @@ def update_layer_weights(
 
 def main(args: argparse.Namespace) -> int:
 
-    from armkv.train.cli import load_model
     from armkv.train.data import PackedSequences, hf_tokenize, source_from_args
 
     if args.tokens < args.seq_len:

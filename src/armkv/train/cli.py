@@ -24,6 +24,7 @@ import torch
 from armkv.errors import ArmkvError
 from armkv.train.data import PackedSequences, add_data_arguments, hf_tokenize, source_from_args
 from armkv.train.losses import make_arm_loss
+from armkv.train.models import load_model
 from armkv.train.trainer import ScalarSchedule, TrainConfig, train
 
 METHODS = ("arm", "lm", "policy")
@@ -164,32 +165,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         progress=not args.no_progress,
         plot=not args.no_plot,
     )
-
-
-def load_model(args: argparse.Namespace):
-    """The model (fp32, all parameters frozen) and its tokenizer."""
-    if not args.model:
-        from armkv.hf.model import load_model as load_default
-
-        model, tokenizer = load_default()
-        model.requires_grad_(False)
-        return model, tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # one bar per run: the trainer's
-
-    path = Path(args.model)
-    if not path.is_dir():
-        raise ArmkvError(f"--model {path}: not a directory")
-    kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32, **kwargs)
-    except (OSError, ValueError) as e:
-        raise ArmkvError(f"--model {path}: {str(e).splitlines()[0]}") from None
-    model.requires_grad_(False)
-    return model, tokenizer
 
 
 def add_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:

@@ -33,6 +33,7 @@ import torch
 
 from armkv.errors import ArmkvError
 from armkv.memory.read import bucket_best_of_keys
+from armkv.train.models import attention_modules, module_head_dim
 
 
 def _projection(attn: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -63,7 +64,6 @@ def read_errors(
     pooled : [L, B, H * d] the policy's input (mean of the first ``policy_tokens`` pre-RoPE keys)
     """
     from armkv.hf.attach import model_rotary
-    from armkv.train.calibrate import _head_dim, attention_modules
 
     config = arm.config
     sinks = config.sinks if sinks is None else sinks
@@ -87,7 +87,7 @@ def read_errors(
     was_training, impl = model.training, model.config._attn_implementation
     try:
         for i, attn in enumerate(layers):
-            d = _head_dim(attn, model)
+            d = module_head_dim(attn, model)
             handles += [_projection(attn, n).register_forward_hook(hook(i, n, d)) for n in ("q", "k")]
             handles.append(attn.v_proj.register_forward_hook(hook(i, "v", d)))
         model.eval()
