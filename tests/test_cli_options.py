@@ -85,7 +85,10 @@ def no_model(monkeypatch):
             ["eval", "ruler", "--output", "OUT", "--methods", "arm", "--option", "arm.m_fixed=1/x"],
             "or a share of them (1/8)",
         ),
-        (["eval", "ruler", "--output", "OUT", "--methods", "arm", "--option", "arm.m_fixed=3/2"], "must be in (0, 1]"),
+        (
+            ["eval", "ruler", "--output", "OUT", "--methods", "arm", "--option", "arm.m_fixed=3/2"],
+            "or a share of them in (0, 1]",
+        ),
     ],
 )
 def test_eval_checks_before_the_model_loads(tmp_path, tiny_model_dir, capsys, no_model, argv, message):
