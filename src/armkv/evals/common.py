@@ -103,7 +103,8 @@ def add_common_arguments(
         "--option",
         action="append",
         metavar="METHOD.KEY=VALUE",
-        help="a method option (repeatable), e.g. arm.slot_format=int8 or kivi.bits=2",
+        help="a method option (repeatable), e.g. arm.slot_format=int8, kivi.bits=2 or arm.read=sparse (the "
+        "measured sparse read's six options; an option given beside it overrides its value)",
     )
 
 

@@ -39,14 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output",
         required=True,
-        help="results, one JSON object per line ('-': standard output). An existing file is resumed: "
-        "ids already answered under the same settings are kept and skipped",
+        help="results, one JSON object per line ('-': standard output; a device or FIFO is written to as it is). "
+        "An existing file is locked while the run lasts and resumed: requests already answered under the same "
+        "settings are kept and skipped, a changed request is answered again",
     )
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace the results already in --output instead of resuming them (the output is "
-        "replaced when the run has as many results)",
+        help="replace the results already in --output with exactly this run's (the output is replaced once the "
+        "run has gone through its requests; an interrupted one leaves it as it was)",
     )
     parser.add_argument(
         "--model", default=None, help="local transformers model folder (default: SmolLM2-135M-Instruct)"
@@ -58,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--option",
         action="append",
         metavar="METHOD.KEY=VALUE",
-        help="a method option (repeatable), e.g. kivi.bits=4 or arm.slot_format=int8",
+        help="a method option (repeatable), e.g. kivi.bits=4 or arm.slot_format=int8; arm.read=sparse is the "
+        "measured sparse read (slot_mixing=false, top_m=fixed, m_fixed=1/8, read_rank=partial, read_pages=true, "
+        "read_summaries=true; an option given beside it overrides its value), arm.read=dense the default",
     )
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk P (the sync point)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="most tokens generated per request")
@@ -78,7 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--top-p", type=float, default=None, help="sample from the smallest set of tokens with this probability"
     )
     g.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
-    g.add_argument("--seed", type=int, default=0, help="seed of each request's draws (sampling only)")
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the draws (sampling only; 0 to 2**64 - 1): each request draws from a stream seeded by it and "
+        "the request's id",
+    )
     parser.add_argument(
         "--compile", action="store_true", help="decode through the method's torch.compile'd step (bounded methods)"
     )
