@@ -447,12 +447,12 @@ def test_the_option_table_matches_the_methods():
 @pytest.mark.parametrize(
     "argv,setup,message",
     [
-        (["eval", "ruler", "--output", "FILE"], "file", "is a file; an eval writes a folder"),
+        (["eval", "ruler", "--output", "FILE"], "file", "is a file; this tool writes a folder of results there"),
         (["eval", "ruler", "--output", "FILE/sub"], "file", "is a file, not a folder"),
         (["eval", "ruler", "--output", "DONE", "--budget", "64"], "done", "holds results for budget=128, not 64"),
         (["eval", "ruler", "--output", "DONE", "--option", "arm.sinks=abc"], None, "expected an integer >= 0"),
         (["eval", "ruler", "--output", "DONE", "--model", "NOWEIGHTS"], None, "holds no weights"),
-        (["eval", "ablation", "--output", "FILE"], "file", "is a file; an eval writes a folder"),
+        (["eval", "ablation", "--output", "FILE"], "file", "is a file; this tool writes a folder of results there"),
     ],
 )
 def test_eval_checks_before_the_model_loads(tmp_path, tiny_model_dir, capsys, no_model, argv, setup, message):

@@ -321,5 +321,5 @@ def test_an_output_without_settings_is_not_mixed(tmp_path, tiny_model_dir, capsy
     out = tmp_path / "out.jsonl"
     out.write_text(json.dumps({"id": "r0", "method": "sink", "output": "x"}) + "\n")
     assert generate(tiny_model_dir, write_requests(tmp_path / "in.jsonl", requests(2)), out, "--method", "sink") == 2
-    assert "holds results without the settings they were made under" in capsys.readouterr().err
+    assert "holds a result without the settings and request hash it was made under" in capsys.readouterr().err
     assert json.loads(out.read_text())["output"] == "x"

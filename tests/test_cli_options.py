@@ -83,7 +83,7 @@ def no_model(monkeypatch):
         (["eval", "ruler", "--output", "OUT", "--budget", "1000000000"], "is more than the model's 1024 positions"),
         (
             ["eval", "ruler", "--output", "OUT", "--methods", "arm", "--option", "arm.m_fixed=1/x"],
-            "or a share of them (1/8)",
+            "or a share of them in (0, 1] (1/8)",
         ),
         (
             ["eval", "ruler", "--output", "OUT", "--methods", "arm", "--option", "arm.m_fixed=3/2"],

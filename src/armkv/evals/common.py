@@ -155,7 +155,13 @@ def load(args, settings: dict | None = None):
     under them (:func:`check_settings` writes them once the model is loaded)."""
     from armkv.hf.attach import model_info
     from armkv.hf.model import load_model
-    from armkv.tools.preflight import check_budget, check_method, check_model_folder, resolve_budget
+    from armkv.tools.preflight import (
+        check_budget,
+        check_method,
+        check_model_folder,
+        check_output_folder,
+        resolve_budget,
+    )
 
     if getattr(args, "output", None) is not None:
         check_output_folder(args.output)
@@ -247,21 +253,6 @@ class SampleLog:
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
         self.records.append(record)
-
-
-def check_output_folder(folder: Path) -> None:
-    """One-line errors for an output folder that is a file or lies under one."""
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise ArmkvError(
-            f"--output {folder} is a file; an eval writes a folder (per-sample JSONL, summary.json, table.md): "
-            "name a folder"
-        )
-    for parent in folder.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ArmkvError(f"--output {folder}: {parent} is a file, not a folder")
-            break
 
 
 def compare_folder_settings(folder: Path, settings: dict) -> None:

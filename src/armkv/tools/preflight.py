@@ -51,6 +51,18 @@ def check_model_folder(model_dir: str | Path | None) -> None:
         raise ArmkvError(f"--model {folder} holds no weights (*.safetensors): {hint}")
 
 
+def check_output_folder(folder: Path) -> None:
+    """One-line errors for an output folder that is a file or lies under one."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ArmkvError(f"--output {folder} is a file; this tool writes a folder of results there: name a folder")
+    for parent in folder.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ArmkvError(f"--output {folder}: {parent} is a file, not a folder")
+            break
+
+
 def model_info_from_config(model_dir: str | Path | None):
     """``(ModelInfo, Rotary)`` of a model folder read from its ``config.json`` alone (fp32, CPU),
     or ``(None, None)`` where there is no readable config (the model load reports that)."""
