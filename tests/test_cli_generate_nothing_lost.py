@@ -239,6 +239,15 @@ def test_a_closed_standard_output_is_one_line(tmp_path, tiny_model_dir, capsys, 
     assert "Traceback" not in err and "error: standard output was closed after 0 results" in err
 
 
+def test_an_output_symlink_is_written_through(tmp_path, tiny_model_dir):
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "out.jsonl"
+    link.symlink_to(tmp_path / "real" / "results.jsonl")
+    assert generate(tiny_model_dir, write_requests(tmp_path / "in.jsonl", requests(1)), link, *SINK) == 0
+    assert link.is_symlink() and [r["id"] for r in lines(tmp_path / "real" / "results.jsonl")] == ["r0"]
+    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["results.jsonl"]
+
+
 # ---------------------------------------------------------------------- --overwrite and the input
 
 

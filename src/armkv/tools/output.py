@@ -231,8 +231,11 @@ class Output:
             self.direct = True
             return
         self.path = Path(path)
-        self.partial = partial_of(self.path)
         check_output_path(self.path, input_path)
+        if self.path.is_symlink():  # written through the link: the file it names is the output, not the link
+            self.path = Path(os.path.realpath(self.path))
+            check_output_path(self.path, input_path)
+        self.partial = partial_of(self.path)
         if is_special(self.path):
             self.direct = True
             try:
