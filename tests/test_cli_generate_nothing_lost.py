@@ -137,6 +137,17 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path, tiny_model_dir, 
     assert [r["id"] for r in lines(out)] == ["r0"] and not (tmp_path / "out.jsonl.lock").exists()
 
 
+def test_a_run_that_adds_nothing_leaves_the_output_as_it_was(tmp_path, tiny_model_dir, monkeypatch):
+    out = tmp_path / "out.jsonl"
+    assert generate(tiny_model_dir, write_requests(tmp_path / "a.jsonl", requests(1)), out, *SINK) == 0
+    out.write_bytes(out.read_bytes().replace(b", ", b",  "))  # spelt unlike armkv writes it: must stay so
+    before, mtime = out.read_bytes(), out.stat().st_mtime_ns
+    monkeypatch.setattr(armkv.hf.model, "load_model", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert generate(tiny_model_dir, write_requests(tmp_path / "b.jsonl", requests(2)), out, *SINK) == 130
+    assert out.read_bytes() == before and out.stat().st_mtime_ns == mtime
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.jsonl", "out.jsonl"]
+
+
 @pytest.mark.parametrize("how", ["error", "interrupt"])
 def test_the_lock_is_released_on_every_exit(tmp_path, tiny_model_dir, monkeypatch, how):
     def broken(*a, **k):
@@ -292,7 +303,7 @@ def test_a_changed_request_is_answered_again(tmp_path, tiny_model_dir, calls, ca
 
 def test_an_output_without_request_hashes_is_not_mixed(tmp_path, tiny_model_dir, capsys, no_model):
     out = tmp_path / "out.jsonl"
-    out.write_text(json.dumps({"id": "r0", "output": "x", "settings": {}}) + "\n")
+    out.write_text(json.dumps({"id": "r0", "output": "x"}) + "\n")
     assert generate(tiny_model_dir, write_requests(tmp_path / "in.jsonl", requests(1)), out, *SINK) == 2
     one_error(capsys, "without the settings and request hash it was made under")
 

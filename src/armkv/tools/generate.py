@@ -265,7 +265,7 @@ def run(args, requests: list[dict], output: Output, budget, options: dict, sampl
         for request in todo:
             try:
                 (result,) = runner.generate([request], max_new_tokens=args.max_new_tokens, **sample)
-            except ArmkvError as e:
+            except (ArmkvError, UnicodeError) as e:
                 # One request the model cannot take (too long) does not stop the others.
                 tqdm.write(f"armkv generate: error: {e}", file=sys.stderr)
                 failed += 1

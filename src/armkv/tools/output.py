@@ -227,6 +227,7 @@ class Output:
         self.file = None
         self.lock = None
         self.changed: list = []  # ids whose request changed since their result was made
+        self.as_output = False  # whether the results kept are exactly the output's
         if self.stdout:
             self.direct = True
             return
@@ -280,12 +281,13 @@ class Output:
                 else f"they are an interrupted run's: rerun its command to finish it, or delete {source} to drop them"
             )
             for number, record in records:
+                if isinstance(record.get("settings"), dict):
+                    compare_settings(record["settings"], self.settings, str(source), remedy)
                 if "settings" not in record or "hash" not in record:
                     raise ArmkvError(
                         f"{source}:{number} holds a result without the settings and request hash it was made under "
                         f"(an older armkv): {remedy}"
                     )
-                compare_settings(record["settings"], self.settings, str(source), remedy)
                 key = id_key(record["id"])
                 if key in current and record["hash"] != current[key]:
                     by_id.pop(key, None)
@@ -293,6 +295,8 @@ class Output:
                     continue
                 by_id[key] = record
         self.kept = list(by_id.values())
+        # nothing beyond what the output holds: a run that adds nothing leaves the file as it is
+        self.as_output = not self.overwrite and [id(r) for r in self.kept] == [id(r) for _, r in previous]
         if self.changed:
             shown = ", ".join(repr(i) for i in self.changed[:3]) + (", ..." if len(self.changed) > 3 else "")
             print(
@@ -339,8 +343,8 @@ class Output:
                         f"{self.path} keeps its {self.before} earlier results; the {self.added} new ones are in "
                         f"{self.partial} (run the same command again to finish replacing them)"
                     )
-                elif not self.kept and not self.added and not self.path.exists():
-                    self.partial.unlink()  # nothing was produced: no empty output
+                elif not self.added and (self.as_output or not (self.kept or self.path.exists())):
+                    self.partial.unlink()  # nothing was produced: the output stays as it was (or absent)
                 else:
                     os.replace(self.partial, self.path)
         if self.lock is not None:
