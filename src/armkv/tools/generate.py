@@ -140,7 +140,7 @@ def read_requests(path: str) -> tuple[list[dict], int]:
 
 
 def _not_json(name: str):
-    raise ArmkvError(f"not JSON ({name} is not a JSON number; give the id as a string)")
+    raise ArmkvError(f"not JSON ({name} is not a JSON number)")
 
 
 def check_text(value, where: str = "") -> None:

@@ -322,6 +322,8 @@ class Output:
             _silence_stdout()
             raise OutputClosed from None
         except OSError as e:
+            if self.stdout:
+                raise ArmkvError(f"cannot write to standard output ({e.strerror})") from None
             where = self.path if self.direct else self.partial
             raise ArmkvError(f"--output {self.path}: cannot write to {where} ({e.strerror})") from None
         self.added += 1
