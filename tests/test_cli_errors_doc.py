@@ -25,7 +25,8 @@ DOC = ROOT / "docs" / "cli-errors.md"
 GOOD = json.dumps({"id": "q1", "prompt": "The sky is blue."})
 
 # (what the user did, argv, lines of in.jsonl); argv names files in the scratch folder: in.jsonl,
-# folder/, plain.txt, utf16.jsonl (UTF-16), text.txt and done.jsonl (one result made at budget 64)
+# folder/, plain.txt, utf16.jsonl (UTF-16), text.txt, done.jsonl (one result made at budget 64), binary.dat,
+# r.jsonl.partial (requests), noweights/ (a config.json alone) and changed.jsonl (q1's result for another prompt)
 CASES = [
     ("output is a folder", ["generate", "--method", "full", "--input", "in.jsonl", "--output", "folder"], [GOOD]),
     (
@@ -213,6 +214,141 @@ CASES = [
         [json.dumps({"id": "long", "prompt": "The grass is green. " * 2000})],
     ),
     (
+        "output is a text file that holds no results",
+        ["generate", "--method", "full", "--input", "in.jsonl", "--output", "plain.txt"],
+        [GOOD],
+    ),
+    (
+        "output is a binary file",
+        ["generate", "--method", "full", "--input", "in.jsonl", "--output", "binary.dat"],
+        [GOOD],
+    ),
+    (
+        "output is a device (discards the results)",
+        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "/dev/null"],
+        [GOOD],
+    ),
+    (
+        "output is a full device",
+        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "/dev/full"],
+        [GOOD],
+    ),
+    (
+        "input is the output's partial file",
+        ["generate", "--method", "full", "--input", "r.jsonl.partial", "--output", "r.jsonl", "--overwrite"],
+        [GOOD],
+    ),
+    (
+        "rerun after a prompt changed",
+        [
+            "generate",
+            "--method",
+            "sink",
+            "--budget",
+            "64",
+            "--max-new-tokens",
+            "2",
+            "--input",
+            "in.jsonl",
+            "--output",
+            "changed.jsonl",
+        ],
+        [GOOD],
+    ),
+    (
+        "a lone surrogate in a prompt",
+        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        ['{"id": 1, "prompt": "The sky \\ud800 is blue."}', GOOD],
+    ),
+    (
+        "NaN as an id",
+        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        ['{"id": NaN, "prompt": "hi"}', GOOD],
+    ),
+    (
+        "a question beside a prompt",
+        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        ['{"id": 1, "prompt": "hi", "question": "why?"}', GOOD],
+    ),
+    (
+        "a line nested 100,000 deep",
+        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        ["[" * 100_000, GOOD],
+    ),
+    (
+        "an option that is --chunk",
+        ["generate", "--method", "arm", "--option", "arm.chunk=64", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "an integer option given text",
+        ["generate", "--method", "arm", "--option", "arm.sinks=abc", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "a negative count",
+        ["generate", "--method", "sink", "--option", "sink.sinks=-1", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "a fraction where a count goes",
+        ["generate", "--method", "sink", "--option", "sink.sinks=2.5", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "a switch given neither true nor false",
+        [
+            "generate",
+            "--method",
+            "arm",
+            "--option",
+            "arm.read_pages=maybe",
+            "--input",
+            "in.jsonl",
+            "--output",
+            "o.jsonl",
+        ],
+        [GOOD],
+    ),
+    (
+        "an unknown preset",
+        ["generate", "--method", "arm", "--option", "arm.read=fast", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "temperature NaN",
+        ["generate", "--method", "full", "--temperature", "nan", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "temperature infinite",
+        ["generate", "--method", "full", "--temperature", "inf", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    (
+        "seed beyond 64 bits",
+        [
+            "generate",
+            "--method",
+            "full",
+            "--temperature",
+            "1",
+            "--seed",
+            str(10**23),
+            "--input",
+            "in.jsonl",
+            "--output",
+            "o.jsonl",
+        ],
+        [GOOD],
+    ),
+    (
+        "model folder without weights",
+        ["generate", "--method", "full", "--model", "noweights", "--input", "in.jsonl", "--output", "o.jsonl"],
+        [GOOD],
+    ),
+    ("eval ruler: output is a file", ["eval", "ruler", "--output", "plain.txt"], []),
+    (
         "eval ppl: option without its method",
         ["eval", "ppl", "--method", "arm", "--option", "slot_format=int8", "--input", "text.txt"],
         [],
@@ -254,6 +390,16 @@ def scratch(folder: Path, lines: list[str]) -> None:
         },
     }
     (folder / "done.jsonl").write_text(json.dumps(done) + "\n")
+    (folder / "binary.dat").write_bytes(bytes(range(256)))
+    (folder / "r.jsonl.partial").write_text(GOOD + "\n", encoding="utf-8")
+    (folder / "noweights").mkdir()
+    (folder / "noweights" / "config.json").write_text('{"model_type": "llama"}')
+    from armkv.tools.output import request_hash
+
+    settings = {**done["settings"], "max_new_tokens": 2}
+    old = {"id": "q1", "prompt": "The sky was blue."}  # in.jsonl's q1 before its prompt changed
+    made = {**done, "id": "q1", "settings": settings, "hash": request_hash(old, settings)}
+    (folder / "changed.jsonl").write_text(json.dumps(made) + "\n")
 
 
 def run_case(argv: list[str], lines: list[str]) -> tuple[int, str]:
@@ -293,9 +439,9 @@ def render() -> str:
         "# Bad input and what armkv says\n\n"
         "Every row was produced by running the command on the default model (SmolLM2-135M-Instruct,\n"
         "8192 positions) in a scratch folder `DIR`; regenerate with `python tests/test_cli_errors_doc.py`.\n"
-        "Exit 2: nothing ran (all of these are found before the model loads, but the over-long prompt);\n"
-        "exit 1: some requests failed, the others were answered; exit 0 with a warning: the line named\n"
-        "was skipped and the rest answered.\n\n"
+        "Exit 2: nothing ran (all of these are found before the model loads, but the over-long prompt\n"
+        "and the full device); exit 1: some requests were skipped or failed (the last line counts them),\n"
+        "the others were answered; exit 0 with a warning: the run went on as the warning says.\n\n"
     )
     return head + "\n".join(rows) + "\n"
 

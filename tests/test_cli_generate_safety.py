@@ -179,14 +179,14 @@ def test_a_killed_run_is_resumed_from_its_partial_file(tmp_path, tiny_model_dir,
             ["--method", "kivi", "--option", "kivi.bitz=2"],
             "its options: bits, group, residual, sinks, value_group",
         ),
-        (None, ["--method", "kivi", "--option", "kivi.bits=3"], "bits=3 must be 2 or 4"),
+        (None, ["--method", "kivi", "--option", "kivi.bits=3"], "--option kivi.bits=3: expected one of 2, 4"),
         (None, ["--method", "kivi", "--option", "sink.sinks=2"], "this run's method is 'kivi', not 'sink'"),
         (None, ["--method", "kivi", "--option", "bits=2"], "expected METHOD.KEY=VALUE"),
         (None, ["--method", "arm", "--adapter", "no/such/folder"], "is not a folder"),
         (None, ["--method", "nope"], "unknown method 'nope'"),
         (None, ["--method", "full", "--chunk", "0"], "--chunk 0 must be >= 1"),
         (None, ["--method", "full", "--max-new-tokens", "0"], "must be >= 1"),
-        (None, ["--method", "full", "--temperature", "-1"], "--temperature -1.0 must be >= 0"),
+        (None, ["--method", "full", "--temperature", "-1"], "--temperature -1.0 must be a finite number >= 0"),
         (None, ["--method", "full", "--top-p", "1.5"], "--top-p 1.5 must be in (0, 1]"),
         (None, ["--method", "full", "--temperature", "0", "--top-k", "5"], "--temperature 0 is greedy"),
     ],
@@ -238,8 +238,9 @@ def test_jsonl_edges_are_reported_with_line_numbers_before_the_model_loads(tmp_p
     )
     src.write_bytes(b"\xef\xbb\xbf" + body.encode("utf-8"))  # a UTF-8 byte-order mark, as some editors save
     out = tmp_path / "out.jsonl"
-    assert generate(tiny_model_dir, src, out, "--method", "full") == 0
+    assert generate(tiny_model_dir, src, out, "--method", "full") == 1  # the skipped lines are counted at the end
     err = capsys.readouterr().err
+    assert "4 skipped in the input of 7 requests" in err.strip().splitlines()[-1]
     assert "in.jsonl:1" not in err  # the mark does not cost the first line
     assert "in.jsonl:2: skipped, a request is a JSON object with an 'id', not list [1, 2, 3]" in err
     assert "in.jsonl:3: skipped, request 'b': the prompt is empty" in err
@@ -320,5 +321,5 @@ def test_an_output_without_settings_is_not_mixed(tmp_path, tiny_model_dir, capsy
     out = tmp_path / "out.jsonl"
     out.write_text(json.dumps({"id": "r0", "method": "sink", "output": "x"}) + "\n")
     assert generate(tiny_model_dir, write_requests(tmp_path / "in.jsonl", requests(2)), out, "--method", "sink") == 2
-    assert "holds results without the settings they were made under" in capsys.readouterr().err
+    assert "holds a result without the settings and request hash it was made under" in capsys.readouterr().err
     assert json.loads(out.read_text())["output"] == "x"

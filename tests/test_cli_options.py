@@ -83,9 +83,12 @@ def no_model(monkeypatch):
         (["eval", "ruler", "--output", "OUT", "--budget", "1000000000"], "is more than the model's 1024 positions"),
         (
             ["eval", "ruler", "--output", "OUT", "--methods", "arm", "--option", "arm.m_fixed=1/x"],
-            "or a share of them (1/8)",
+            "or a share of them in (0, 1] (1/8)",
         ),
-        (["eval", "ruler", "--output", "OUT", "--methods", "arm", "--option", "arm.m_fixed=3/2"], "must be in (0, 1]"),
+        (
+            ["eval", "ruler", "--output", "OUT", "--methods", "arm", "--option", "arm.m_fixed=3/2"],
+            "or a share of them in (0, 1]",
+        ),
     ],
 )
 def test_eval_checks_before_the_model_loads(tmp_path, tiny_model_dir, capsys, no_model, argv, message):

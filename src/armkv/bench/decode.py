@@ -1195,6 +1195,10 @@ def main(args) -> int:
         report(merge_results(docs), args)
         return 0
     bench = bench_from_args(args)
+    if args.output:
+        from armkv.tools.preflight import check_output_folder
+
+        check_output_folder(args.output)
     if args.threads is not None:
         if args.threads < 1:
             raise ArmkvError(f"--threads {args.threads} must be >= 1")

@@ -118,7 +118,13 @@ def main(args) -> int:
         if task not in NEEDLE_TASKS:
             raise ArmkvError(f"the ablation runs RULER's needle tasks; {task!r} is not one ({', '.join(NEEDLE_TASKS)})")
     options = common.method_options(args)
-    generator, lengths, depths, info, model, tokenizer = ruler.prepare(args, tasks)
+    settings = common.settings_of(
+        args,
+        "ablation",
+        depths=common.parse_list(args.depths, "depths", float) or None,
+        max_new_tokens=args.max_new_tokens,
+    )
+    generator, lengths, depths, info, model, tokenizer = ruler.prepare(args, tasks, settings)
     rows = resolve_rows(
         [known[name] for name in names],
         num_buckets_of(info, args.budget, options.get("arm", {}).get("adapter")),
@@ -134,7 +140,7 @@ def main(args) -> int:
         common.runner_factory(
             model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat, compile=args.compile
         ),
-        settings=common.settings_of(args, "ablation", depths=depths, max_new_tokens=args.max_new_tokens),
+        settings=settings,
         depths=depths,
         max_new_tokens=args.max_new_tokens,
         budget=args.budget,

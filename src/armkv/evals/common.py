@@ -103,7 +103,8 @@ def add_common_arguments(
         "--option",
         action="append",
         metavar="METHOD.KEY=VALUE",
-        help="a method option (repeatable), e.g. arm.slot_format=int8 or kivi.bits=2",
+        help="a method option (repeatable), e.g. arm.slot_format=int8, kivi.bits=2 or arm.read=sparse (the "
+        "measured sparse read's six options; an option given beside it overrides its value)",
     )
 
 
@@ -147,12 +148,26 @@ def settings_of(args, eval_name: str, **extra) -> dict:
     }
 
 
-def load(args):
-    """``(model, tokenizer, info)`` for ``--model`` (default: the packaged model)."""
+def load(args, settings: dict | None = None):
+    """``(model, tokenizer, info)`` for ``--model`` (default: the packaged model), after the
+    checks that need no model: the output folder, the model folder, the budget, each method's
+    options and, where ``settings`` are given, that the output folder's samples were made
+    under them (:func:`check_settings` writes them once the model is loaded)."""
     from armkv.hf.attach import model_info
     from armkv.hf.model import load_model
-    from armkv.tools.preflight import check_budget, check_method, resolve_budget
+    from armkv.tools.preflight import (
+        check_budget,
+        check_method,
+        check_model_folder,
+        check_output_folder,
+        resolve_budget,
+    )
 
+    if getattr(args, "output", None) is not None:
+        check_output_folder(args.output)
+        if settings is not None:
+            compare_folder_settings(args.output, settings)
+    check_model_folder(args.model)
     check_budget(args.budget, args.model)
     if getattr(args, "methods", None):  # each method's options, values included, before the model loads
         options = method_options(args)
@@ -240,6 +255,20 @@ class SampleLog:
         self.records.append(record)
 
 
+def compare_folder_settings(folder: Path, settings: dict) -> None:
+    """Refuse, without writing anything, a folder whose samples were made under other settings."""
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        return
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        raise ArmkvError(f"{path} is not the settings file an eval writes (not JSON): name another --output") from None
+    if not isinstance(old, dict):
+        raise ArmkvError(f"{path} is not the settings file an eval writes (not a JSON object): name another --output")
+    compare_settings(old, json.loads(json.dumps(settings)), str(folder))
+
+
 def check_settings(folder: Path, settings: dict) -> None:
     """Write ``config.json``, or refuse a folder whose samples were made under other settings.
 
@@ -251,9 +280,8 @@ def check_settings(folder: Path, settings: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "config.json"
     settings = json.loads(json.dumps(settings))  # normalise tuples and paths as JSON sees them
-    if path.exists():
-        compare_settings(json.loads(path.read_text()), settings, str(folder))
-    path.write_text(json.dumps(settings, indent=2) + "\n")
+    compare_folder_settings(folder, settings)
+    path.write_text(json.dumps(settings, indent=2, allow_nan=False) + "\n")
 
 
 def collect_summary(folder: Path) -> dict:

@@ -394,7 +394,14 @@ def main(args) -> int:
     for d in datasets:
         dataset_path(args.data_dir, d)  # one-line errors before the model loads
     rows = common.method_rows(args.methods, common.method_options(args))
-    model, tokenizer, info = common.load(args)
+    from armkv.tools.preflight import model_info_from_config
+
+    known, _ = model_info_from_config(args.model)  # the prompt length, where config.json says it before the load
+    positions = args.max_length or (known and known.max_positions - max(DATASET2MAXLEN[d] for d in datasets))
+    early = positions and common.settings_of(
+        args, "longbench", max_length=positions, max_new_tokens=args.max_new_tokens
+    )
+    model, tokenizer, info = common.load(args, early or None)
     max_length = args.max_length or info.max_positions - max(DATASET2MAXLEN[d] for d in datasets)
     evaluate(
         datasets,

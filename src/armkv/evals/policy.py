@@ -284,8 +284,11 @@ def arm_options(args) -> dict:
 
 def main(args) -> int:
     from armkv.hf.model import load_model
-    from armkv.tools.preflight import check_method
+    from armkv.tools.preflight import check_method, check_model_folder, check_output_folder
 
+    if args.output:
+        check_output_folder(args.output)
+    check_model_folder(args.model)
     path = Path(args.input)
     text = read_text(path, "--input")
     options = arm_options(args)

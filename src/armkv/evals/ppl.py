@@ -91,8 +91,9 @@ def perplexity(model, ids: torch.Tensor, method: str, budget: int | None, chunk:
 def main(args) -> int:
     from armkv.hf.model import load_model
     from armkv.options import options_for
-    from armkv.tools.preflight import check_method, resolve_budget
+    from armkv.tools.preflight import check_method, check_model_folder, resolve_budget
 
+    check_model_folder(args.model)
     path = Path(args.input)
     text = read_text(path, "--input")
     options = options_for(args.method, args.option, args.adapter)

@@ -943,8 +943,9 @@ def parse_tasks(text: str) -> list[str]:
     return tasks
 
 
-def prepare(args, tasks: list[str]):
-    """Check the tasks' data and lengths, then load the model: ``(generator, lengths, info, model, tokenizer)``."""
+def prepare(args, tasks: list[str], settings: dict | None = None):
+    """Check the tasks' data and lengths (and, where given, the output folder's ``settings``),
+    then load the model: ``(generator, lengths, depths, info, model, tokenizer)``."""
     lengths = common.parse_list(args.lengths, "lengths", common.parse_length)
     depths = common.parse_list(args.depths, "depths", float) or None
     if args.samples < 1:
@@ -956,7 +957,7 @@ def prepare(args, tasks: list[str]):
     for task in tasks:
         unchecked.check(task)
     check_lengths(lengths, None)
-    model, tokenizer, info = common.load(args)
+    model, tokenizer, info = common.load(args, settings)
     extra = chat_template_tokens(tokenizer) if args.chat else 0
     generator = RulerGenerator(tokenizer, args.seed, haystack, qa, extra, haystack=override)
     return generator, lengths, depths, info, model, tokenizer
@@ -971,7 +972,14 @@ def chat_template_tokens(tokenizer) -> int:
 def main(args) -> int:
     tasks = parse_tasks(args.tasks)
     rows = common.method_rows(args.methods, common.method_options(args))
-    generator, lengths, depths, info, model, tokenizer = prepare(args, tasks)
+    settings = common.settings_of(
+        args,
+        "ruler",
+        depths=common.parse_list(args.depths, "depths", float) or None,
+        max_new_tokens=args.max_new_tokens,
+        haystack=(None if getattr(args, "haystack", "task") == "task" else args.haystack) or "task",
+    )
+    generator, lengths, depths, info, model, tokenizer = prepare(args, tasks, settings)
     evaluate(
         generator,
         rows,
@@ -982,9 +990,7 @@ def main(args) -> int:
         common.runner_factory(
             model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat, compile=args.compile
         ),
-        settings=common.settings_of(
-            args, "ruler", depths=depths, max_new_tokens=args.max_new_tokens, haystack=generator.haystack or "task"
-        ),
+        settings=settings,
         depths=depths,
         max_new_tokens=args.max_new_tokens,
         budget=args.budget,

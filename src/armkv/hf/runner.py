@@ -8,6 +8,8 @@ every method compresses the context without knowing the question (as kvpress eva
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 
 import torch
@@ -27,11 +29,22 @@ def check_request(request: dict) -> None:
     has_context, has_prompt = "context" in request, "prompt" in request
     if has_context == has_prompt:
         raise ArmkvError(f"request {request['id']!r} needs exactly one of 'context' or 'prompt'")
+    if has_prompt and ("question" in request or "answer_prefix" in request):
+        raise ArmkvError(
+            f"request {request['id']!r}: 'question' and 'answer_prefix' go with a 'context'; a 'prompt' is the whole "
+            "text (put them into it, or give the text as 'context')"
+        )
     for key in ("context", "question", "answer_prefix", "prompt"):
         if key in request and not isinstance(request[key], str):
             raise ArmkvError(f"request {request['id']!r}: {key!r} must be a string")
     if not any(request.get(key) for key in ("context", "question", "answer_prefix", "prompt")):
         raise ArmkvError(f"request {request['id']!r}: the prompt is empty")
+
+
+def request_seed(seed: int, request_id) -> int:
+    """The seed of one request's draws: a 64-bit hash of ``seed`` and the request's id."""
+    text = json.dumps([int(seed), request_id], sort_keys=True, ensure_ascii=True)
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "little")
 
 
 class Runner:
@@ -131,8 +144,10 @@ class Runner:
         """Answer each request, one at a time, each with a fresh cache.
 
         With ``do_sample``, unset ``temperature`` / ``top_k`` / ``top_p`` come from the model's
-        generation config; ``seed`` (optional) seeds each request's draws afresh, so a request's
-        answer does not depend on the requests before it (a resumed run gives the same answers).
+        generation config; ``seed`` (optional) seeds each request's draws afresh from the seed and
+        the request's id (:func:`request_seed`), so a request's answer does not depend on the
+        requests before it (a resumed run gives the same answers) and requests that share a
+        prompt draw different samples.
 
         Returns
         -------
@@ -152,7 +167,7 @@ class Runner:
                 top_p=top_p,
                 request_id=request["id"],
                 watch=request.get("watch"),
-                seed=seed,
+                seed=None if seed is None else request_seed(seed, request["id"]),
             )
             results.append(
                 {

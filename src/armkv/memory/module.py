@@ -192,6 +192,12 @@ class ARMModel(nn.Module):
                 f"{weights_path} does not match its config ({len(missing)} tensors missing, {len(unexpected)} "
                 "unexpected)"
             )
+        bad = sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+        if bad:
+            raise ArmkvError(
+                f"{weights_path} holds NaN or infinite values ({len(bad)} tensors, e.g. {bad[0]}): re-create the "
+                "adapter (a training run that diverged saves such parameters)"
+            )
         arm.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
         return arm
 

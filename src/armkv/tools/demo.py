@@ -125,8 +125,10 @@ def main(args: argparse.Namespace) -> int:
     if not lengths or min(lengths) < 64 or args.samples < 1:
         raise ArmkvError("--lengths needs lengths of at least 64 tokens and --samples at least 1")
     methods, notes = pick_methods(args.methods)
-    from armkv.tools.preflight import check_budget
+    from armkv.tools.preflight import check_budget, check_model_folder, check_output_folder
 
+    check_output_folder(args.output)
+    check_model_folder(args.model)
     check_budget(args.budget, args.model)
     model, tokenizer = load_model(args.model)
     samples = make_samples(tokenizer, lengths, args.samples, args.seed)

@@ -5,13 +5,13 @@ the command line costs a second, not a model load.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import sys
 from pathlib import Path
 
 from armkv.errors import ArmkvError
+from armkv.options import check_options
 
 DEFAULT_BUDGET = 512  # token-equivalents per layer: every tool's default for the bounded methods
 
@@ -26,6 +26,41 @@ def model_folder(model_dir: str | Path | None) -> Path | None:
         Path(os.environ.get("ARMKV_CACHE") or Path.home() / ".cache" / "armkv") / "models" / "smollm2-135m-instruct"
     )
     return folder if (folder / "config.json").is_file() else None
+
+
+def check_model_folder(model_dir: str | Path | None) -> None:
+    """Raise ArmkvError, before the load, for a ``--model`` that is not a model folder: missing,
+    a file, no ``config.json``, or no safetensors weights (armkv loads no pickled weights)."""
+    if model_dir is None:
+        return
+    folder = Path(model_dir)
+    if not folder.exists():
+        raise ArmkvError(f"--model {folder}: no such folder (give a local transformers model folder)")
+    if not folder.is_dir():
+        raise ArmkvError(f"--model {folder} is a file; give the folder holding config.json and the weights")
+    if not (folder / "config.json").is_file():
+        raise ArmkvError(f"--model {folder} is not a transformers model folder (no config.json)")
+    if not any(folder.glob("*.safetensors")):
+        pickled = sorted(p.name for p in folder.glob("*.bin"))
+        hint = (
+            f"it holds {pickled[0]}, pickled weights armkv does not load: save the model with "
+            "save_pretrained(safe_serialization=True)"
+            if pickled
+            else "copy or save the model's weights there (save_pretrained)"
+        )
+        raise ArmkvError(f"--model {folder} holds no weights (*.safetensors): {hint}")
+
+
+def check_output_folder(folder: Path) -> None:
+    """One-line errors for an output folder that is a file or lies under one."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ArmkvError(f"--output {folder} is a file; this tool writes a folder of results there: name a folder")
+    for parent in folder.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ArmkvError(f"--output {folder}: {parent} is a file, not a folder")
+            break
 
 
 def model_info_from_config(model_dir: str | Path | None):
@@ -72,24 +107,6 @@ def machine_memory_bytes() -> int | None:
         return None
 
 
-def option_keys(method: str) -> list[str]:
-    """The option keys ``--option METHOD.KEY=VALUE`` takes for ``method``."""
-    from armkv.methods.base import get_method
-
-    spec = get_method(method)
-    skip = {"layer_idx", "info", "rotary", "budget", "chunk", "horizon", "arm", "arm_overrides"}
-    keys = {
-        name
-        for name, p in inspect.signature(spec.make_layer).parameters.items()
-        if name not in skip and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-    }
-    if method == "arm":
-        from armkv.methods.adapters import RUNTIME_FIELDS
-
-        keys |= set(RUNTIME_FIELDS) | {"layer_weights"}
-    return sorted(keys)
-
-
 def resolve_budget(method: str, budget: int | None, warn=None) -> int | None:
     """The budget a method runs with: ``budget``, or :data:`DEFAULT_BUDGET` for a bounded method
     when none is given; None for a method that keeps every token (a budget given to one is
@@ -122,11 +139,7 @@ def check_method(
     spec = get_method(method)
     if chunk < 1:
         raise ArmkvError(f"--chunk {chunk} must be >= 1")
-    valid = option_keys(method)
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        listed = ", ".join(valid) if valid else "none"
-        raise ArmkvError(f"method {method!r} has no option {', '.join(unknown)}; its options: {listed}")
+    options = check_options(method, options)
     info, rotary = model_info_from_config(model_dir)
     if info is None:
         return
