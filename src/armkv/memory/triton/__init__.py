@@ -39,7 +39,10 @@ KINDS = ("dense", "sparse", "best", "partial")
 
 def available() -> bool:
     """Whether triton is installed (the kernels are compiled on first use)."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # (a module entry set to None: treated as absent)
+        return False
 
 
 def describe() -> str:

@@ -307,7 +307,7 @@ def decode_combine(
         pl_hi += tl.where(exact, hi, 0.0)
         acc_lo += tl.where(exact, 0.0, lo)
         acc_hi += tl.where(exact, 0.0, hi)
-    inv = tl.where(total > 0, 1.0 / total, 0.0)
+    inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
     _finish(acc_lo, acc_hi, pl_lo, pl_hi, inv, out + b * o_sb + h * R * o_sh, o_sh, rows_ok, ch, hmask, half, cf, fmask,
             mix, d, MIXED, BR)  # fmt: skip
 
@@ -477,7 +477,7 @@ def chunk_read(
         acc_hi = acc_hi * alpha[:, None]
         pl_lo = pl_lo * alpha[:, None] + _dot(w, v_lo)
         pl_hi = pl_hi * alpha[:, None] + _dot(w, v_hi)
-    inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+    inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
     orow = out + b * o_sb + t * o_st + (h * R + rr) * o_sh
     _store_rows(acc_lo, acc_hi, pl_lo, pl_hi, inv, orow, rows_ok, ch, hmask, half, cf, fmask, mix, d, MIXED)
 
