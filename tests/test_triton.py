@@ -212,6 +212,39 @@ def test_ranked_decode_reads_choose_the_cpp_calls_buckets(cpp, rank, dtype, fmt,
             _assert_ranked_read(c, got, chosen, scores, 3, 7)
 
 
+@pytest.mark.parametrize("rank", ["sparse", "best", "partial"])
+def test_reads_of_many_small_pages_equal_the_cpp_call(cpp, rank):
+    """read_pages: 9 buckets of 203 slots cut into pages of at most ceil(occupied / 24) slots
+    (48 units, most of a few slots), m = 20 of them read with their summaries: the chosen
+    pages span two shares of 16 and their slots are packed several pages to a block, the
+    skipped units' entries two shares of 32, the ranking 16 units a program; the same pages
+    and the same read as the C++ call."""
+    from armkv.memory.read import paged_index
+
+    c = _ranked_case("k4v4", 64, 203, 3, 9, 3, False, True, 47)
+    st, bias, scaling, take = c["st"], c["bias"], c["read"][10], c["take"]
+    pages = paged_index(c["index"], 24)
+    G, U = bias.shape[0], pages.size.shape[1]
+    assert U == 48 and int(pages.size.max()) < 16
+    take = take * 20 // 3  # (20, 13, 20, 0: rows and groups reading fewer)
+    tail = dict(
+        take=take, **dict(zip(("unit_keys", "unit_values", "unit_log_weight"), index_summaries(st, bias, pages)))
+    )
+    if rank == "sparse":
+        g = torch.Generator().manual_seed(7)
+        tail["buckets"] = torch.stack([torch.randperm(U, generator=g)[:20] for _ in range(G)])
+    else:
+        tail.update(m=20, n=8 if rank == "partial" else 0)
+    _, wide = _tokens(c, torch.float32)
+    with torch.no_grad():
+        got = _bound_call(tk, rank, st, bias, None, pages, **tail)(*wide, scaling)
+        want = _bound_call(cpp, rank, st, bias, None, pages, **tail)(*wide, scaling)
+    if rank != "sparse":
+        assert torch.equal(got[1], want[1])
+        got, want = got[0], want[0]
+    _close(got, want, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).removeprefix("torch."))
 @pytest.mark.parametrize("fmt,mixed", [("k4v4", True), ("k8v4", False)])
 def test_dense_chunk_read_equals_the_gathered_read_of_every_slot(dtype, fmt, mixed):

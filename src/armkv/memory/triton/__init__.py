@@ -14,14 +14,16 @@ model's layout or flat by group, and returns the read [B, 1, Hq, d] (or [G, R, d
 the m chosen units for the ranked kinds. The token inputs may be float32, float16 or
 bfloat16; everything is summed in float32 and the output has the query's dtype.
 
-A dense read is a split-K pair of launches: ``decode_partials`` (program (g, p): group g's
-share p of the slots, or its exact entries, or the units a sparse read skips) and
-``decode_combine`` (one softmax from the shares). A sparse read has one share per chosen
-unit; the ranked kinds first score every unit (``unit_best``, a program a unit), pick the
-m best with one stable sort (ties to the lower id, as the C++ and PyTorch rankings), then
-read them as the sparse read does. :func:`dense_chunk_read` is a prefill chunk's read of
-the whole pool, the exact entries and the chunk (causal) in one launch:
-``read.gathered_read`` with every slot gathered for every query.
+A read is a split-K pair of launches: ``decode_partials`` (program (g, p): group g's
+share p of the slots, or its exact entries, or a share of the units a sparse read skips)
+and ``decode_combine`` (one softmax from the shares). A sparse read's shares hold up to 16
+chosen units each, their slots packed end to end into blocks (pages of a few slots fill a
+block together); the ranked kinds first score every unit (``unit_best``, 16 units a
+program, each slot of their lists scored once), pick the m best with one stable sort (ties
+to the lower id, as the C++ and PyTorch rankings), then read them as the sparse read does.
+:func:`dense_chunk_read` is a prefill chunk's read of the whole pool, the exact entries and
+the chunk (causal) in one launch: ``read.gathered_read`` with every slot gathered for every
+query.
 
 triton is imported on first use: ``import armkv.memory.triton`` works without it
 (:func:`available` says whether it is installed; ``pip install 'armkv[gpu]'``).
@@ -312,17 +314,19 @@ class DecodeCall:
             per = -(-S // max(1, min(want, -(-S // BS))))  # slots a share, then rounded up to whole blocks
             CHUNK = max(BS, -(-per // BS) * BS)
             NS = max(1, -(-S // CHUNK))
-            M, units, has_order = 0, None, False
+            M, units, has_order, nb, BC = 0, None, False, 0, 16
             order = start = size = take = chosen_t = _dummy(dev)
-            nb = 0
-        else:
-            M = chosen.shape[1]
-            NS, CHUNK, units, nb = M, 0, self.units, self.nb
+        else:  # sparse: BC chosen units a share
+            M, units, nb = chosen.shape[1], self.units, self.nb
+            BC = min(_pow2(M), 16)
+            NS = max(1, -(-M // BC))
+            CHUNK = 0
             has_order = self.order.shape[1] > 0
             order, start, size, take, chosen_t = self.order, self.start, self.size, self.take, chosen
         U = nb if units is not None else 0
         uk, uv, ulw = units if units is not None else (_dummy(dev),) * 3
-        NP = NS + 1 + (units is not None)
+        UCHUNK = max(BS, -(-U // BS // max(1, -(-128 // G))) * BS) if U else BS  # (the skipped units' shares)
+        NP = NS + 1 + (-(-U // UCHUNK) if U else 0)
         part_m = torch.empty(G, NP, BR, dtype=torch.float32, device=dev)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(G, NP, BR, 2, BH, dtype=torch.float32, device=dev)
@@ -333,9 +337,9 @@ class DecodeCall:
             order, order.stride(0) if has_order else 0, start, size, chosen_t, take,
             uk, uv, ulw,
             part_m, part_l, part_acc,
-            t.H, R, t.L, S, d, d // 2, d // sl.ngk, d // sl.ngv, nb, M, U, CHUNK, NS, float(scaling),
+            t.H, R, t.L, S, d, d // 2, d // sl.ngk, d // sl.ngv, nb, M, U, CHUNK, UCHUNK, NS, NP, float(scaling),
             MIXED=sl.mix is not None, KEY_INT8=sl.int8_keys, SPARSE=chosen is not None, HAS_ORDER=has_order,
-            HAS_UNITS=units is not None, BR=BR, BH=BH, BD=BD, BS=BS, BM=_pow2(M),
+            HAS_UNITS=units is not None, BR=BR, BH=BH, BD=BD, BS=BS, BM=min(_pow2(M), 64), BC=BC,
         )  # fmt: skip
         out, o_sb, o_sh = t.out(d)
         k.decode_combine[(G,)](
@@ -371,13 +375,14 @@ class DecodeCall:
         best = torch.empty(G, self.nb, dtype=torch.float32, device=dev)
         has_order = self.order.shape[1] > 0
         kc, ks, b = sl.kc, sl.ks, sl.bias
-        k.unit_best[(G, self.nb)](
+        BU = 16  # units a program ranks
+        k.unit_best[(G, -(-self.nb // BU))](
             qm, kc, kc.stride(0), kc.stride(1), ks, ks.stride(0), ks.stride(1), b, b.stride(0),
             self.order, self.order.stride(0) if has_order else 0, self.start, self.size, best,
             qi, f, rows,
             R, d, d // 2, d // sl.ngk, self.nb, n, float(scaling),
             PARTIAL=partial, KEY_INT8=sl.int8_keys, HAS_ORDER=has_order, NGK=sl.ngk,
-            BR=_pow2(R), BH=_pow2((d + 1) // 2), BS=32 if dev.type == "cpu" else 64, BN=_pow2(n),
+            BR=_pow2(R), BH=_pow2((d + 1) // 2), BS=32 if dev.type == "cpu" else 64, BN=_pow2(n), BU=BU,
         )  # fmt: skip
         return best.sort(dim=1, descending=True, stable=True).indices[:, : self.m].contiguous()
 

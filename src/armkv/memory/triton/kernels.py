@@ -99,6 +99,26 @@ def _query(q, rows_ok, ch, hmask, half, q_sr, q_sd, cf, fmask, mix, d, MIXED: tl
 
 
 @triton.jit
+def _slot_block(
+    qm_lo, qm_hi, m_i, l_i, acc_lo, acc_hi, slot, smask,
+    kc, ks, vc, vs, bias,
+    ch, hmask, half, gsk, gsv, kc_sc, ks_ss, vc_ss, vs_ss, scaling,
+    KEY_INT8: tl.constexpr,
+):  # fmt: skip
+    """One block of slots [BS] (smask: which lanes hold one) into the online softmax: their
+    logits q.k * scaling + bias, their weighted values."""
+    k_lo, k_hi = _keys(kc, ks, slot, smask, ch, hmask, half, gsk, kc_sc, ks_ss, KEY_INT8)
+    b = tl.load(bias + slot, mask=smask, other=float("-inf"))
+    logits = (_dot(qm_lo, k_lo) + _dot(qm_hi, k_hi)) * scaling + b[None, :]
+    logits = tl.where(smask[None, :], logits, float("-inf"))
+    m_i, l_i, p, alpha = _online(m_i, l_i, logits)
+    v_lo, v_hi = _values(vc, vs, slot, smask, ch, hmask, half, gsv, vc_ss, vs_ss)
+    acc_lo = acc_lo * alpha[:, None] + _dot(p, v_lo)
+    acc_hi = acc_hi * alpha[:, None] + _dot(p, v_hi)
+    return m_i, l_i, acc_lo, acc_hi
+
+
+@triton.jit
 def _read_slots(
     qm_lo, qm_hi, m_i, l_i, acc_lo, acc_hi, p0, n,
     order, kc, ks, vc, vs, bias,
@@ -106,7 +126,7 @@ def _read_slots(
     HAS_ORDER: tl.constexpr, KEY_INT8: tl.constexpr, BS: tl.constexpr,
 ):  # fmt: skip
     """The online softmax over the slots listed at positions [p0, p0 + n) of ``order`` (or,
-    without one, slots p0 ..), their logits q.k * scaling + bias."""
+    without one, slots p0 ..)."""
     for s0 in range(0, n, BS):
         j = s0 + tl.arange(0, BS)
         smask = j < n
@@ -114,14 +134,41 @@ def _read_slots(
             slot = tl.load(order + p0 + j, mask=smask, other=0)
         else:
             slot = p0 + j
-        k_lo, k_hi = _keys(kc, ks, slot, smask, ch, hmask, half, gsk, kc_sc, ks_ss, KEY_INT8)
-        b = tl.load(bias + slot, mask=smask, other=float("-inf"))
-        logits = (_dot(qm_lo, k_lo) + _dot(qm_hi, k_hi)) * scaling + b[None, :]
-        logits = tl.where(smask[None, :], logits, float("-inf"))
-        m_i, l_i, p, alpha = _online(m_i, l_i, logits)
-        v_lo, v_hi = _values(vc, vs, slot, smask, ch, hmask, half, gsv, vc_ss, vs_ss)
-        acc_lo = acc_lo * alpha[:, None] + _dot(p, v_lo)
-        acc_hi = acc_hi * alpha[:, None] + _dot(p, v_hi)
+        m_i, l_i, acc_lo, acc_hi = _slot_block(
+            qm_lo, qm_hi, m_i, l_i, acc_lo, acc_hi, slot, smask, kc, ks, vc, vs, bias,
+            ch, hmask, half, gsk, gsv, kc_sc, ks_ss, vc_ss, vs_ss, scaling, KEY_INT8,
+        )  # fmt: skip
+    return m_i, l_i, acc_lo, acc_hi
+
+
+@triton.jit
+def _read_units(
+    qm_lo, qm_hi, m_i, l_i, acc_lo, acc_hi, u_start, u_size,
+    order, kc, ks, vc, vs, bias,
+    ch, hmask, half, gsk, gsv, kc_sc, ks_ss, vc_ss, vs_ss, scaling,
+    HAS_ORDER: tl.constexpr, KEY_INT8: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    """The online softmax over the slots of BC units (their lists at positions
+    [u_start[k], u_start[k] + u_size[k]) of ``order``, u_size 0 for none), packed end to end
+    into blocks of BS: a block holds slots of several small units (pages of a few slots)."""
+    k_ids = tl.arange(0, BC)
+    ends = tl.cumsum(u_size, 0)
+    shift = u_start - (ends - u_size)  # position = lane + shift of the lane's unit
+    W = tl.sum(u_size, 0)
+    for s0 in range(0, W, BS):
+        j = s0 + tl.arange(0, BS)
+        smask = j < W
+        k = tl.sum((ends[None, :] <= j[:, None]).to(tl.int32), 1)  # the unit whose run holds lane j
+        pos = j + tl.sum(tl.where(k_ids[None, :] == k[:, None], shift[None, :], 0), 1)
+        if HAS_ORDER:
+            slot = tl.load(order + pos, mask=smask, other=0)
+        else:
+            slot = pos
+        slot = tl.where(smask, slot, 0)
+        m_i, l_i, acc_lo, acc_hi = _slot_block(
+            qm_lo, qm_hi, m_i, l_i, acc_lo, acc_hi, slot, smask, kc, ks, vc, vs, bias,
+            ch, hmask, half, gsk, gsv, kc_sc, ks_ss, vc_ss, vs_ss, scaling, KEY_INT8,
+        )  # fmt: skip
     return m_i, l_i, acc_lo, acc_hi
 
 
@@ -158,16 +205,17 @@ def decode_partials(
     order, order_sg, start, size, chosen, take,
     uk, uv, ulw,
     part_m, part_l, part_acc,
-    H, R, L, S, d, half, gsk, gsv, NB, M, U, CHUNK, NS, scaling,
+    H, R, L, S, d, half, gsk, gsv, NB, M, U, CHUNK, UCHUNK, NS, NP, scaling,
     MIXED: tl.constexpr, KEY_INT8: tl.constexpr, SPARSE: tl.constexpr, HAS_ORDER: tl.constexpr,
     HAS_UNITS: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-    BM: tl.constexpr,
+    BM: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     """One group's decode read, split: program (g, p) puts its share's running maximum [BR],
     sum [BR] and weighted values [BR, 2, BH] (mixed basis for slots and units, plain for the
     exact entries) into the partial buffers. p < NS: slots (dense: positions [p CHUNK, ..);
-    sparse: the p-th chosen unit, read if p < take and its id is in [0, NB)); p = NS: the
-    sinks, window and the token itself; p = NS + 1 (HAS_UNITS): the units the read skips."""
+    sparse: chosen units p BC .. p BC + BC - 1, those among the first ``take`` with ids in
+    [0, NB)); p = NS: the sinks, window and the token itself; p > NS (HAS_UNITS): UCHUNK of
+    the units, those the read skips. NP programs a group in all."""
     g = tl.program_id(0)
     p = tl.program_id(1)
     b = g // H
@@ -185,22 +233,27 @@ def decode_partials(
     qg = q + b * q_sb + h * R * q_sh
     if p < NS:
         qm_lo, qm_hi = _query(qg, rows_ok, ch, hmask, half, q_sh, q_sd, cf, fmask, mix, d, MIXED, BR)
-        if SPARSE:
-            unit = tl.load(chosen + g * M + p)
-            tk = tl.minimum(tl.load(take + g), M)
-            ok = (p < tk) & (unit >= 0) & (unit < NB)
+        if SPARSE:  # chosen units p BC .. p BC + BC - 1, those among the first `take` with ids in [0, NB)
+            c = p * BC + tl.arange(0, BC)
+            unit = tl.load(chosen + g * M + c, mask=c < M, other=-1)
+            ok = (c < tl.load(take + g)) & (unit >= 0) & (unit < NB)
             at = tl.where(ok, unit, 0)
-            n = tl.where(ok, tl.load(size + g * NB + at), 0)
-            p0 = tl.load(start + g * NB + at)
+            u_size = tl.where(ok, tl.load(size + g * NB + at), 0)
+            u_start = tl.load(start + g * NB + at)
+            m_i, l_i, acc_lo, acc_hi = _read_units(
+                qm_lo, qm_hi, m_i, l_i, acc_lo, acc_hi, u_start, u_size,
+                order + g * order_sg, kc + g * kc_sg, ks + g * ks_sg, vc + g * vc_sg, vs + g * vs_sg,
+                bias + g * bias_sg, ch, hmask, half, gsk, gsv, kc_sc, ks_ss, vc_ss, vs_ss, scaling,
+                HAS_ORDER, KEY_INT8, BS, BC,
+            )  # fmt: skip
         else:
             p0 = p * CHUNK
-            n = tl.minimum(CHUNK, S - p0)
-        m_i, l_i, acc_lo, acc_hi = _read_slots(
-            qm_lo, qm_hi, m_i, l_i, acc_lo, acc_hi, p0, n,
-            order + g * order_sg, kc + g * kc_sg, ks + g * ks_sg, vc + g * vc_sg, vs + g * vs_sg, bias + g * bias_sg,
-            ch, hmask, half, gsk, gsv, kc_sc, ks_ss, vc_ss, vs_ss, scaling,
-            HAS_ORDER, KEY_INT8, BS,
-        )  # fmt: skip
+            m_i, l_i, acc_lo, acc_hi = _read_slots(
+                qm_lo, qm_hi, m_i, l_i, acc_lo, acc_hi, p0, tl.minimum(CHUNK, S - p0),
+                order, kc + g * kc_sg, ks + g * ks_sg, vc + g * vc_sg, vs + g * vs_sg, bias + g * bias_sg,
+                ch, hmask, half, gsk, gsv, kc_sc, ks_ss, vc_ss, vs_ss, scaling,
+                False, KEY_INT8, BS,
+            )  # fmt: skip
     elif p == NS:  # the exact entries and the token, plain basis
         q_lo, q_hi = _plain_query(qg, rows_ok, ch, hmask, half, q_sh, q_sd, BR)
         ekg = ek + b * ek_sb + h * ek_sh
@@ -237,16 +290,19 @@ def decode_partials(
         v_hi = tl.where(own, tl.load(vg + ch + half, mask=hmask, other=0).to(tl.float32), 0.0)
         acc_lo = acc_lo * alpha[:, None] + w1[:, None] * v_lo[None, :]
         acc_hi = acc_hi * alpha[:, None] + w1[:, None] * v_hi[None, :]
-    elif HAS_UNITS:  # each unit the read skips, one entry (mixed basis)
+    elif HAS_UNITS:  # units [(p - NS - 1) UCHUNK, + UCHUNK) the read skips, one entry each (mixed basis)
         qm_lo, qm_hi = _query(qg, rows_ok, ch, hmask, half, q_sh, q_sd, cf, fmask, mix, d, MIXED, BR)
-        j = tl.arange(0, BM)
         count = tl.minimum(tl.load(take + g), M)
-        picked = tl.load(chosen + g * M + j, mask=j < count, other=-1)
-        for u0 in range(0, U, BS):
+        u_first = (p - NS - 1) * UCHUNK
+        for u0 in range(u_first, tl.minimum(u_first + UCHUNK, U), BS):
             uu = u0 + tl.arange(0, BS)
             umask = uu < U
             lw = tl.load(ulw + g * U + uu, mask=umask, other=float("-inf"))
-            taken = tl.max((uu[:, None] == picked[None, :]).to(tl.int32), 1) > 0
+            taken = tl.zeros([BS], tl.int32)
+            for c0 in range(0, count, BM):  # (the chosen units, BM at a time)
+                c = c0 + tl.arange(0, BM)
+                picked = tl.load(chosen + g * M + c, mask=c < count, other=-1)
+                taken = tl.maximum(taken, tl.max((uu[:, None] == picked[None, :]).to(tl.int32), 1))
             keep = umask & (taken == 0) & (lw > float("-inf"))
             kmask = hmask[:, None] & umask[None, :]
             k_lo = tl.load(uk + (g * U + uu[None, :]) * d + ch[:, None], mask=kmask, other=0)
@@ -259,7 +315,6 @@ def decode_partials(
             v_hi = tl.load(uv + (g * U + uu[:, None]) * d + ch[None, :] + half, mask=vmask, other=0)
             acc_lo = acc_lo * alpha[:, None] + _dot(w, v_lo)
             acc_hi = acc_hi * alpha[:, None] + _dot(w, v_hi)
-    NP = NS + 1 + HAS_UNITS
     at = (g * NP + p) * BR + r
     tl.store(part_m + at, m_i)
     tl.store(part_l + at, l_i)
@@ -319,23 +374,29 @@ def unit_best(
     qi, f, rows,
     R, d, half, gsk, U, n, scaling,
     PARTIAL: tl.constexpr, KEY_INT8: tl.constexpr, HAS_ORDER: tl.constexpr, NGK: tl.constexpr,
-    BR: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+    BR: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, BU: tl.constexpr,
 ):  # fmt: skip
-    """Each unit's ranking score (program (g, u)): the largest over its slots and the R heads
-    of the logit q.k * scaling + bias (read_rank="best"; qm [G, R, d] float32 the query in the
-    slots' basis), or with PARTIAL of the partial logit over the n key-code rows ``rows``
-    [G, n] (read_rank="partial": qi [G, R, 2n] the rounded query, integers, f [G, R] its scale
-    times the scaling; per scale group the integer sum, then times the slot's scale) ->
-    best [G, U], -inf for a unit with no slot."""
+    """Each unit's ranking score, program (g, i) units i BU .. i BU + BU - 1: the largest over
+    the unit's slots and the R heads of the logit q.k * scaling + bias (read_rank="best"; qm
+    [G, R, d] float32 the query in the slots' basis), or with PARTIAL of the partial logit over
+    the n key-code rows ``rows`` [G, n] (read_rank="partial": qi [G, R, 2n] the rounded query,
+    integers, f [G, R] its scale times the scaling; per scale group the integer sum, then
+    times the slot's scale) -> best [G, U], -inf for a unit with no slot. The program reads
+    the positions of ``order`` its units' lists span (an index lists units one after another:
+    one stretch), each lane scored once and given to the unit whose list holds it."""
     g = tl.program_id(0)
-    u = tl.program_id(1)
+    uu = tl.program_id(1) * BU + tl.arange(0, BU)
+    umask = uu < U
     r = tl.arange(0, BR)
     rows_ok = r < R
-    p0 = tl.load(start + g * U + u)
-    cnt = tl.load(size + g * U + u)
+    u_start = tl.load(start + g * U + uu, mask=umask, other=0)
+    u_size = tl.load(size + g * U + uu, mask=umask, other=0)
+    u_end = u_start + u_size
+    first = tl.min(tl.where(u_size > 0, u_start, 2147483647), 0)
+    last = tl.max(tl.where(u_size > 0, u_end, 0), 0)
     kcg = kc + g * kc_sg
     ksg = ks + g * ks_sg
-    top = tl.full([BR], float("-inf"), tl.float32)
+    top = tl.full([BU], float("-inf"), tl.float32)
     if PARTIAL:
         jj = tl.arange(0, BN)
         jmask = jj < n
@@ -352,13 +413,13 @@ def unit_best(
         qmask = rows_ok[:, None] & hmask[None, :]
         q_lo = tl.load(qm + (g * R + r[:, None]) * d + ch[None, :], mask=qmask, other=0)
         q_hi = tl.load(qm + (g * R + r[:, None]) * d + ch[None, :] + half, mask=qmask, other=0)
-    for s0 in range(0, cnt, BS):
-        j = s0 + tl.arange(0, BS)
-        smask = j < cnt
+    for s0 in range(first, last, BS):
+        pos = s0 + tl.arange(0, BS)
+        smask = pos < last
         if HAS_ORDER:
-            slot = tl.load(order + g * order_sg + p0 + j, mask=smask, other=0)
+            slot = tl.load(order + g * order_sg + pos, mask=smask, other=0)
         else:
-            slot = p0 + j
+            slot = pos
         b = tl.load(bias + g * bias_sg + slot, mask=smask, other=float("-inf"))
         if PARTIAL:
             cmask = jmask[:, None] & smask[None, :]
@@ -377,9 +438,10 @@ def unit_best(
         else:
             k_lo, k_hi = _keys(kcg, ksg, slot, smask, ch, hmask, half, gsk, kc_sc, ks_ss, KEY_INT8)
             logits = (_dot(q_lo, k_lo) + _dot(q_hi, k_hi)) * scaling + b[None, :]
-        logits = tl.where(rows_ok[:, None] & smask[None, :], logits, float("-inf"))
-        top = tl.maximum(top, tl.max(logits, 1))
-    tl.store(best + g * U + u, tl.max(top, 0))
+        lane = tl.max(tl.where(rows_ok[:, None], logits, float("-inf")), 0)  # [BS] each position's best head
+        held = (pos[:, None] >= u_start[None, :]) & (pos[:, None] < u_end[None, :]) & smask[:, None]  # [BS, BU]
+        top = tl.maximum(top, tl.max(tl.where(held, lane[:, None], float("-inf")), 0))
+    tl.store(best + g * U + uu, top, mask=umask)
 
 
 # ---------------------------------------------------------------------- the chunk read
