@@ -11,6 +11,7 @@ Skipped where triton is not installed, unless ARMKV_REQUIRE_TRITON=1 (CI), where
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -309,3 +310,55 @@ def test_the_package_imports_without_triton():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+AOT = r"""
+import inspect, json, sys, time
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from armkv.memory.triton import kernels as K
+
+def build(fn, types, consts):
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    t0 = time.time()
+    done = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return {"kernel": fn.fn.__name__, "consts": consts, "s": round(time.time() - t0, 1), "shared": done.metadata.shared}
+
+tokens = dict(q="*bf16", kk="*bf16", vv="*bf16", ek="*bf16", ev="*bf16", eok="*u8", kc="*u8", ks="*bf16", vc="*u8",
+              vs="*bf16", bias="*fp32", mix="*fp32", scaling="fp32")
+part = dict(tokens, own_ok="*u8", part_m="*fp32", part_l="*fp32", part_acc="*fp32", uk="*fp32", uv="*fp32",
+            ulw="*fp32", order="*i32", start="*i32", size="*i32", chosen="*i64", take="*i64")
+block = dict(BR=16, BH=64, BS=64, BM=64, BC=16)
+dense = dict(MIXED=True, KEY_INT8=False, SPARSE=False, HAS_ORDER=False, HAS_UNITS=False, **block)
+sparse = dict(MIXED=False, KEY_INT8=True, SPARSE=True, HAS_ORDER=True, HAS_UNITS=True, **block)
+parts = dict(part_m="*fp32", part_l="*fp32", part_acc="*fp32", out="*bf16", mix="*fp32")
+rank = dict(qm="*fp32", ks="*bf16", bias="*fp32", order="*i32", start="*i32", size="*i32", best="*fp32",
+            qi="*fp32", f="*fp32", rows="*i32", scaling="fp32")
+ranks = dict(BR=16, BH=64, BS=64, BN=16, BU=16)
+out = [
+    build(K.decode_partials, part, dense),
+    build(K.decode_partials, dict(part, kc="*i8"), sparse),
+    build(K.decode_combine, parts, dict(MIXED=True, BR=16, BH=64)),
+    build(K.unit_best, dict(rank, kc="*u8"), dict(PARTIAL=True, KEY_INT8=False, HAS_ORDER=True, NGK=4, **ranks)),
+    build(K.unit_best, dict(rank, kc="*i8"), dict(PARTIAL=False, KEY_INT8=True, HAS_ORDER=False, NGK=1, **ranks)),
+]
+if sys.argv[1] == "all":
+    chunk = dict(MIXED=True, KEY_INT8=False, BM=64, BH=64, BS=64)
+    out.append(build(K.chunk_read, dict(tokens, valid="*u8", out="*bf16"), chunk))
+print(json.dumps(out))
+"""
+
+
+def test_the_kernels_compile_for_an_h100(tmp_path):
+    """The interpreter runs the kernels' Python; a GPU compiles them, which checks more
+    (types across branches, tl.dot's shapes, shared memory). Here the GPU path's kernels are
+    compiled for sm_90 (H100, H200) without a GPU, Llama-3.1-8B's head size in bfloat16: each
+    must build, within an H100's 227 KB of shared memory a program."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", AOT, "all"], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    built = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(built) == 6 and all(k["shared"] <= 227 * 1024 for k in built), built

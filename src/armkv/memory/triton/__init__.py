@@ -305,7 +305,7 @@ class DecodeCall:
         sl = self.slots
         G, S, d = sl.G, sl.S, sl.d
         R, dev = t.R, sl.kc.device
-        BR, BH, BD = _pow2(R), _pow2((d + 1) // 2), _pow2(d)
+        BR, BH = _pow2(R), _pow2((d + 1) // 2)
         BS = 32 if dev.type == "cpu" else 64
         if chosen is None:  # dense: the slots cut into NS shares of CHUNK (a multiple of BS)
             want = self.splits or max(
@@ -339,13 +339,13 @@ class DecodeCall:
             part_m, part_l, part_acc,
             t.H, R, t.L, S, d, d // 2, d // sl.ngk, d // sl.ngv, nb, M, U, CHUNK, UCHUNK, NS, NP, float(scaling),
             MIXED=sl.mix is not None, KEY_INT8=sl.int8_keys, SPARSE=chosen is not None, HAS_ORDER=has_order,
-            HAS_UNITS=units is not None, BR=BR, BH=BH, BD=BD, BS=BS, BM=min(_pow2(M), 64), BC=BC,
+            HAS_UNITS=units is not None, BR=BR, BH=BH, BS=BS, BM=min(_pow2(M), 64), BC=BC,
         )  # fmt: skip
         out, o_sb, o_sh = t.out(d)
         k.decode_combine[(G,)](
             part_m, part_l, part_acc, out, o_sb, o_sh, sl.mix if sl.mix is not None else _dummy(dev),
             t.H, R, d, d // 2, NS, NP,
-            MIXED=sl.mix is not None, BR=BR, BH=BH, BD=BD,
+            MIXED=sl.mix is not None, BR=BR, BH=BH,
         )  # fmt: skip
         return out
 
@@ -438,6 +438,6 @@ def dense_chunk_read(
         *sl.args(),
         out, out.stride(0), out.stride(1), out.stride(2),
         H, R, T, L, sl.S, d, d // 2, d // sl.ngk, d // sl.ngv, float(scaling),
-        MIXED=mix is not None, KEY_INT8=sl.int8_keys, BM=BM, BH=_pow2((d + 1) // 2), BD=_pow2(d), BS=BS,
+        MIXED=mix is not None, KEY_INT8=sl.int8_keys, BM=BM, BH=_pow2((d + 1) // 2), BS=BS,
     )  # fmt: skip
     return out

@@ -17,10 +17,15 @@ mixed query q Q and their weighted values unmixed once at the end, (w V Q) Q^T.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
-NEG_INF = float("-inf")
+# float32 products: "tf32x3" on a GPU (three tensor-core passes, float32's accuracy within a few
+# ulps, and code that compiles in seconds where "ieee"'s unrolled FMAs take minutes); the
+# interpreter computes in float32 whatever it is told
+PRECISION = tl.constexpr("ieee" if os.environ.get("TRITON_INTERPRET") == "1" else "tf32x3")
 
 
 @triton.jit
@@ -34,7 +39,7 @@ def _nibbles(x):
 
 @triton.jit
 def _dot(a, b):
-    return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -84,18 +89,28 @@ def _plain_query(q, rows_ok, ch, hmask, half, q_sr, q_sd, BR: tl.constexpr):
 
 
 @triton.jit
-def _query(q, rows_ok, ch, hmask, half, q_sr, q_sd, cf, fmask, mix, d, MIXED: tl.constexpr, BR: tl.constexpr):
+def _mix_tile(mix, ch, hmask, d, row_off, col_off):
+    """Q's block [BH, BH]: rows c + row_off, columns j + col_off."""
+    mask = hmask[:, None] & hmask[None, :]
+    return tl.load(mix + (ch[:, None] + row_off) * d + ch[None, :] + col_off, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
+def _mixed(q_lo, q_hi, mix, ch, hmask, half, d):
+    """(q_lo | q_hi) Q as halves: each output half from both input halves."""
+    lo = _dot(q_lo, _mix_tile(mix, ch, hmask, d, 0, 0)) + _dot(q_hi, _mix_tile(mix, ch, hmask, d, half, 0))
+    hi = _dot(q_lo, _mix_tile(mix, ch, hmask, d, 0, half)) + _dot(q_hi, _mix_tile(mix, ch, hmask, d, half, half))
+    return lo, hi
+
+
+@triton.jit
+def _query(q, rows_ok, ch, hmask, half, q_sr, q_sd, mix, d, MIXED: tl.constexpr, BR: tl.constexpr):
     """A group's R query heads (rows of q, q_sr apart) in the slots' basis, as halves
     [BR, BH] float32: q Q where the slots are mixed (mix [d, d] row-major), else q."""
+    lo, hi = _plain_query(q, rows_ok, ch, hmask, half, q_sr, q_sd, BR)
     if MIXED:
-        r = tl.arange(0, BR)
-        full = tl.load(q + r[:, None] * q_sr + cf[None, :] * q_sd, mask=rows_ok[:, None] & fmask[None, :], other=0)
-        full = full.to(tl.float32)
-        mmask = fmask[:, None] & hmask[None, :]
-        m_lo = tl.load(mix + cf[:, None] * d + ch[None, :], mask=mmask, other=0).to(tl.float32)
-        m_hi = tl.load(mix + cf[:, None] * d + ch[None, :] + half, mask=mmask, other=0).to(tl.float32)
-        return _dot(full, m_lo), _dot(full, m_hi)
-    return _plain_query(q, rows_ok, ch, hmask, half, q_sr, q_sd, BR)
+        lo, hi = _mixed(lo, hi, mix, ch, hmask, half, d)
+    return lo, hi
 
 
 @triton.jit
@@ -173,26 +188,30 @@ def _read_units(
 
 
 @triton.jit
-def _finish(acc_lo, acc_hi, pl_lo, pl_hi, inv, out, o_sr, rows_ok, ch, hmask, half, cf, fmask, mix, d,
-            MIXED: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+def _unmix_tile(mix, ch, hmask, d, row_off, col_off):
+    """Q^T's block [BH, BH]: rows c + row_off, columns j + col_off (Q^T[c, j] = Q[j, c])."""
+    mask = hmask[:, None] & hmask[None, :]
+    return tl.load(mix + (ch[None, :] + col_off) * d + ch[:, None] + row_off, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
+def _finish(acc_lo, acc_hi, pl_lo, pl_hi, inv, orow, rows_ok, ch, hmask, half, mix, d, MIXED: tl.constexpr):
     """out = ((acc_lo | acc_hi) Q^T + (pl_lo | pl_hi)) * inv: the slots' part (mixed basis)
-    unmixed, the exact part added, stored by rows o_sr apart (contiguous channels)."""
-    r = tl.arange(0, BR)
-    if MIXED:  # (acc Q^T as two products with Q^T's row halves; the plain halves placed by 0/1 products)
-        t_lo = tl.load(mix + cf[None, :] * d + ch[:, None], mask=hmask[:, None] & fmask[None, :], other=0)
-        t_hi = tl.load(mix + cf[None, :] * d + ch[:, None] + half, mask=hmask[:, None] & fmask[None, :], other=0)
-        e_lo = (cf[None, :] == ch[:, None]).to(tl.float32)
-        e_hi = (cf[None, :] == ch[:, None] + half).to(tl.float32)
-        full = _dot(acc_lo, t_lo.to(tl.float32)) + _dot(acc_hi, t_hi.to(tl.float32))
-        full = (full + _dot(pl_lo, e_lo) + _dot(pl_hi, e_hi)) * inv[:, None]
-        tl.store(out + r[:, None] * o_sr + cf[None, :], full.to(out.dtype.element_ty),
-                 mask=rows_ok[:, None] & fmask[None, :])  # fmt: skip
+    unmixed, the exact part added, each row at its pointer ``orow`` [rows] (contiguous
+    channels), stored in the output's dtype."""
+    if MIXED:  # (each output half from both input halves)
+        out_lo = _dot(acc_lo, _unmix_tile(mix, ch, hmask, d, 0, 0)) + _dot(
+            acc_hi, _unmix_tile(mix, ch, hmask, d, half, 0)
+        )
+        out_hi = _dot(acc_lo, _unmix_tile(mix, ch, hmask, d, 0, half))
+        out_hi += _dot(acc_hi, _unmix_tile(mix, ch, hmask, d, half, half))
     else:
-        mask = rows_ok[:, None] & hmask[None, :]
-        lo = ((acc_lo + pl_lo) * inv[:, None]).to(out.dtype.element_ty)
-        hi = ((acc_hi + pl_hi) * inv[:, None]).to(out.dtype.element_ty)
-        tl.store(out + r[:, None] * o_sr + ch[None, :], lo, mask=mask)
-        tl.store(out + r[:, None] * o_sr + ch[None, :] + half, hi, mask=mask)
+        out_lo = acc_lo
+        out_hi = acc_hi
+    mask = rows_ok[:, None] & hmask[None, :]
+    ty = orow.dtype.element_ty
+    tl.store(orow[:, None] + ch[None, :], ((out_lo + pl_lo) * inv[:, None]).to(ty), mask=mask)
+    tl.store(orow[:, None] + ch[None, :] + half, ((out_hi + pl_hi) * inv[:, None]).to(ty), mask=mask)
 
 
 # ---------------------------------------------------------------------- the decode read
@@ -207,7 +226,7 @@ def decode_partials(
     part_m, part_l, part_acc,
     H, R, L, S, d, half, gsk, gsv, NB, M, U, CHUNK, UCHUNK, NS, NP, scaling,
     MIXED: tl.constexpr, KEY_INT8: tl.constexpr, SPARSE: tl.constexpr, HAS_ORDER: tl.constexpr,
-    HAS_UNITS: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    HAS_UNITS: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr,
     BM: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     """One group's decode read, split: program (g, p) puts its share's running maximum [BR],
@@ -224,15 +243,13 @@ def decode_partials(
     rows_ok = r < R
     ch = tl.arange(0, BH)
     hmask = ch < half
-    cf = tl.arange(0, BD)
-    fmask = cf < d
     m_i = tl.full([BR], float("-inf"), tl.float32)
     l_i = tl.zeros([BR], tl.float32)
     acc_lo = tl.zeros([BR, BH], tl.float32)
     acc_hi = tl.zeros([BR, BH], tl.float32)
     qg = q + b * q_sb + h * R * q_sh
     if p < NS:
-        qm_lo, qm_hi = _query(qg, rows_ok, ch, hmask, half, q_sh, q_sd, cf, fmask, mix, d, MIXED, BR)
+        qm_lo, qm_hi = _query(qg, rows_ok, ch, hmask, half, q_sh, q_sd, mix, d, MIXED, BR)
         if SPARSE:  # chosen units p BC .. p BC + BC - 1, those among the first `take` with ids in [0, NB)
             c = p * BC + tl.arange(0, BC)
             unit = tl.load(chosen + g * M + c, mask=c < M, other=-1)
@@ -291,7 +308,7 @@ def decode_partials(
         acc_lo = acc_lo * alpha[:, None] + w1[:, None] * v_lo[None, :]
         acc_hi = acc_hi * alpha[:, None] + w1[:, None] * v_hi[None, :]
     elif HAS_UNITS:  # units [(p - NS - 1) UCHUNK, + UCHUNK) the read skips, one entry each (mixed basis)
-        qm_lo, qm_hi = _query(qg, rows_ok, ch, hmask, half, q_sh, q_sd, cf, fmask, mix, d, MIXED, BR)
+        qm_lo, qm_hi = _query(qg, rows_ok, ch, hmask, half, q_sh, q_sd, mix, d, MIXED, BR)
         count = tl.minimum(tl.load(take + g), M)
         u_first = (p - NS - 1) * UCHUNK
         for u0 in range(u_first, tl.minimum(u_first + UCHUNK, U), BS):
@@ -327,7 +344,7 @@ def decode_partials(
 def decode_combine(
     part_m, part_l, part_acc, out, o_sb, o_sh, mix,
     H, R, d, half, NS, NP,
-    MIXED: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
+    MIXED: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
 ):  # fmt: skip
     """The second of the pair: one group's partials merged into one softmax (partial NS, the
     exact entries', in the plain basis; the others in the slots'), unmixed and written in the
@@ -339,8 +356,6 @@ def decode_combine(
     rows_ok = r < R
     ch = tl.arange(0, BH)
     hmask = ch < half
-    cf = tl.arange(0, BD)
-    fmask = cf < d
     top = tl.full([BR], float("-inf"), tl.float32)
     for p in range(0, NP):
         top = tl.maximum(top, tl.load(part_m + (g * NP + p) * BR + r))
@@ -363,8 +378,8 @@ def decode_combine(
         acc_lo += tl.where(exact, 0.0, lo)
         acc_hi += tl.where(exact, 0.0, hi)
     inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
-    _finish(acc_lo, acc_hi, pl_lo, pl_hi, inv, out + b * o_sb + h * R * o_sh, o_sh, rows_ok, ch, hmask, half, cf, fmask,
-            mix, d, MIXED, BR)  # fmt: skip
+    orow = out + b * o_sb + (h * R + r) * o_sh
+    _finish(acc_lo, acc_hi, pl_lo, pl_hi, inv, orow, rows_ok, ch, hmask, half, mix, d, MIXED)
 
 
 # ---------------------------------------------------------------------- ranking units
@@ -454,7 +469,7 @@ def chunk_read(
     out, o_sb, o_st, o_sh,
     H, R, T, L, S, d, half, gsk, gsv, scaling,
     MIXED: tl.constexpr, KEY_INT8: tl.constexpr,
-    BM: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    BM: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr,
 ):  # fmt: skip
     """A prefill chunk's read of the whole pool (every bucket), the exact entries and the
     chunk itself (causal), one softmax in float32: program (g, i) the BM query rows
@@ -469,20 +484,12 @@ def chunk_read(
     rr = row % R
     ch = tl.arange(0, BH)
     hmask = ch < half
-    cf = tl.arange(0, BD)
-    fmask = cf < d
     qrow = q + b * q_sb + (h * R + rr) * q_sh + t * q_st  # [BM] pointers
     qmask = rows_ok[:, None] & hmask[None, :]
     q_lo = tl.load(qrow[:, None] + ch[None, :] * q_sd, mask=qmask, other=0).to(tl.float32)
     q_hi = tl.load(qrow[:, None] + (ch[None, :] + half) * q_sd, mask=qmask, other=0).to(tl.float32)
     if MIXED:
-        full = tl.load(qrow[:, None] + cf[None, :] * q_sd, mask=rows_ok[:, None] & fmask[None, :], other=0)
-        full = full.to(tl.float32)
-        mmask = fmask[:, None] & hmask[None, :]
-        m_lo = tl.load(mix + cf[:, None] * d + ch[None, :], mask=mmask, other=0).to(tl.float32)
-        m_hi = tl.load(mix + cf[:, None] * d + ch[None, :] + half, mask=mmask, other=0).to(tl.float32)
-        qm_lo = _dot(full, m_lo)
-        qm_hi = _dot(full, m_hi)
+        qm_lo, qm_hi = _mixed(q_lo, q_hi, mix, ch, hmask, half, d)
     else:
         qm_lo = q_lo
         qm_hi = q_hi
@@ -541,23 +548,4 @@ def chunk_read(
         pl_hi = pl_hi * alpha[:, None] + _dot(w, v_hi)
     inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
     orow = out + b * o_sb + t * o_st + (h * R + rr) * o_sh
-    _store_rows(acc_lo, acc_hi, pl_lo, pl_hi, inv, orow, rows_ok, ch, hmask, half, cf, fmask, mix, d, MIXED)
-
-
-@triton.jit
-def _store_rows(acc_lo, acc_hi, pl_lo, pl_hi, inv, orow, rows_ok, ch, hmask, half, cf, fmask, mix, d,
-                MIXED: tl.constexpr):  # fmt: skip
-    """:func:`_finish` with a pointer per row (rows not evenly apart)."""
-    if MIXED:
-        t_lo = tl.load(mix + cf[None, :] * d + ch[:, None], mask=hmask[:, None] & fmask[None, :], other=0)
-        t_hi = tl.load(mix + cf[None, :] * d + ch[:, None] + half, mask=hmask[:, None] & fmask[None, :], other=0)
-        e_lo = (cf[None, :] == ch[:, None]).to(tl.float32)
-        e_hi = (cf[None, :] == ch[:, None] + half).to(tl.float32)
-        full = _dot(acc_lo, t_lo.to(tl.float32)) + _dot(acc_hi, t_hi.to(tl.float32))
-        full = (full + _dot(pl_lo, e_lo) + _dot(pl_hi, e_hi)) * inv[:, None]
-        tl.store(orow[:, None] + cf[None, :], full.to(orow.dtype.element_ty), mask=rows_ok[:, None] & fmask[None, :])
-    else:
-        mask = rows_ok[:, None] & hmask[None, :]
-        tl.store(orow[:, None] + ch[None, :], ((acc_lo + pl_lo) * inv[:, None]).to(orow.dtype.element_ty), mask=mask)
-        tl.store(orow[:, None] + ch[None, :] + half, ((acc_hi + pl_hi) * inv[:, None]).to(orow.dtype.element_ty),
-                 mask=mask)  # fmt: skip
+    _finish(acc_lo, acc_hi, pl_lo, pl_hi, inv, orow, rows_ok, ch, hmask, half, mix, d, MIXED)
