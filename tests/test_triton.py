@@ -213,6 +213,25 @@ def test_ranked_decode_reads_choose_the_cpp_calls_buckets(cpp, rank, dtype, fmt,
             _assert_ranked_read(c, got, chosen, scores, 3, 7)
 
 
+@pytest.mark.parametrize("d,fmt,mixed", [(40, "k8v4", True), (48, "k4v4", False)])
+@pytest.mark.parametrize("rank", ["dense", "partial"])
+def test_odd_head_sizes_read_as_the_cpp_call(cpp, d, fmt, mixed, rank):
+    """Head sizes whose halves fill no power of two (20 and 24 channels, one scale group; a
+    random orthogonal mixing at 40), five query heads a KV head, 61 slots: the same read, and
+    for read_rank="partial" the same buckets, as the C++ call."""
+    c = _ranked_case(fmt, d, 61, 5, 6, 2, mixed, False, 53)
+    st, bias, mix, scaling = c["st"], c["bias"], c["read"][9], c["read"][10]
+    index, tail = (None, {}) if rank == "dense" else (c["index"], dict(m=2, take=c["take"], n=5))
+    _, wide = _tokens(c, torch.float32)
+    with torch.no_grad():
+        got = _bound_call(tk, rank, st, bias, mix, index, **tail)(*wide, scaling)
+        want = _bound_call(cpp, rank, st, bias, mix, index, **tail)(*wide, scaling)
+    if rank != "dense":
+        assert torch.equal(got[1], want[1])
+        got, want = got[0], want[0]
+    _close(got, want, torch.float32)
+
+
 @pytest.mark.parametrize("rank", ["sparse", "best", "partial"])
 def test_reads_of_many_small_pages_equal_the_cpp_call(cpp, rank):
     """read_pages: 9 buckets of 203 slots cut into pages of at most ceil(occupied / 24) slots
