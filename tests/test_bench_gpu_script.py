@@ -39,13 +39,19 @@ def test_the_plan_is_the_issue_s_matrix():
         [f"{kind}-{m}" for kind in ("eager", "compiled") for m in ("native", "full", "sink", "arm")]
         + [f"batch{b}-{m}" for b in (8, 32) for m in ("full", "arm")]
         + [f"{s}sparse-{r}" for s in ("", "smollm2-") for r in ("every", "pages")]
+        + ["reads"]
     )
-    assert list(runs)[:5] == ["eager-arm", "eager-full", "compiled-native", "compiled-full", "compiled-arm"]
+    assert list(runs)[:6] == ["eager-arm", "eager-full", "compiled-native", "compiled-full", "compiled-arm", "reads"]
     for name, args in runs.items():
         assert len([a for a in args if a.startswith("--") and a != "--option"]) == len(
             {a for a in args if a.startswith("--")} - {"--option"}
         )
         settings = dict(zip(args, args[1:]))
+        if name == "reads":  # one layer's read alone: Llama-3.1-8B's attention shape, batch 1, 8 and 32
+            assert settings["--dtype"] == "bfloat16" and settings["--device"] == "cuda"
+            assert settings["--shape"] == "32,8,128" and settings["--batches"] == "1,8,32"
+            assert settings["--budgets"] == "1024,4096" and settings["--contexts"] == "4k,32k,128k"
+            continue
         assert settings["--dtype"] == "bfloat16" and settings["--device"] == "cuda" and settings["--chunk"] == "1024"
         if "sparse" in name:  # budget 4096, unmixed slots; every bucket, or pages of M = N_b / 8
             assert settings["--model-config"] == ("smollm2-135m" if name.startswith("smollm2") else "llama-3.1-8b")
@@ -124,11 +130,37 @@ def test_dry_run_of_a_sparse_run_reads_a_share_of_the_slots(tmp_path):
     assert 0 < share < 0.5
 
 
+def test_dry_run_of_the_read_timing_times_every_read(tmp_path):
+    """reads on the tiny shape (its Triton kernels in the interpreter): SDPA at each context
+    and ARM's reads at each batch timed, the ratios computed, the table written."""
+    if importlib.util.find_spec("triton") is None and os.environ.get("ARMKV_REQUIRE_TRITON") != "1":
+        pytest.skip("triton is not installed (pip install 'armkv[gpu]')")
+    done = run(tmp_path, "--dry-run", "--only", "reads")
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((tmp_path / "gpu_bench.json").read_text())["runs"]["reads"]
+    assert record["exit_code"] == 0 and record["result_kind"] == "complete", record.get("log_tail")
+    assert record["command"].startswith("python scripts/gpu_bench.py --read-timing")
+    result = record["result"]
+    assert result["errors"] == {} and "interpreter" in result["kernels"]
+    reads = {"sdpa@96", "sdpa@160", "arm-dense@32", "arm-dense-unmixed@32", "arm-pages@32", "arm-pages-read@32"}
+    assert set(result["read_ms"]) == {"1", "2"}
+    assert all(set(t) == reads and all(v > 0 for v in t.values()) for t in result["read_ms"].values())
+    assert result["graph_ms"] == {"1": {}, "2": {}}  # (CUDA graphs on a GPU only)
+    assert set(result["ratios"]["read_ms"]["2"]) == {
+        "sdpa@96 / arm-dense@32",
+        "sdpa@160 / arm-dense@32",
+        "arm-dense-unmixed@32 / arm-pages@32",
+        "arm-dense-unmixed@32 / arm-pages-read@32",
+    }
+    tables = (tmp_path / "tables.md").read_text()
+    assert "## reads" in tables and "| arm-pages@32 |" in tables
+
+
 def test_spent_budget_runs_nothing_and_says_so(tmp_path):
     done = run(tmp_path, "--dry-run", "--budget-s", "0", timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     doc = json.loads((tmp_path / "gpu_bench.json").read_text())
-    assert len(doc["runs"]) == 16
+    assert len(doc["runs"]) == 17
     assert all(r["exit_code"] == "not run" and "spent" in r["why"] for r in doc["runs"].values())
 
 
