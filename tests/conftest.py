@@ -1,7 +1,14 @@
 """Shared fixtures: tiny seeded models from configs, and the NaN-filled torch.empty of fla."""
 
-import pytest
-import torch
+import os
+
+# Triton reads TRITON_INTERPRET when it is first imported (torch and transformers import it while
+# the test modules are collected), so the Triton kernels' tests can only run in its interpreter on
+# a machine without CUDA if it is set before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "0" if os.path.exists("/dev/nvidia0") else "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture
