@@ -113,13 +113,14 @@ def _warn_slow_sparse_reads(m: int, num_buckets: int, device: torch.device, trai
 class ARMLayer(CacheLayer):
     """One layer of the ARM cache.
 
-    Compiled decoding (``CacheLayer.compile_decode``): the step reads the whole pool (not
-    only the slots up to the last one any row holds: a static shape), keeps the tokens that
-    leave the window in a fixed buffer of ``sync`` entries (the oldest first, the unfilled
-    ones invalid and zero) instead of a growing one, and computes the slots' logit bias in
-    the step. The write every ``sync`` tokens runs eagerly after the step that fills the
-    buffer (:meth:`after_decode_step`): the same tokens written at the same step as
-    without compiling.
+    Compiled decoding (``CacheLayer.compile_decode``, a compiled forward of the whole model):
+    the step reads the whole pool (not only the slots up to the last one any row holds: a
+    static shape), keeps the tokens that leave the window in a fixed buffer of ``sync``
+    entries (the oldest first, the unfilled ones invalid and zero) instead of a growing one,
+    and computes the slots' logit bias in the step. The write every ``sync`` tokens runs
+    eagerly between two steps, after the one that fills the buffer (:meth:`after_decode_step`):
+    the same tokens written at the same step as without compiling, into the pool's own
+    tensors (``SlotPool.fixed``: allocated whole, a new state copied in place).
 
     Parameters
     ----------
