@@ -44,7 +44,8 @@ class ArmkvCache(Cache):
         The compiled forward is transformers' own (``model.get_compiled_call``, the one its
         ``generate`` uses with a ``StaticCache``), with ``fullgraph=True`` and static shapes:
         every layer's :meth:`~armkv.methods.base.CacheLayer.decode_step` runs inside the
-        graph over state tensors that stay where they were allocated (marked static, so that
+        graph over state tensors that stay where they were allocated (marked static by the
+        layers, ``CacheLayer.state_tensors``, so that
         ``mode="reduce-overhead"`` replays the step as one CUDA graph), and each layer's
         Python work of the step (its count, ARM's write every ``sync`` tokens) runs after the
         graph, eagerly (``finish_decode_step``). ``attention_mask`` may be the whole [B, past
@@ -57,8 +58,6 @@ class ArmkvCache(Cache):
         if attention_mask is not None:
             attention_mask = attention_mask[:, -input_ids.shape[1] :].contiguous()
         for layer in self.layers:
-            for tensor in layer.state_tensors().values():
-                torch._dynamo.mark_static_address(tensor)
             layer.in_graph = True
         try:
             step = model.get_compiled_call(CompileConfig(fullgraph=True, dynamic=False, **self.compile_options))

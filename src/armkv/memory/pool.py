@@ -111,15 +111,20 @@ class SlotPool:
                         held.copy_(new)
                     moved[f.name] = held
             state = dataclasses.replace(state, **moved)
+        elif self.fixed and state is not None and state is not old and old is not None:
+            # (new tensors: a ladder climb re-packs the pool; a compiled step reads them where they are)
+            for tensor in self.tensors_of(state).values():
+                torch._dynamo.mark_static_address(tensor)
         self._state = state
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stored state's tensors by name (empty before :meth:`start`)."""
-        if self._state is None:
-            return {}
-        fields = (getattr(self._state, f.name) for f in dataclasses.fields(self._state))
-        names = (f.name for f in dataclasses.fields(self._state))
-        return {name: t for name, t in zip(names, fields) if isinstance(t, torch.Tensor)}
+        return {} if self._state is None else self.tensors_of(self._state)
+
+    @staticmethod
+    def tensors_of(state: MemoryState) -> dict[str, torch.Tensor]:
+        fields = ((f.name, getattr(state, f.name)) for f in dataclasses.fields(state))
+        return {name: t for name, t in fields if isinstance(t, torch.Tensor)}
 
     def take_dirty(self) -> torch.Tensor | None:
         """The buckets whose slots changed (a slot written, merged, freed or moved to another

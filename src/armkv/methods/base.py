@@ -57,6 +57,7 @@ class CacheLayer(ABC):
         self.peak_bytes = 0
         self.compiled = False  # decoded through a compiled forward of the whole model (compile_decode)
         self.in_graph = False  # set while that forward runs: attend is the bare decode_step
+        self._marked_static = False  # the state tensors are marked static (state_tensors)
 
     chunk: int = 256  # P: new tokens are processed in chunks of this many (the sync point)
     # whether decode_step keeps static shapes and makes no host sync, so compile_decode
@@ -103,6 +104,10 @@ class CacheLayer(ABC):
             )
             self.seen += outputs[-1].shape[1]
             self.note_peak()
+        if self.compiled and not self._marked_static:  # (the state is allocated by the first chunk)
+            self._marked_static = True
+            for tensor in self.state_tensors().values():
+                torch._dynamo.mark_static_address(tensor)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     @abstractmethod
@@ -156,9 +161,10 @@ class CacheLayer(ABC):
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the state a compiled step reads or updates, by name (empty before the
-        first chunk). A compiled forward marks them static (``torch._dynamo.mark_static_address``:
-        a CUDA graph reads and writes them where they are), so a method keeps them where they
-        were allocated."""
+        first chunk). With ``compiled`` they are marked static after the first chunk
+        (``torch._dynamo.mark_static_address``, as transformers' ``StaticCache`` marks its
+        tensors: a CUDA graph reads and writes them where they are), so a method keeps them
+        where they were allocated."""
         return {}
 
     @abstractmethod
