@@ -26,6 +26,9 @@ CASES = {
     "arm-tree": dict(budget=48, arm_overrides={"sync": 4, "top_m": "fixed", "m_fixed": 2, "read_rank": "tree"}),
     "arm-summaries": dict(budget=48, arm_overrides={"sync": 4, "top_m": "fixed", "m_fixed": 2, "read_summaries": True}),
     "fifo": dict(budget=48),
+    # layers of different budget shares (and so of different shapes) in the one graph, as the
+    # default model's calibrated adapter gives them
+    "arm-shares": dict(budget=48, arm_overrides={"sync": 4, "layer_weights": "0.6,1.4"}),
 }
 
 
