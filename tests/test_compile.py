@@ -162,6 +162,11 @@ def test_runner_decodes_through_the_compiled_step():
     got, _, cache = runner.generate_ids(prompt, 12)
     assert got == want and all(layer.compiled for layer in cache.layers)
     assert counters["stats"]["calls_captured"] > 0 and not counters["graph_break"]
+    # the next request (a new cache, another prompt length) replays the same graph
+    other = [torch.randint(3, 128, (33,), generator=torch.Generator().manual_seed(6)).tolist()]
+    want, _, _ = Runner(model, NoTokenizer(), "arm", budget=48, chunk=8).generate_ids(other, 12)
+    assert runner.generate_ids(other, 12)[0] == want
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.real_model
