@@ -317,9 +317,15 @@ class Session:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """ids [B, T], positions [1, T] on the device -> the next token [B, 1] (argmax, on the device)."""
+        from armkv.hf.cache import ArmkvCache
         from armkv.hf.compat import cache_arg
 
-        out = self.model(input_ids=ids, position_ids=positions, **cache_arg(cache), use_cache=True, logits_to_keep=1)
+        if isinstance(cache, ArmkvCache):  # (a decode step of a cache made with `compile`: the compiled forward)
+            out = cache.forward(self.model, ids, position_ids=positions, use_cache=True, logits_to_keep=1)
+        else:
+            out = self.model(
+                input_ids=ids, position_ids=positions, **cache_arg(cache), use_cache=True, logits_to_keep=1
+            )
         return out.logits[:, -1].argmax(-1, keepdim=True)
 
     def prompt(self, n: int) -> torch.Tensor:

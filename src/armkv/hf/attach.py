@@ -109,11 +109,13 @@ def make_cache(
     horizon : the tokens the cache will see (prompt + new tokens), where the caller knows
         them: passed to a method whose factory takes a ``horizon`` parameter (sink, swa and
         bounded kivi then allocate no more than it fills), ignored by the others
-    compile : run each decode step (one token) of every layer through ``torch.compile``
-        (:meth:`~armkv.methods.base.CacheLayer.compile_decode`): True for the default
-        settings (``mode="reduce-overhead"`` on CUDA, where the step is replayed as a CUDA
-        graph; inductor's default on a CPU), or a dict of ``torch.compile`` arguments.
-        Bounded methods only (sink, swa, kivi with a budget, arm, fifo); prefill stays eager
+    compile : decode steps (one token) through a compiled forward of the whole model with
+        this cache (``ArmkvCache.forward``; the layers keep their state in tensors
+        allocated once, :meth:`~armkv.methods.base.CacheLayer.compile_decode`): True for
+        the default settings (``mode="reduce-overhead"`` on CUDA, where the step is replayed
+        as one CUDA graph; inductor's default mode on a CPU), or a dict of ``torch.compile``
+        arguments (``backend``, ``mode``, ``options``). Bounded methods only (sink, swa,
+        kivi with a budget, arm, fifo); prefill stays eager
     options : method options (e.g. ``bits=4`` for kivi, ``adapter=`` for arm)
 
     Raises
@@ -136,13 +138,13 @@ def make_cache(
     compile_options = None
     if compile:
         compile_options = dict(compile) if isinstance(compile, dict) else {}
-        if not compile_options and info.device.type == "cuda":
-            compile_options["mode"] = "reduce-overhead"
+        if "options" not in compile_options:  # (torch.compile takes a mode or options, not both)
+            compile_options.setdefault("mode", "reduce-overhead" if info.device.type == "cuda" else None)
 
     def make_layer(layer_idx: int):
         layer = spec.make_layer(layer_idx, info, rotary, budget, chunk, **options)
         if compile_options is not None:
-            layer.compile_decode(**compile_options)
+            layer.compile_decode()
         return layer
 
-    return ArmkvCache(make_layer, info.num_layers, method, budget)
+    return ArmkvCache(make_layer, info.num_layers, method, budget, compile_options)

@@ -25,6 +25,16 @@ NAME = "armkv"
 ACTIVE: ContextVar[tuple[object, int] | None] = ContextVar("armkv_active_layer", default=None)
 
 
+class _Compiled:
+    """The same inside a compiled forward (``ArmkvCache.forward``): torch.compile traces an
+    attribute of a module-level object, not a context variable."""
+
+    active: tuple[object, int] | None = None
+
+
+COMPILED = _Compiled()
+
+
 @dataclass
 class CurrentTokens:
     """What the mask function hands the attention: the validity of the current tokens."""
@@ -69,8 +79,11 @@ def armkv_attention(
     if not isinstance(attention_mask, (CurrentTokens, type(None))):
         raise ArmkvError("the armkv attention expects the mask of its own mask function, not a prepared 4D mask")
     scaling = d**-0.5 if scaling is None else scaling
-    active = ACTIVE.get()
-    ACTIVE.set(None)
+    if torch.compiler.is_compiling():
+        active, COMPILED.active = COMPILED.active, None
+    else:
+        active = ACTIVE.get()
+        ACTIVE.set(None)
     if active is None:
         # No ArmkvCache (another cache, or use_cache=False): transformers' sdpa attention with
         # the usual mask, so an attached model still runs as it did.

@@ -7,8 +7,8 @@ from typing import Callable
 import torch
 
 from armkv.errors import ArmkvError
-from armkv.hf.attention import ACTIVE
-from armkv.hf.compat import Cache
+from armkv.hf.attention import ACTIVE, COMPILED
+from armkv.hf.compat import Cache, cache_arg
 from armkv.methods.base import CacheLayer
 
 
@@ -20,12 +20,62 @@ class ArmkvCache(Cache):
     (see :mod:`armkv.hf.attention`). Build it with :func:`armkv.hf.make_cache`.
     """
 
-    def __init__(self, make_layer: Callable[[int], CacheLayer], num_layers: int, method: str, budget: int | None):
+    def __init__(
+        self,
+        make_layer: Callable[[int], CacheLayer],
+        num_layers: int,
+        method: str,
+        budget: int | None,
+        compile_options: dict | None = None,
+    ):
         self.make_layer = make_layer
         self.num_layers = num_layers
         self.method = method
         self.budget = budget
+        # torch.compile's arguments for the compiled decode forward (:meth:`forward`), None: eager
+        self.compile_options = compile_options
         super().__init__(layers=[make_layer(i) for i in range(num_layers)])
+
+    def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask=None, **kwargs):
+        """``model(input_ids, past_key_values=self, ...)``, a decode step (one token a row)
+        through a compiled forward of the whole model where the cache was made with ``compile``
+        and every layer is ready for it (its state allocated by a prefill); anything else eager.
+
+        The compiled forward is transformers' own (``model.get_compiled_call``, the one its
+        ``generate`` uses with a ``StaticCache``), with ``fullgraph=True`` and static shapes:
+        every layer's :meth:`~armkv.methods.base.CacheLayer.decode_step` runs inside the
+        graph over state tensors that stay where they were allocated (marked static by the
+        layers, ``CacheLayer.state_tensors``, so that
+        ``mode="reduce-overhead"`` replays the step as one CUDA graph), and each layer's
+        Python work of the step (its count, ARM's write every ``sync`` tokens) runs after the
+        graph, eagerly (``finish_decode_step``). ``attention_mask`` may be the whole [B, past
+        + 1] mask: the step takes its last column (the validity of the new tokens, all the
+        cache reads of it), so that its shape does not change from step to step."""
+        if not self._compiled_step_ready(input_ids):
+            return model(input_ids, attention_mask=attention_mask, **cache_arg(self), **kwargs)
+        from transformers import CompileConfig
+
+        if attention_mask is not None:
+            attention_mask = attention_mask[:, -input_ids.shape[1] :].contiguous()
+        for layer in self.layers:
+            layer.in_graph = True
+        try:
+            step = model.get_compiled_call(CompileConfig(fullgraph=True, dynamic=False, **self.compile_options))
+            out = step(input_ids, attention_mask=attention_mask, **cache_arg(self), **kwargs)
+        finally:
+            for layer in self.layers:
+                layer.in_graph = False
+        for layer in self.layers:
+            layer.finish_decode_step()
+        return out
+
+    def _compiled_step_ready(self, input_ids: torch.Tensor) -> bool:
+        return (
+            self.compile_options is not None
+            and input_ids.shape[1] == 1
+            and not torch.is_grad_enabled()
+            and all(layer.decode_ready() for layer in self.layers)
+        )
 
     def update(
         self,
@@ -40,6 +90,9 @@ class ArmkvCache(Cache):
         ``update(key, value, layer_idx)`` up to transformers 5.23, ``update(key, value,
         layer_idx, kwargs=the layer's kwargs)`` from 5.24. Both are ignored: the layer's
         positions reach :func:`~armkv.hf.attention.armkv_attention` as ``position_ids``."""
+        if torch.compiler.is_compiling():  # (a compiled forward: torch.compile cannot trace the context variable)
+            COMPILED.active = (self, layer_idx)
+            return key_states, value_states
         if ACTIVE.get() is not None:
             # The previous layer's update was never consumed: the attention that ran was not ours.
             ACTIVE.set(None)
@@ -52,8 +105,13 @@ class ArmkvCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].seen
 
+    # In a compiled forward the offsets, which change every step, are not read (0): the armkv
+    # mask function keeps only the new tokens' validity, and the layers count their tokens
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0 if torch.compiler.is_compiling() else self.layers[layer_idx].seen
+
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return query_length, self.layers[layer_idx].seen
+        return query_length, 0 if torch.compiler.is_compiling() else self.layers[layer_idx].seen
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         """-1: any sequence length fits (bounded methods drop or merge; the others grow)."""
@@ -77,6 +135,9 @@ class ArmkvCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
+        """False: transformers' ``generate`` would compile the forward without the work its
+        layers do between steps (ARM's write); a cache made with ``compile`` compiles its
+        decode steps itself (:meth:`forward`, what :class:`~armkv.hf.runner.Runner` calls)."""
         return False
 
     @property

@@ -16,7 +16,6 @@ import torch
 
 from armkv.errors import ArmkvError
 from armkv.hf.attach import make_cache, model_info
-from armkv.hf.compat import cache_arg
 
 
 def check_request(request: dict) -> None:
@@ -58,9 +57,9 @@ class Runner:
     chunk : P, the prefill chunk
     chat : wrap context + question in the tokenizer's chat template; the answer prefix goes
         after the start of the assistant turn
-    compile : decode through each cache layer's compiled step (``make_cache(compile=)``: True,
-        or a dict of ``torch.compile`` arguments); bounded methods only. The first request
-        pays the compilation
+    compile : decode through a compiled forward of the whole model with the cache
+        (``make_cache(compile=)``: True, or a dict of ``torch.compile`` arguments); bounded
+        methods only. The first request pays the compilation
     method_options : passed to the method (e.g. ``adapter=`` for arm, ``bits=`` for kivi)
     """
 
@@ -277,7 +276,8 @@ class Runner:
     def _forward(self, ids: torch.Tensor, cache, position: int) -> torch.Tensor:
         """Feed ids [1, T] at positions position.. ; returns the last position's logits [1, V] (fp32)."""
         positions = torch.arange(position, position + ids.shape[1], device=ids.device)[None]
-        out = self.model(input_ids=ids, position_ids=positions, **cache_arg(cache), use_cache=True, logits_to_keep=1)
+        # (one token with a cache made with `compile`: the compiled decode forward, ArmkvCache.forward)
+        out = cache.forward(self.model, ids, position_ids=positions, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
 
     def _sampler(self, do_sample: bool, temperature, top_k, top_p, seed: int | None = None):

@@ -38,6 +38,17 @@ from armkv.memory.write import roomy_groups
 INITIAL_SLOTS = 64
 
 
+def same_layout(a: MemoryState, b: MemoryState) -> bool:
+    """Whether two states have the same tensors in shape and dtype (one may be copied into the other)."""
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor) and (x.shape != y.shape or x.dtype != y.dtype):
+            return False
+    return True
+
+
 def ladder_rungs(config: ARMConfig, head_dim: int, dtype_bytes: int) -> list[tuple[str, int]]:
     """``slot_ladder``'s formats with the slots each holds in the bytes of the pool as
     configured (``slots`` of ``slot_format``), most precise first; a format that would hold
@@ -67,7 +78,10 @@ class SlotPool:
     def __init__(self, memory, config: ARMConfig, rotary: Rotary, head_dim: int, dtype_bytes: int):
         self.memory, self.config, self.rotary = memory, config, rotary
         self.head_dim, self.dtype_bytes = head_dim, dtype_bytes
-        self.state: MemoryState | None = None  # [G = B x KV heads, S] as stored (see stored)
+        self._state: MemoryState | None = None  # [G = B x KV heads, S] as stored (see stored)
+        # the pool's tensors stay where they were allocated (a compiled decode step reads and
+        # writes them there): allocated whole, not grown, and a new state is copied into them
+        self.fixed = False
         self.model_dtype: torch.dtype | None = None  # the dtype "model"-format slots are packed from
         self.reach = 0  # slots from index `reach` on are free in every row: reads stop there
         self._read_view: tuple[MemoryState, MemoryState] | None = None  # (state, its first `reach` slots)
@@ -77,6 +91,40 @@ class SlotPool:
         self.skip_roomy_unpack = True  # False: every write un-packs the pool (roomy_form's reference)
         # read_summaries: the buckets whose slots the writes changed since take_dirty ([G, N_b] bool), None: all
         self.dirty: torch.Tensor | None = None
+
+    @property
+    def state(self) -> MemoryState | None:
+        """The slots as stored between writes (:meth:`stored`)."""
+        return self._state
+
+    @state.setter
+    def state(self, state: MemoryState | None) -> None:
+        """A new state; in a ``fixed`` pool of the same layout, copied into the tensors it
+        has (a new object all the same: what a read keeps is keyed on the state object)."""
+        old = self._state
+        if self.fixed and old is not None and state is not None and state is not old and same_layout(old, state):
+            moved = {}
+            for f in dataclasses.fields(state):
+                held, new = getattr(old, f.name), getattr(state, f.name)
+                if isinstance(held, torch.Tensor):
+                    if held is not new:
+                        held.copy_(new)
+                    moved[f.name] = held
+            state = dataclasses.replace(state, **moved)
+        elif self.fixed and state is not None and state is not old and old is not None:
+            # (new tensors: a ladder climb re-packs the pool; a compiled step reads them where they are)
+            for tensor in self.tensors_of(state).values():
+                torch._dynamo.mark_static_address(tensor)
+        self._state = state
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The stored state's tensors by name (empty before :meth:`start`)."""
+        return {} if self._state is None else self.tensors_of(self._state)
+
+    @staticmethod
+    def tensors_of(state: MemoryState) -> dict[str, torch.Tensor]:
+        fields = ((f.name, getattr(state, f.name)) for f in dataclasses.fields(state))
+        return {name: t for name, t in fields if isinstance(t, torch.Tensor)}
 
     def take_dirty(self) -> torch.Tensor | None:
         """The buckets whose slots changed (a slot written, merged, freed or moved to another
@@ -170,6 +218,7 @@ class SlotPool:
         c, mem = self.config, self.memory
         return (
             not mem.training
+            and not self.fixed  # (a fixed pool is allocated whole: the same writes, the same reads)
             and c.pool == "shared"
             and c.lazy_merge
             and c.write != "fifo"

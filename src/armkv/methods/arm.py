@@ -113,13 +113,14 @@ def _warn_slow_sparse_reads(m: int, num_buckets: int, device: torch.device, trai
 class ARMLayer(CacheLayer):
     """One layer of the ARM cache.
 
-    Compiled decoding (``CacheLayer.compile_decode``): the step reads the whole pool (not
-    only the slots up to the last one any row holds: a static shape), keeps the tokens that
-    leave the window in a fixed buffer of ``sync`` entries (the oldest first, the unfilled
-    ones invalid and zero) instead of a growing one, and computes the slots' logit bias in
-    the step. The write every ``sync`` tokens runs eagerly after the step that fills the
-    buffer (:meth:`after_decode_step`): the same tokens written at the same step as
-    without compiling.
+    Compiled decoding (``CacheLayer.compile_decode``, a compiled forward of the whole model):
+    the step reads the whole pool (not only the slots up to the last one any row holds: a
+    static shape), keeps the tokens that leave the window in a fixed buffer of ``sync``
+    entries (the oldest first, the unfilled ones invalid and zero) instead of a growing one,
+    and computes the slots' logit bias in the step. The write every ``sync`` tokens runs
+    eagerly between two steps, after the one that fills the buffer (:meth:`after_decode_step`):
+    the same tokens written at the same step as without compiling, into the pool's own
+    tensors (``SlotPool.fixed``: allocated whole, a new state copied in place).
 
     Parameters
     ----------
@@ -193,7 +194,7 @@ class ARMLayer(CacheLayer):
         self.buffer = ExactBuffer(c.sinks, c.window, B, H, d, key.dtype, key.device)
         self.pool.start(B, key.dtype, key.device)
         self.mixing = mixing_matrix(d, key.dtype, key.device)  # (fetched once: a compiled step reads it as a tensor)
-        if self._step is not None:
+        if self.compiled:
             self.waiting = (
                 key.new_zeros(B, H, c.sync, d),
                 key.new_zeros(B, H, c.sync, d),
@@ -202,6 +203,24 @@ class ARMLayer(CacheLayer):
             )
 
     static_decode = True
+
+    def compile_decode(self) -> None:
+        super().compile_decode()
+        self.pool.fixed = True  # (allocated whole, written in place)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The exact buffer, the tokens waiting for the write, the pool as stored, the rows' M
+        and the mixing matrix: allocated at the first chunk and updated in place by the decode
+        step and by the write between steps (a ``slot_ladder`` climb re-packs the pool in the
+        next format: new tensors, at most once a rung)."""
+        if self.buffer is None:
+            return {}
+        held = {f"buffer.{name}": t for name, t in self.buffer.tensors().items()}
+        held.update({f"pool.{name}": t for name, t in self.pool.tensors().items()})
+        for i, t in enumerate(self.waiting or ()):
+            held[f"waiting.{i}"] = t
+        held.update(m=self.m, mixing=self.mixing)
+        return {name: t for name, t in held.items() if t is not None}
 
     def decode_ready(self) -> bool:
         """Compiled steps start once the prefill is written (nothing pending) and the
@@ -375,7 +394,7 @@ class ARMLayer(CacheLayer):
     def _decode_bias(self) -> torch.Tensor:
         """Each slot's logit bias for the decode read, -inf for free slots [B, H, S] float32: it
         changes only when the slots are written, so it is kept until the state is replaced."""
-        if self._step is not None and torch.compiler.is_compiling():  # (in the step: no Python cache)
+        if self.compiled and torch.compiler.is_compiling():  # (in the step: no Python cache)
             st = self.state
             count = st.count.reshape(*self.buffer.sink_k.shape[:2], st.slots)
             return at_least_float32(torch.where(count > 0, self._slot_bias(count), -torch.inf))
@@ -499,7 +518,7 @@ class ARMLayer(CacheLayer):
     def _readable(self) -> MemoryState:
         """The slots a read covers (``SlotPool.readable``): the first ``reach`` of them, or every
         slot in a compiled step (a static shape)."""
-        return self.pool.readable(whole=self._step is not None and torch.compiler.is_compiling())
+        return self.pool.readable(whole=self.compiled and torch.compiler.is_compiling())
 
     def _slot_bias(self, count: torch.Tensor) -> torch.Tensor:
         """Each slot's logit bias: log n where ``log_count_bias`` (a slot stands for n keys), else 0."""
@@ -837,13 +856,13 @@ class ARMLayer(CacheLayer):
         each layer's Python work comes cold, and the checks and calls it skips had taken
         70-100 us a layer, about a sixth of a sparse read at 16k."""
         if (
-            held is None
+            torch.compiler.is_compiling()  # (first: a compiled step reads none of these Python objects)
+            or held is None
             or held[0] is not self.pool.state
             or held[1] is not self.m
             or self.read_tally is not None
             or query.shape[2] != 1
             or query.requires_grad
-            or torch.compiler.is_compiling()
         ):
             return None
         return held[2]

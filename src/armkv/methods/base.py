@@ -55,7 +55,9 @@ class CacheLayer(ABC):
         self.rotary = rotary
         self.seen = 0  # tokens (padding included) this layer has been given
         self.peak_bytes = 0
-        self._step = None  # the compiled decode step (compile_decode), None: eager
+        self.compiled = False  # decoded through a compiled forward of the whole model (compile_decode)
+        self.in_graph = False  # set while that forward runs: attend is the bare decode_step
+        self._marked_static = False  # the state tensors are marked static (state_tensors)
 
     chunk: int = 256  # P: new tokens are processed in chunks of this many (the sync point)
     # whether decode_step keeps static shapes and makes no host sync, so compile_decode
@@ -85,15 +87,8 @@ class CacheLayer(ABC):
         -------
         [B, T, Hq, d] attention output (transformers' layout after attention)
         """
-        if self._step is not None and query.shape[2] == 1 and self.decode_ready():
-            # dense copies: the validity is a slice of the growing attention mask, whose
-            # stride changes every step (the compiled graph is specialised on strides)
-            valid, positions = (t.clone(memory_format=torch.contiguous_format) for t in (valid, positions))
-            out = self._step(query, key, value, valid, positions, scaling)
-            self.seen += 1
-            self.after_decode_step()
-            self.note_peak()
-            return out
+        if self.in_graph:  # (a compiled forward: its caller does the step's Python work, finish_decode_step)
+            return self.decode_step(query, key, value, valid, positions, scaling)
         outputs = []
         for start in range(0, query.shape[2], self.chunk):
             end = start + self.chunk
@@ -109,6 +104,10 @@ class CacheLayer(ABC):
             )
             self.seen += outputs[-1].shape[1]
             self.note_peak()
+        if self.compiled and not self._marked_static:  # (the state is allocated by the first chunk)
+            self._marked_static = True
+            for tensor in self.state_tensors().values():
+                torch._dynamo.mark_static_address(tensor)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     @abstractmethod
@@ -125,12 +124,13 @@ class CacheLayer(ABC):
 
     # ------------------------------------------------------------------ compiled decoding
     def decode_step(self, query, key, value, valid, positions, scaling) -> torch.Tensor:
-        """:meth:`attend_chunk` for one token (T = 1), the unit ``compile_decode`` compiles: in a
-        method with ``static_decode`` it allocates nothing whose shape depends on the
-        sequence, makes no host synchronisation and reads no Python state that changes from
-        step to step, so one graph serves every step (and, on a GPU, one CUDA graph). Work
-        that cannot be so (ARM's write every ``sync`` tokens) runs after it, eagerly, in
-        :meth:`after_decode_step`."""
+        """:meth:`attend_chunk` for one token (T = 1), what a compiled forward of the model runs
+        in each layer (``ArmkvCache.forward``): in a method with ``static_decode`` it keeps its
+        state in tensors allocated once and updated in place, allocates nothing whose shape
+        depends on the sequence, makes no host synchronisation and reads no Python state that
+        changes from step to step, so one graph serves every step (and, on a GPU, one CUDA
+        graph). The Python work of a step (``seen``, the peak, and ARM's write every ``sync``
+        tokens) runs after the graph, eagerly, in :meth:`finish_decode_step`."""
         return self.attend_chunk(query, key, value, valid, positions, scaling)
 
     def decode_ready(self) -> bool:
@@ -138,19 +138,34 @@ class CacheLayer(ABC):
         the eager path."""
         return True
 
-    def after_decode_step(self) -> None:
-        """Eager work after a compiled decode step (see :meth:`decode_step`)."""
+    def finish_decode_step(self) -> None:
+        """After a compiled forward: what :meth:`attend` does beside the step (count the
+        token, run :meth:`after_decode_step`, note the peak), eagerly."""
+        self.seen += 1
+        self.after_decode_step()
+        self.note_peak()
 
-    def compile_decode(self, **options) -> None:
-        """Run decode steps through ``torch.compile(self.decode_step, fullgraph=True, **options)``
-        (e.g. ``mode="reduce-overhead"`` on a GPU: the step replayed as a CUDA graph). Layers
-        of one shape share the compiled graph; a prefill chunk stays eager."""
+    def after_decode_step(self) -> None:
+        """Eager work after a compiled decode step, between two steps (see :meth:`decode_step`)."""
+
+    def compile_decode(self) -> None:
+        """Decode through a compiled forward of the whole model (``make_cache(compile=)``): the
+        state is allocated for it (static shapes, fixed addresses) and :meth:`decode_step` runs
+        in the graph. Raises for a method whose decode step grows with the sequence."""
         if not self.static_decode:
             raise ArmkvError(
                 f"{type(self).__name__}'s decode step grows with the sequence and cannot be compiled: "
                 "compile a bounded method (sink, swa, kivi with a budget, arm, fifo)"
             )
-        self._step = torch.compile(self.decode_step, fullgraph=True, **options)
+        self.compiled = True
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the state a compiled step reads or updates, by name (empty before the
+        first chunk). With ``compiled`` they are marked static after the first chunk
+        (``torch._dynamo.mark_static_address``, as transformers' ``StaticCache`` marks its
+        tensors: a CUDA graph reads and writes them where they are), so a method keeps them
+        where they were allocated."""
+        return {}
 
     @abstractmethod
     def state_bytes(self) -> int:

@@ -249,6 +249,10 @@ class ExactBuffer:
         """
         return self.k, self.v, self.valid, self.pos
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The buffer's tensors by name (allocated once; every push writes them in place)."""
+        return {"k": self.k, "v": self.v, "valid": self.valid, "pos": self.pos, "head": self.head}
+
     def reorder(self, index: torch.Tensor) -> None:
         """Select batch rows in place (beam search): index [B] long."""
         for name in ("k", "v", "valid", "pos", "head"):

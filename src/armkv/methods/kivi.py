@@ -229,7 +229,7 @@ class KiviLayer(CacheLayer):
         self.group_valid[rows, dest] = True
         # Entries ever written form a prefix of the store (every row starts at entry 0), so
         # max(write_at) bounds what is worth dequantising.
-        self.write_at = self.write_at + is_new.sum(1)
+        self.write_at.add_(is_new.sum(1))  # (in place: a compiled step keeps its state where it is)
 
     def _quantised_groups(self, gk: torch.Tensor, gv: torch.Tensor) -> dict[str, torch.Tensor]:
         """Groups gk, gv [B, H, n, G, d] as stored: codes, scales and zero-points (``self.groups``' layout)."""
@@ -259,6 +259,15 @@ class KiviLayer(CacheLayer):
         )
 
     # -------------------------------------------------------------- accounting
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        if self.exact is None:
+            return {}
+        held = {f"exact.{name}": t for name, t in self.exact.tensors().items()}
+        held.update({f"groups.{name}": t for name, t in self.groups.items()})
+        for name in ("stage_k", "stage_v", "stage_count", "write_at", "group_valid"):
+            held[name] = getattr(self, name)
+        return held
+
     def state_bytes(self) -> int:
         if self.exact is None:
             return 0

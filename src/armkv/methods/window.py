@@ -8,6 +8,8 @@ because the prompt itself may not).
 
 from __future__ import annotations
 
+import torch
+
 from armkv.memory.rope import Rotary
 from armkv.methods.attention import joint_attention
 from armkv.methods.base import CacheLayer, ModelInfo, register_method, reject_options, require_budget
@@ -44,6 +46,9 @@ class WindowLayer(CacheLayer):
 
     def state_bytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.state_bytes()
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {} if self.buffer is None else self.buffer.tensors()
 
 
 def held_window(window: int, sinks: int, horizon: int | None) -> int:
