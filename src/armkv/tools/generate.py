@@ -83,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile", action="store_true", help="decode through the method's torch.compile'd step (bounded methods)"
     )
+    parser.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="hf: armkv's own loop over transformers; vllm: vLLM with armkv's plugin (arm, fifo, full; "
+        "docs/serving.md)",
+    )
 
 
 def read_requests(path: str) -> list[dict]:
@@ -272,8 +279,14 @@ def main(args: argparse.Namespace) -> int:
         "options": options,
         "sampling": sampling,
     }
+    if args.engine != "hf":
+        settings["engine"] = args.engine
     output = Output(args.output, settings, args.overwrite, args.input)
     try:
+        if args.engine == "vllm":
+            from armkv.tools.vllm_engine import run as run_vllm
+
+            return run_vllm(args, requests, output, budget, options, sampling)
         return run(args, requests, output, budget, options, sampling)
     finally:
         if not output.close():
