@@ -68,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="wrap context + question in the model's chat template (instruct models answer better so)",
     )
+    parser.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="hf: armkv's own loop over transformers; vllm: vLLM with armkv's plugin (arm, fifo, full; "
+        "docs/serving.md)",
+    )
     g = parser.add_argument_group("sampling (default: greedy)")
     g.add_argument(
         "--temperature",
@@ -82,13 +89,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of each request's draws (sampling only)")
     parser.add_argument(
         "--compile", action="store_true", help="decode through the method's torch.compile'd step (bounded methods)"
-    )
-    parser.add_argument(
-        "--engine",
-        choices=("hf", "vllm"),
-        default="hf",
-        help="hf: armkv's own loop over transformers; vllm: vLLM with armkv's plugin (arm, fifo, full; "
-        "docs/serving.md)",
     )
 
 
