@@ -100,6 +100,7 @@ def run(args, requests: list[dict], output, budget, options: dict, sampling: dic
         dtype="float32",
         max_model_len=longest,
         enable_prefix_caching=False,
+        enforce_eager=True,  # (a run of requests: vLLM's torch.compile of the model costs more than it saves here)
         gpu_memory_utilization=float(os.environ.get("ARMKV_VLLM_MEMORY", "0.3")),
     )
     if sampling is None:
