@@ -22,6 +22,24 @@ def arm_peaks(worker) -> dict:
     }
 
 
+def preempted_run(llm, prompts, params, preempt_at: list[int], TokensPrompt) -> list[list[int]]:
+    """The prompts stepped through the engine, every running request preempted (its state freed,
+    recomputed from token 0 when it is scheduled again) after each step in ``preempt_at``."""
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompt), params)
+    done, steps, preempted = {}, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps in preempt_at:
+            preempted += engine.reset_prefix_cache(reset_running_requests=True)
+    assert preempted == len(preempt_at), "the engine did not preempt"
+    return [done[str(i)] for i in range(len(prompts))]
+
+
 def main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     if job.get("arm") is None:
@@ -44,8 +62,11 @@ def main(job_path: str) -> None:
     args.update(job.get("engine", {}))
     llm = LLM(**args)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
-    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+    if job.get("preempt_at"):
+        result = {"tokens": preempted_run(llm, job["prompts"], params, job["preempt_at"], TokensPrompt)}
+    else:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
+        result = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
     result["peaks"] = llm.collective_rpc(arm_peaks)[0] if job.get("arm") else {}
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -7,7 +7,7 @@ plugins once a process.
 - ARM through vLLM gives armkv's HF path's tokens at the same budget (the HF path runs in the
   main environment's Python, ``ARMKV_HF_PYTHON``; skipped without it)
 - 8 concurrent requests of mixed lengths: each request's memory stays within its budget
-- vLLM's chunking (64 and 4,096 tokens a step) changes nothing
+- vLLM's chunking (64 and 4,096 tokens a step) and forced preemption change nothing
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ def run(script: str, job: dict, tmp: Path, python: str = sys.executable) -> dict
 _runs: dict = {}
 
 
-def engine(tiny: Path, tmp: Path, arm: str | None, **engine_args) -> dict:
-    key = (arm, json.dumps(engine_args, sort_keys=True))
+def engine(tiny: Path, tmp: Path, arm: str | None, preempt_at: list[int] | None = None, **engine_args) -> dict:
+    key = (arm, json.dumps(engine_args, sort_keys=True), str(preempt_at))
     if key not in _runs:
         job = {"model": str(tiny), "prompts": prompts(LENGTHS), "max_tokens": NEW, "arm": arm, "engine": engine_args}
+        job["preempt_at"] = preempt_at
         _runs[key] = run("engine_run.py", job, tmp)
     return _runs[key]
 
@@ -80,6 +81,14 @@ def test_chunking_changes_nothing(tiny, tmp_path):
     big = engine(tiny, tmp_path, ARM, max_num_batched_tokens=4096)
     small = engine(tiny, tmp_path, ARM, max_num_batched_tokens=64)
     assert small["tokens"] == big["tokens"]
+
+
+def test_forced_preemption_changes_nothing(tiny, tmp_path):
+    """Every running request preempted twice (64 tokens a step: mid-prompt for the long ones,
+    while decoding for the short ones): recomputed from token 0, the memories give the same tokens."""
+    steady = engine(tiny, tmp_path, ARM, max_num_batched_tokens=4096)
+    preempted = engine(tiny, tmp_path, ARM, max_num_batched_tokens=64, preempt_at=[4, 30])
+    assert preempted["tokens"] == steady["tokens"]
 
 
 @pytest.mark.skipif(not os.environ.get("ARMKV_HF_PYTHON"), reason="ARMKV_HF_PYTHON (the main environment) unset")
