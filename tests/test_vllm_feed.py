@@ -111,3 +111,17 @@ def test_settings():
     ]:
         with pytest.raises(Exception, match=match):
             parse_settings(bad)
+
+
+def test_engine_vllm_without_vllm_names_the_command():
+
+    from armkv.tools import vllm_engine
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(Exception, match="pip install 'armkv\\[vllm\\]'") as e:
+            vllm_engine.require_vllm()
+        assert vllm_engine.VLLM_ENV_COMMAND in str(e.value) and "\n" not in str(e.value)
+    else:
+        vllm_engine.require_vllm()
