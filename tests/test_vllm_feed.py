@@ -114,7 +114,6 @@ def test_settings():
 
 
 def test_engine_vllm_without_vllm_names_the_command():
-
     from armkv.tools import vllm_engine
 
     try:
