@@ -1,28 +1,21 @@
 """The transformers boundary: the ``armkv`` attention, ``ArmkvCache``, attach/detach, the
 default model and the generation engine used by every tool.
 
-The names below load transformers on first use, so that ``armkv.hf.runner.check_request`` and
-``armkv.hf.model``'s paths also serve vLLM's environment, whose transformers armkv.hf does not
-support (docs/serving.md)."""
+Where transformers is missing or of a version armkv does not support (vLLM's environment,
+docs/serving.md), the package still imports, so that ``armkv.hf.runner.check_request`` and
+``armkv.hf.model``'s paths serve there; the names below then raise that one-line error."""
 
-import importlib
+from armkv.errors import ArmkvError
 
-_EXPORTS = {
-    "ArmkvCache": "armkv.hf.cache",
-    "attach": "armkv.hf.attach",
-    "attached": "armkv.hf.attach",
-    "detach": "armkv.hf.attach",
-    "is_attached": "armkv.hf.attach",
-    "make_cache": "armkv.hf.attach",
-    "model_info": "armkv.hf.attach",
-    "model_rotary": "armkv.hf.attach",
-}
+__all__ = ["ArmkvCache", "attach", "attached", "detach", "is_attached", "make_cache", "model_info", "model_rotary"]
 
+try:
+    from armkv.hf.attach import attach, attached, detach, is_attached, make_cache, model_info, model_rotary
+    from armkv.hf.cache import ArmkvCache
+except ArmkvError as _why:
+    _unavailable = _why
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'armkv.hf' has no attribute {name!r}")
-
-
-__all__ = sorted(_EXPORTS)
+    def __getattr__(name: str):
+        if name in __all__:
+            raise _unavailable
+        raise AttributeError(f"module 'armkv.hf' has no attribute {name!r}")
