@@ -15,7 +15,6 @@ import time
 import torch
 
 from armkv.errors import ArmkvError
-from armkv.hf.attach import make_cache, model_info
 
 
 def check_request(request: dict) -> None:
@@ -78,6 +77,8 @@ class Runner:
         self.method, self.budget, self.chunk, self.chat = method, budget, chunk, chat
         self.compile = compile
         self.method_options = method_options
+        from armkv.hf.attach import model_info
+
         self.info = model_info(model)
         self.new_cache()  # fails now, not at the first request, on a bad method, budget or option
         eos = model.generation_config.eos_token_id
@@ -88,6 +89,8 @@ class Runner:
 
     def new_cache(self, horizon: int | None = None):
         """A fresh cache; ``horizon``: the tokens it will see, for methods that plan by length."""
+        from armkv.hf.attach import make_cache
+
         return make_cache(
             self.model,
             self.method,

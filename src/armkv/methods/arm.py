@@ -278,6 +278,39 @@ class ARMLayer(CacheLayer):
 
     # ------------------------------------------------------------------ attention
     def attend_chunk(self, query, key, value, valid, positions, scaling):
+        c = self.config
+        T = query.shape[2]
+        out = self._read_chunk(query, key, value, valid, positions, scaling)
+
+        # commit: tokens leaving the window wait, then go into the slots together: at the end
+        # of every prefill chunk, and every `sync` tokens while decoding
+        overflow = self.buffer.push(key, value, valid, positions)
+        if overflow.key.shape[2] > 0:
+            new = (overflow.key, overflow.value, overflow.valid, overflow.positions)
+            self.pending = (
+                new
+                if self.pending is None
+                else tuple(torch.cat([a, b], 2 if a.ndim == 4 else 1) for a, b in zip(self.pending, new))
+            )
+        if self.pending is not None and (T > 1 or self.pending[0].shape[2] >= c.sync):
+            self._flush()
+        return out
+
+    def peek_chunk(self, query, key, value, valid, positions, scaling):
+        """What :meth:`attend_chunk` returns for these tokens, without committing them: the
+        state is left as it was (M, if not yet decided, stays undecided: the whole first chunk
+        decides it). A serving engine that schedules the first part of a chunk reads it so, and
+        gives the whole chunk to :meth:`attend_chunk` once it is complete (``armkv.vllm``)."""
+        undecided = self.m is None
+        try:
+            return self._read_chunk(query, key, value, valid, positions, scaling)
+        finally:
+            if undecided:
+                self.m, self.mix, self._reads_all, self._route_k = None, None, False, 0
+                self.aux.pop("budget", None)
+
+    def _read_chunk(self, query, key, value, valid, positions, scaling):
+        """:meth:`attend_chunk`'s read: [state | the chunk, causally], the state unchanged."""
         if self.buffer is None:
             self._lazy_init(key)
         c = self.config
@@ -294,19 +327,6 @@ class ARMLayer(CacheLayer):
             out = self._decode_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
         else:
             out = self._read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, reads_all)
-
-        # commit: tokens leaving the window wait, then go into the slots together: at the end
-        # of every prefill chunk, and every `sync` tokens while decoding
-        overflow = self.buffer.push(key, value, valid, positions)
-        if overflow.key.shape[2] > 0:
-            new = (overflow.key, overflow.value, overflow.valid, overflow.positions)
-            self.pending = (
-                new
-                if self.pending is None
-                else tuple(torch.cat([a, b], 2 if a.ndim == 4 else 1) for a, b in zip(self.pending, new))
-            )
-        if self.pending is not None and (T > 1 or self.pending[0].shape[2] >= c.sync):
-            self._flush()
         return out
 
     def _read(

@@ -122,6 +122,12 @@ class CacheLayer(ABC):
     ) -> torch.Tensor:
         """:meth:`attend` for at most ``chunk`` new tokens: same shapes, same contract."""
 
+    def peek_chunk(self, query, key, value, valid, positions, scaling) -> torch.Tensor:
+        """:meth:`attend_chunk`'s output without committing the tokens (the state unchanged):
+        how a serving engine reads the first part of a chunk it schedules in pieces. The
+        methods that serve in ``armkv.vllm`` implement it (arm, fifo, full)."""
+        raise ArmkvError(f"{type(self).__name__} cannot read part of a chunk without committing it")
+
     # ------------------------------------------------------------------ compiled decoding
     def decode_step(self, query, key, value, valid, positions, scaling) -> torch.Tensor:
         """:meth:`attend_chunk` for one token (T = 1), what a compiled forward of the model runs

@@ -29,6 +29,10 @@ class FullLayer(CacheLayer):
             self.valid = torch.cat([self.valid, valid], dim=1)
         return out
 
+    def peek_chunk(self, query, key, value, valid, positions, scaling):
+        """:meth:`attend_chunk`'s output without storing the tokens."""
+        return joint_attention(query, key, value, valid, scaling, self.keys, self.values, self.valid)
+
     def state_bytes(self) -> int:
         if self.keys is None:
             return 0

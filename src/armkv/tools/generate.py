@@ -70,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="wrap context + question in the model's chat template (instruct models answer better so)",
     )
+    parser.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="hf: armkv's own loop over transformers; vllm: vLLM with armkv's plugin (arm, fifo, full; "
+        "docs/serving.md)",
+    )
     g = parser.add_argument_group("sampling (default: greedy)")
     g.add_argument(
         "--temperature",
@@ -205,6 +212,8 @@ def settings_of(args: argparse.Namespace) -> tuple[dict, dict]:
         "options": options,
         "sampling": sampling,
     }
+    if args.engine != "hf":
+        settings["engine"] = args.engine
     return settings, options
 
 
@@ -214,7 +223,11 @@ def main(args: argparse.Namespace) -> int:
     output = Output(args.output, settings, args.overwrite, args.input, requests)
     complete = False
     try:
-        failed, complete = run(args, requests, output, settings["budget"], options, settings["sampling"])
+        if args.engine == "vllm":
+            from armkv.tools.vllm_engine import run as run_engine
+        else:
+            run_engine = run
+        failed, complete = run_engine(args, requests, output, settings["budget"], options, settings["sampling"])
     finally:
         note = output.close(complete)
         if note:

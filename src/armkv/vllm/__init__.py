@@ -1,0 +1,42 @@
+"""ARM inside vLLM: a ``vllm.general_plugins`` plugin that gives vLLM's Llama models armkv's
+fixed-size memory per request (``docs/serving.md``).
+
+The one setting is the environment variable ``ARMKV_VLLM`` (:mod:`armkv.vllm.settings`), a
+JSON object with the options ``armkv generate`` takes::
+
+    ARMKV_VLLM='{"method": "arm", "budget": 1024}' vllm serve MODEL --no-enable-prefix-caching
+
+Unset, the plugin changes nothing. Set, every process vLLM starts (the plugin runs in each)
+maps the Llama architectures (``LlamaForCausalLM``: Llama 2/3, SmolLM2) to ARM variants whose
+attention layers keep, per request, one fixed state of ``budget`` token-equivalents per layer
+(``ARMStateSpec``, a ``MambaSpec``: one block per request for its whole life) and attend
+through armkv's own cache layers (:mod:`armkv.vllm.backend`).
+"""
+
+from __future__ import annotations
+
+from armkv.vllm.settings import ENV, Settings, settings_from_env
+
+# The architectures the plugin serves, and the ARM variant registered for each.
+ARCHITECTURES = {"LlamaForCausalLM": "armkv.vllm.model:ARMLlamaForCausalLM"}
+
+_registered = False
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: vLLM calls it in every process it starts.
+    Idempotent; does nothing unless ``ARMKV_VLLM`` is set (a bad value is a one-line error)."""
+    global _registered
+    if _registered:
+        return
+    settings = settings_from_env()
+    if settings is None:
+        return
+    from vllm import ModelRegistry
+
+    for arch, target in ARCHITECTURES.items():
+        ModelRegistry.register_model(arch, target)
+    _registered = True
+
+
+__all__ = ["ARCHITECTURES", "ENV", "Settings", "register", "settings_from_env"]

@@ -1,0 +1,178 @@
+"""The ARM attention layer, its per-request state spec and its attention backend for vLLM.
+
+State. vLLM keeps one block per request for an ``ARMStateSpec`` layer (a ``MambaSpec``: the
+state of a request is fixed in size, allocated when it is scheduled and freed when it ends or
+is preempted), of exactly the bytes armkv's budget gives a layer: ``budget`` token-equivalents
+(``ModelInfo.budget_bytes``), so vLLM admits as many requests as their memories fit. The
+memory itself is an armkv cache layer (:class:`armkv.methods.arm.ARMLayer`: sinks, window,
+slot pool with its codes, scales and index, the trees) made per request and per layer by the
+same factory as the Hugging Face path (``armkv.methods``), keyed by the request's block.
+
+Attention. Each step's batch mixes prefill pieces and decode tokens of different requests;
+:class:`RequestMemory` gives every request's tokens to its layer as the Hugging Face path
+does: the prompt in chunks of P tokens from position 0 (a piece of a chunk that vLLM's
+scheduler split is read with ``peek_chunk`` and the chunk committed once whole; the prompt's
+last chunk is committed as it is), then one token at a time. So the memory, and the outputs,
+do not depend on how vLLM chunks a prompt, and a preempted request recomputed from token 0
+rebuilds the same memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder, CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.kv_cache_interface import MambaSpec
+
+from armkv.errors import ArmkvError
+from armkv.vllm.feed import RequestMemory
+
+
+@dataclass(frozen=True, kw_only=True)
+class ARMStateSpec(MambaSpec):
+    """One fixed block per request and layer: the budget's bytes (``shapes = ((bytes,),)``, uint8)."""
+
+    method: str = "arm"
+
+
+class ARMAttention(Attention):
+    """vLLM's ``Attention`` whose KV cache is an :class:`ARMStateSpec` and whose backend is
+    :class:`ARMBackend`. ``plan`` makes this layer's armkv cache layer for one request
+    (``plan()`` -> CacheLayer) and knows its bytes (``plan.state_bytes``)."""
+
+    def __init__(self, *args, plan, **kwargs):
+        super().__init__(*args, attn_backend=ARMBackend, **kwargs)
+        self.arm_plan = plan
+
+    def get_kv_cache_spec(self, vllm_config):
+        cache = vllm_config.cache_config
+        if cache.enable_prefix_caching:
+            raise ArmkvError(
+                "ARM layers keep one merged memory per request, which cannot be shared between prompts: "
+                "pass --no-enable-prefix-caching (enable_prefix_caching=False)"
+            )
+        if vllm_config.speculative_config is not None:
+            raise ArmkvError(
+                "ARM layers commit every token they read, so drafted tokens cannot be rolled back: "
+                "run without speculative decoding"
+            )
+        return ARMStateSpec(
+            shapes=((self.arm_plan.state_bytes,),),
+            dtypes=(torch.uint8,),
+            block_size=vllm_config.model_config.max_model_len,
+            mamba_cache_mode="none",
+            method=self.arm_plan.method,
+        )
+
+
+@dataclass
+class ARMMetadata:
+    """Per step: each request's tokens [query_start[i], query_start[i + 1]), the position of
+    its first one, its prompt length and its state block."""
+
+    num_actual_tokens: int
+    query_start: list[int]
+    starts: list[int]
+    prompt_lens: list[int]
+    state_ids: list[int]
+
+
+class ARMMetadataBuilder(AttentionMetadataBuilder[ARMMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
+        m = common_attn_metadata
+        n = m.num_reqs
+        query_start = m.query_start_loc_cpu[: n + 1].tolist()
+        seq_lens = m.seq_lens[:n].cpu().tolist()
+        if m.rswa_prefix_lens is None:
+            raise ArmkvError(
+                "vLLM passed no prompt lengths to the ARM layers (the model's rswa_window is unset): "
+                "load the model through armkv's plugin"
+            )
+        prompt_lens = m.rswa_prefix_lens[:n].cpu().tolist()
+        starts = [s - (query_start[i + 1] - query_start[i]) for i, s in enumerate(seq_lens)]
+        state_ids = m.block_table_tensor[:n, 0].cpu().tolist()
+        return ARMMetadata(m.num_actual_tokens, query_start, starts, prompt_lens, state_ids)
+
+
+class ARMAttentionImpl(AttentionImpl[ARMMetadata]):
+    """Runs each request's tokens through its :class:`RequestMemory` (one per state block)."""
+
+    def __init__(
+        self,
+        num_heads,
+        head_size,
+        scale,
+        num_kv_heads,
+        alibi_slopes,
+        sliding_window,
+        kv_cache_dtype,
+        logits_soft_cap=None,
+        attn_type="decoder",
+        kv_sharing_target_layer_name=None,
+        **kwargs,
+    ):
+        if alibi_slopes is not None or sliding_window is not None or logits_soft_cap:
+            raise ArmkvError("ARM layers serve RoPE attention without ALiBi, sliding window or soft cap")
+        if kv_sharing_target_layer_name is not None:
+            raise ArmkvError("ARM layers do not share their KV cache with other layers")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.memories: dict[int, RequestMemory] = {}  # state block -> the request's memory
+
+    def forward(
+        self,
+        layer,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        output=None,
+        output_scale=None,
+        output_block_scale=None,
+        output_block_scale_layout=None,
+    ):
+        if output is None:
+            output = torch.empty_like(query)
+        if attn_metadata is None:  # (vLLM's profiling run)
+            return output.zero_()
+        plan = layer.arm_plan
+        m: ARMMetadata = attn_metadata
+        for i, state in enumerate(m.state_ids):
+            lo, hi = m.query_start[i], m.query_start[i + 1]
+            if hi == lo:
+                continue
+            memory = self.memories.get(state)
+            if memory is None or m.starts[i] == 0:  # a new request, or one recomputed from token 0
+                memory = self.memories[state] = RequestMemory(plan(), plan.chunk)
+            out = memory.step(query[lo:hi], key[lo:hi], value[lo:hi], m.starts[i], m.prompt_lens[i], self.scale)
+            output[lo:hi] = out.to(output.dtype)
+        return output
+
+    def state_bytes(self) -> dict[int, int]:
+        """Bytes each request's memory holds now in this layer: {state block: bytes}."""
+        return {s: mem.layer.state_bytes() for s, mem in self.memories.items()}
+
+
+class ARMBackend(CPUAttentionBackend):
+    """The CPU backend's name and checks, with armkv's layers doing the attention."""
+
+    forward_includes_kv_cache_update: bool = True
+
+    @staticmethod
+    def get_impl_cls():
+        return ARMAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return ARMMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any

