@@ -12,8 +12,8 @@ buckets' worth of pages of 1 / ``page_split`` of the mean bucket (``read_pages``
 ``read_rank`` ranks them (``partial``: the query's largest ``partial_share`` of key-code rows;
 ``best``: every key whole), or (``tree``) the M whole buckets the tree's read routing of the
 pre-RoPE query reaches (the adapter's routers: a trained one with ``--adapter``). A query
-head's missed mass is the share of its full attention on slots the setting skips. The slots are unmixed (``slot_mixing=false``, as ``partial``
-requires).
+head's missed mass is the share of its full attention on slots the setting skips. The slots
+are unmixed (``slot_mixing=false``, as ``partial`` requires).
 
 Beside the missed share it measures what the read outputs: each query head's attention output
 against the full read's, |o - o_full| / |o_full|, for the sparse read as it is and with
