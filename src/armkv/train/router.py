@@ -42,7 +42,6 @@ from armkv.evals.router_signal import QKSample, bucket_mass, grouped, missed_mas
 from armkv.memory.rope import Rotary
 from armkv.memory.route import Router
 
-
 WARMUP = 10  # steps of linear warm-up of the step size
 
 
