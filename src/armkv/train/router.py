@@ -28,7 +28,6 @@ tree). docs/training.md has the measurements that chose this.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -49,12 +48,12 @@ WARMUP = 10  # steps of linear warm-up of the step size
 class RouterTrainConfig:
     """What a router run does to each layer (every field is in the checkpoints' config)."""
 
-    steps: int = 120  # Adam steps per layer
+    steps: int = 100  # Adam steps per layer
     lr: float = 0.02  # Adam step size, relative to the layer's mean key norm (warm-up, cosine to 1/10)
-    batch_queries: int = 1024  # queries per KV head and step (each with its R query heads)
+    batch_queries: int = 512  # queries per KV head and step (each with its R query heads)
     batch_keys: int = 2048  # keys per KV head and step in the balance loss
     alpha: float = 0.01  # weight of the balance loss
-    refile_every: int = 40  # steps between re-filings of the keys under the tree being trained
+    refile_every: int = 25  # steps between re-filings of the keys under the tree being trained
     fraction: int = 8  # the held-out read's M = N_b / fraction
     sinks: int = 4  # the keys ARM holds exactly (never in the pool, never missed)
     window: int = 48
@@ -152,37 +151,6 @@ def train_layer(router: Router, samples: list[QKSample], layer: int, rotary: Rot
     for p in params:
         p.requires_grad_(False)
     return log
-
-
-def train_query_map(
-    router: Router, samples: list[QKSample], layer: int, rotary: Rotary, cfg: RouterTrainConfig
-) -> Router:
-    """The alternative the shipped tree was measured against (docs/decisions.md): keys stay
-    filed by ``router`` (untouched) and queries are routed by a copy whose node weights are
-    ``W_p A_h``, a per-KV-head d x d query map ``A_h`` (from the identity) trained with the read
-    biases on the same loss. Returns the read router."""
-    g = torch.Generator().manual_seed(cfg.seed * 1009 + layer)
-    read = copy.deepcopy(router)
-    x, mass = layer_masses(router, samples, layer, rotary, cfg)
-    H, d = read.weight.shape[0], read.head_dim
-    A = torch.eye(d).repeat(H, 1, 1).requires_grad_(True)
-    read.weight.requires_grad_(False)
-    read.read_bias.requires_grad_(True)
-    optimizer = torch.optim.Adam([A, read.read_bias], lr=cfg.lr)
-    for step in range(cfg.steps):
-        lr = cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step / max(1, cfg.steps))))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        pick = torch.randperm(x.shape[3], generator=g)[: cfg.batch_queries]
-        xb = torch.einsum("hij,bhrnj->bhrni", A, x[:, :, :, pick])
-        loss = read_loss(read, xb, mass[:, :, pick])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    with torch.no_grad():
-        read.weight.copy_(torch.einsum("hkcd,hde->hkce", read.weight, A.detach()))
-    read.read_bias.requires_grad_(False)
-    return read
 
 
 def config_dict(cfg: RouterTrainConfig) -> dict:
