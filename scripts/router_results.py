@@ -1,5 +1,5 @@
 """Gather the ``armkv eval reads`` runs that compare the k-means tree's read, the trained
-tree's read and ``partial`` into docs/results/router_reads.json and router_reads.png.
+tree's read and ``partial`` into docs/results/router_reads.json and docs/router_reads.png.
 
 Each run is one folder of ``armkv eval reads --ranks tree,partial --page-split 1`` (its
 ``summary.json`` and ``reads.jsonl``); the runs and the commands that made them are listed
@@ -85,7 +85,7 @@ def main() -> None:
     ax.set_title("M = N_b / 8 at 8k, niah_single_1")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(ROOT / "docs/results/router_reads.png", dpi=120)
+    fig.savefig(ROOT / "docs/router_reads.png", dpi=120)
     print(json.dumps({n: {s: round(v["mean"], 4) for s, v in r["settings"].items()} for n, r in out.items()}))
 
 
