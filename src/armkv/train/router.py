@@ -23,7 +23,8 @@ that file keys (write routing, ``W_p k + b_p``) and that route queries (read rou
 ``W_p q / sqrt(d) + r_p``); the balance loss of the paper (``alpha * L_bal`` on the keys) keeps
 the write routing spread, and every ``refile_every`` steps the keys are filed again under
 the tree as it now stands and the targets recomputed (what a bucket holds changes with the
-tree). docs/training.md has the measurements that chose this.
+tree). The alternative it was measured against, key and query maps of one tree, is in
+docs/decisions.md.
 """
 
 from __future__ import annotations
