@@ -66,6 +66,57 @@ def test_missed_mass_is_the_attention_on_the_slots_the_sparse_read_skips(split, 
     assert float(everything["s"][0].abs().max()) < 1e-6 and everything["s"][1] == pytest.approx(1.0)
 
 
+def test_tree_missed_mass_is_the_attention_the_tree_read_skips():
+    """``tree``: the slots of the buckets the layer's own tree read (read_rank="tree") takes."""
+    model, layer = _layer_with_memory(torch.float32, {"read_rank": "tree", "slot_mixing": False})
+    query, key, value, valid, positions = _chunk(model, layer, torch.float32, 1, padded=0)
+    exact_k, exact_v, exact_valid = layer._exact()
+    m, scaling = 3, 0.3
+    layer.m, layer._route_k = torch.tensor([m, m]), m
+    settings = reads.settings_from(argparse.Namespace(ranks="tree", page_split="1", partial_share="0.25"))
+    with torch.no_grad():
+        args = (layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)
+        choices = reads._sparse_choices(*args, position=positions)
+        missed, share = reads.missed_mass(*args, choices=choices)["tree"]
+        q_pre = layer.rotary.unrotate(query, positions.unsqueeze(1))
+        _, _, occupied, _ = layer._slots()
+        mask = layer._masks_for(q_pre, None, occupied, query.shape[1] // key.shape[1])[0][:, :, 0]
+        p = _full_probs(layer, query, key, valid, scaling, exact_k, exact_valid)
+        cost = reads.read_cost(layer, settings[0], choices[1]["tree"][0], query.shape[-1], m)
+        best = {"name": "b", "rank": "best", "page_split": 1, "partial_share": None}
+        every = reads._sparse_choices(*args[:7], [best], layer.memory.router.num_buckets, position=positions)
+        cost_all = reads.read_cost(layer, best, every[1]["b"][0], query.shape[-1], m)
+    B, Hq = query.shape[:2]
+    torch.testing.assert_close(missed.view(B, Hq), (p * ~mask).sum(-1), rtol=1e-4, atol=1e-5)
+    assert 0 < share < 1 and (missed > 0).any()
+    assert 0 < cost and 0 < cost_all
+
+
+def test_bytes_read_counts_the_ranking_and_the_slots_taken():
+    from types import SimpleNamespace
+
+    from armkv.evals.read_cost import bytes_read, router_bytes
+    from armkv.memory.route import Router
+
+    G, S, d = 2, 10, 8
+    state = SimpleNamespace(
+        key=torch.zeros(G, d // 2, S, dtype=torch.uint8),  # int4: d / 2 bytes a slot
+        key_scale=torch.zeros(G, S, 1, dtype=torch.bfloat16),  # 2 bytes a slot
+        value=torch.zeros(G, S, d // 2, dtype=torch.uint8),
+        value_scale=torch.zeros(G, S, 1, dtype=torch.bfloat16),
+        count=torch.tensor([[1] * 8 + [0] * 2, [1] * 10]),
+    )
+    taken = torch.zeros(G, S, dtype=torch.bool)
+    taken[0, :3] = True
+    slot = 4 + 2 + 4 + 2
+    assert bytes_read(state, "best", taken, d) == 18 * (4 + 2) + 3 * slot
+    assert bytes_read(state, "partial", taken, d, rows=1) == 18 * (1 + 2) + 3 * slot
+    router = Router(2, d, depth=2, branching=4)  # 5 nodes of 4 children
+    assert router_bytes(router, 16) == 2 * 5 * 4 * (d * 4 + 4)
+    assert router_bytes(router, 2) == 2 * (1 + 2) * 4 * (d * 4 + 4)  # the beam: at most 2 nodes a level
+    assert bytes_read(state, "tree", taken, d, router, 16) == router_bytes(router, 16) + 3 * slot
+
+
 def test_settings_are_checked_before_anything_runs():
     names = [s["name"] for s in _settings(ranks="partial,best", page_split="1,4", partial_share="0.125,0.25")]
     assert names == [
@@ -76,7 +127,12 @@ def test_settings_are_checked_before_anything_runs():
         "best, pages/1",
         "best, pages/4",
     ]
-    for bad in ({"ranks": "tree"}, {"page_split": "0"}, {"page_split": "x"}, {"partial_share": "1.5"}):
+    assert [s["name"] for s in _settings(ranks="tree,partial", page_split="1,4")] == [
+        "tree",
+        "partial, pages/1, rows 0.25",
+        "partial, pages/4, rows 0.25",
+    ]
+    for bad in ({"ranks": "leaves"}, {"page_split": "0"}, {"page_split": "x"}, {"partial_share": "1.5"}):
         with pytest.raises(ArmkvError):
             _settings(**bad)
 

@@ -10,9 +10,10 @@ query head over every slot, the exact entries and the token itself) is compared 
 slots that each setting's sparse read would take from the same state: M = N_b / ``--fraction``
 buckets' worth of pages of 1 / ``page_split`` of the mean bucket (``read_pages``), ranked as
 ``read_rank`` ranks them (``partial``: the query's largest ``partial_share`` of key-code rows;
-``best``: every key whole). A query head's missed mass is the share of its full attention on
-slots the setting skips. The slots are unmixed (``slot_mixing=false``, as ``partial``
-requires).
+``best``: every key whole), or (``tree``) the M whole buckets the tree's read routing of the
+pre-RoPE query reaches (the adapter's routers: a trained one with ``--adapter``). A query
+head's missed mass is the share of its full attention on slots the setting skips. The slots
+are unmixed (``slot_mixing=false``, as ``partial`` requires).
 
 Beside the missed share it measures what the read outputs: each query head's attention output
 against the full read's, |o - o_full| / |o_full|, for the sparse read as it is and with
@@ -26,7 +27,8 @@ point, so settings can be told apart here before RULER is run on them.
 Output: one JSONL line per sample (``reads.jsonl``: per setting, the mean over layers, KV
 heads' query heads and steps, its 90th percentile, the share of reads that miss more than 10%,
 the share of occupied slots read, the mean per layer, and the output errors without and with
-summaries, overall and per layer; a re-run resumes), ``table.md``
+summaries, overall and per layer, and the bytes one layer reads for one token,
+``armkv.evals.read_cost``; a re-run resumes), ``table.md``
 and ``reads.png`` (missed mass per layer, one line per setting).
 
     armkv eval reads --tasks niah_multivalue --lengths 4k --haystack essay --haystack-file prose.txt \\
@@ -42,7 +44,7 @@ from armkv.errors import ArmkvError
 from armkv.evals import common
 
 NEEDLE_TASKS = "niah_single_1,niah_multikey_1,niah_multivalue,niah_multiquery"
-RANKS = ("partial", "best")
+RANKS = ("partial", "best", "tree")
 
 
 def add_arguments(parser) -> None:
@@ -96,6 +98,9 @@ def settings_from(args) -> list[dict]:
         raise ArmkvError(f"--partial-share {args.partial_share!r}: give shares in (0, 1], e.g. 0.125,0.25")
     out = []
     for rank in ranks:
+        if rank == "tree":  # (the tree routes to whole buckets: no pages)
+            out.append({"name": "tree", "rank": rank, "page_split": None, "partial_share": None})
+            continue
         for split in splits:
             for share in shares if rank == "partial" else [None]:
                 name = f"{rank}, pages/{split}" + (f", rows {share:g}" if share is not None else "")
@@ -103,13 +108,17 @@ def settings_from(args) -> list[dict]:
     return out
 
 
-def _sparse_choices(layer, query, key, valid, scaling: float, exact_k, exact_valid, settings: list[dict], m: int):
+def _sparse_choices(
+    layer, query, key, valid, scaling: float, exact_k, exact_valid, settings: list[dict], m: int, position=None
+):
     """What :func:`missed_mass` and :func:`output_errors` share for one decode step of a layer
     that reads every bucket: the full read's logits over [slots | exact entries | the token]
     ([G, R, S + L + 1] float32) and, per setting, the slots its sparse read takes [G, S] with
-    its units (the unit of each slot [G, S], their number)."""
+    its units (the unit of each slot [G, S], their number). ``position`` [B, 1]: the token's
+    position (the tree routes its pre-RoPE query)."""
     import torch
 
+    from armkv.evals.read_cost import tree_taken
     from armkv.memory.read import paged_index, partial_row_count, partial_rows, slot_units, top_unit_slots
 
     index = layer._bucket_index()  # (its first build may re-lay the pool: before the slots are read)
@@ -129,6 +138,13 @@ def _sparse_choices(layer, query, key, valid, scaling: float, exact_k, exact_val
     num_buckets = layer.memory.router.num_buckets
     units, scores, chosen = {}, {}, {}
     for s in settings:
+        if s["rank"] == "tree":
+            if "tree" not in units:
+                units["tree"] = (slot_units(index), num_buckets)
+            unit = units["tree"][0]
+            q_pre = layer.rotary.unrotate(query, position.unsqueeze(1))
+            chosen[s["name"]] = (tree_taken(layer.memory.router, q_pre, unit, m), unit, num_buckets)
+            continue
         split = s["page_split"]
         if split not in units:
             pages = paged_index(index, num_buckets * split)
@@ -143,6 +159,15 @@ def _sparse_choices(layer, query, key, valid, scaling: float, exact_k, exact_val
         unit, num_units = units[split]
         chosen[s["name"]] = (top_unit_slots(scores[key_], unit, num_units, m * split), unit, num_units)
     return torch.cat([full, exact, own], -1), chosen
+
+
+def read_cost(layer, setting: dict, taken, head_dim: int, m: int) -> float:
+    """Bytes the setting's read of one token reads from one layer (``read_cost.bytes_read``)."""
+    from armkv.evals.read_cost import bytes_read
+    from armkv.memory.read import partial_row_count
+
+    rows = partial_row_count(setting["partial_share"], head_dim) if setting["rank"] == "partial" else 0
+    return bytes_read(layer._readable(), setting["rank"], taken, head_dim, layer.memory.router, m, rows)
 
 
 def missed_mass(
@@ -242,14 +267,19 @@ def measure_sample(
     taken = {s["name"]: [[] for _ in layers] for s in settings}
     errors = {s["name"]: ([[] for _ in layers], [[] for _ in layers]) for s in settings}
     shares = {s["name"]: [] for s in settings}
+    costs = {s["name"]: [] for s in settings}  # bytes read, per layer and step
     m = None
+    at = {}  # the decoded token's position
 
     def hook(i, layer):
         read = layer._decode_read
 
         def run(query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused=True):
             # (the full read's logits and each setting's slots, once for both measures)
-            choices = _sparse_choices(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)
+            position = torch.full((query.shape[0], 1), at["position"], device=query.device)
+            choices = _sparse_choices(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m, position)
+            for s in settings:
+                costs[s["name"]].append(read_cost(layer, s, choices[1][s["name"]][0], query.shape[-1], m))
             for name, (missed, share) in missed_mass(
                 layer, query, key, valid, scaling, exact_k, exact_valid, settings, m, choices
             ).items():
@@ -279,7 +309,7 @@ def measure_sample(
         for i, layer in enumerate(layers):
             hook(i, layer)
         for step, token in enumerate(fed):
-            position = len(context) + step
+            position = at["position"] = len(context) + step
             model(
                 input_ids=torch.tensor([[token]], device=model.device),
                 position_ids=torch.tensor([[position]], device=model.device),
@@ -294,6 +324,9 @@ def measure_sample(
         "steps": len(fed),
         "m": m,
         "num_buckets": num_buckets,
+        # occupied slots per KV head, mean over layers (against "tokens": how much merged)
+        "slots": sum(float((layer._readable().count > 0).sum()) / layer._readable().groups for layer in layers)
+        / len(layers),
         "missed": {},
     }
     for name, per_layer in taken.items():
@@ -304,6 +337,7 @@ def measure_sample(
             "over_10pct": float((every > 0.1).float().mean()),
             "read_share": sum(shares[name]) / len(shares[name]),
             "per_layer": [float(torch.cat(x).mean()) for x in per_layer],
+            "bytes_per_token": sum(costs[name]) / max(1, len(costs[name])),
         }
         for field, kept in zip(("error", "error_summaries"), errors[name]):
             record["missed"][name][field] = float(torch.cat([torch.cat(x) for x in kept]).mean())
@@ -326,6 +360,7 @@ def summarise(records: list[dict], settings: list[dict]) -> dict:
             "p90": sum(x["p90"] for x in rows) / len(rows),
             "over_10pct": sum(x["over_10pct"] for x in rows) / len(rows),
             "read_share": sum(x["read_share"] for x in rows) / len(rows),
+            "bytes_per_token": sum(x.get("bytes_per_token", float("nan")) for x in rows) / len(rows),
             "cells": {k: sum(v) / len(v) for k, v in cells.items()},
             "per_layer": [sum(x["per_layer"][i] for x in rows) / len(rows) for i in range(len(rows[0]["per_layer"]))],
         }
@@ -343,15 +378,15 @@ def summarise(records: list[dict], settings: list[dict]) -> dict:
 def markdown(summary: dict, caption: str) -> str:
     cells = list(next(iter(summary.values()))["cells"])
     lines = [
-        "| setting | slots read | "
+        "| setting | slots read | bytes/token | "
         + " | ".join(cells)
         + " | all | p90 | reads missing > 10% | output error | with summaries |",
-        "|---|---:|" + "---:|" * (len(cells) + 5),
+        "|---|---:|---:|" + "---:|" * (len(cells) + 5),
     ]
     for name, row in summary.items():
         error = " | ".join(f"{row[f]:.3f}" if f in row else "-" for f in ("error", "error_summaries"))
         lines.append(
-            f"| {name} | {100 * row['read_share']:.1f}% | "
+            f"| {name} | {100 * row['read_share']:.1f}% | {row.get('bytes_per_token', float('nan')):,.0f} | "
             + " | ".join(f"{100 * row['cells'][c]:.1f}%" for c in cells)
             + f" | {100 * row['mean']:.1f}% | {100 * row['p90']:.1f}% | {100 * row['over_10pct']:.1f}% | {error} |"
         )
@@ -445,7 +480,10 @@ def main(args) -> int:
         f"of pages; arm at budget {args.budget} ({info.budget_bytes(args.budget):,} bytes a layer), slots unmixed; "
         f"{len(records)} samples, {args.haystack} haystack. Output error: |o - o_full| / |o_full| of each query "
         f"head's attention output against the full read's, mean; with summaries: the same read with read_summaries "
-        f"(each skipped page as one entry)."
+        f"(each skipped page as one entry). Bytes/token: what one layer reads for one decoded token (mean over "
+        f"layers; armkv.evals.read_cost); occupied slots per KV head (mean over layers and samples) "
+        f"{sum(r.get('slots', 0) for r in records) / len(records):,.0f} for "
+        f"{sum(r['tokens'] for r in records) / len(records):,.0f} tokens."
     )
     (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     text = "# Attention the sparse reads skip\n\n" + markdown(summary, caption)
