@@ -26,8 +26,8 @@ import math
 
 import torch
 
-from armkv.evals.router_signal import QKSample
 from armkv.train.router import RouterTrainConfig, evaluate, layer_masses, read_loss, train_layer
+from armkv.train.router_signal import QKSample
 
 
 def train_query_map(router, samples, layer, rotary, cfg):

@@ -1,4 +1,4 @@
-"""The router's training signal (armkv.evals.router_signal) and ``armkv train --method router``
+"""The router's training signal (armkv.train.router_signal) and ``armkv train --method router``
 (armkv.train.router), on tiny models."""
 
 import json
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from armkv.cli import main
-from armkv.evals.router_signal import bucket_mass, collect_qk, grouped, missed_mass
 from armkv.hf.attach import model_rotary
 from armkv.memory.kmeans import init_router_from_keys
 from armkv.memory.route import Router
 from armkv.train.arm import new_arm
 from armkv.train.router import RouterTrainConfig, evaluate, read_loss, train_layer
+from armkv.train.router_signal import bucket_mass, collect_qk, grouped, missed_mass
 from conftest import tiny_model
 
 

@@ -1,7 +1,7 @@
 """``armkv train --method router``: train each layer's tree so that a query's top-M read
 reaches the buckets that hold its attention.
 
-The signal (:mod:`armkv.evals.router_signal`) is the model's own: every layer's pre-RoPE
+The signal (:mod:`armkv.train.router_signal`) is the model's own: every layer's pre-RoPE
 queries and keys on training text, the dense causal attention of sampled queries, and the
 share of each query head's attention on the pool keys of each bucket, the keys filed by the
 tree's write routing. No gradient goes through the model.
@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 
 from armkv.errors import ArmkvError
-from armkv.evals.router_signal import QKSample, bucket_mass, grouped, missed_mass
 from armkv.memory.rope import Rotary
 from armkv.memory.route import Router
+from armkv.train.router_signal import QKSample, bucket_mass, grouped, missed_mass
 
 WARMUP = 10  # steps of linear warm-up of the step size
 
@@ -226,9 +226,9 @@ def _signal(model, tokenizer, args, cfg, out: Path) -> tuple[list[QKSample], lis
     from safetensors.torch import load_file, save_file
     from tqdm.auto import tqdm
 
-    from armkv.evals.router_signal import collect_qk
     from armkv.memory.module import _atomic_write
     from armkv.train.data import DocumentSource, PackedSequences, default_corpus, hf_tokenize, source_from_args
+    from armkv.train.router_signal import collect_qk
 
     source = source_from_args(args, args.seed)
     own_heldout = bool(args.data or args.dataset)

@@ -75,7 +75,7 @@ def collect_qk(
 
     Hooks read ``q_proj`` / ``k_proj`` (``q_norm`` / ``k_norm`` where the layer has them),
     the tensors the model then rotates; nothing of the model is changed."""
-    from armkv.train.calibrate import _head_dim, attention_modules
+    from armkv.train.models import attention_modules, module_head_dim
 
     layers = attention_modules(model)
     device = next(model.parameters()).device
@@ -94,7 +94,7 @@ def collect_qk(
     out: list[QKSample] = []
     try:
         for i, attn in enumerate(layers):
-            d = _head_dim(attn, model)
+            d = module_head_dim(attn, model)
             for which in ("q", "k"):
                 handles.append(_projection(attn, which).register_forward_hook(make_hook(i, which, d)))
         model.eval()
