@@ -149,7 +149,8 @@ def profile_run(model, name: str, a) -> tuple[dict, str]:
 def _profile_run(model, name: str, method: str, compiled: bool, a, lines: Lines) -> tuple[dict, str]:
     from armkv.options import parse_options
 
-    options = {m: o for m, o in parse_options(a.option).items() if m == method}
+    # (each run checks only its own method's options: another method's are not its to refuse)
+    options = parse_options([p for p in a.option or () if p.partition(".")[0].strip() == method])
     bench = DecodeBench(
         methods=[method],
         lengths=[a.prompt],
