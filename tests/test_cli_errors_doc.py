@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "cli-errors.md"
 
 GOOD = json.dumps({"id": "q1", "prompt": "The sky is blue."})
+# `armkv generate` with the full cache on in.jsonl, the command of every bad-input-file case
+GEN_FULL = ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"]
 
 # (what the user did, argv, lines of in.jsonl); argv names files in the scratch folder: in.jsonl,
 # folder/, plain.txt, utf16.jsonl (UTF-16), text.txt, done.jsonl (one result made at budget 64), binary.dat,
@@ -173,44 +175,16 @@ CASES = [
         [GOOD],
     ),
     ("input holds no request", ["generate", "--method", "full", "--input", "in.jsonl", "--output", "o.jsonl"], []),
-    (
-        "line not JSON",
-        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
-        ["{not json", GOOD],
-    ),
-    (
-        "line not an object",
-        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
-        ["[1, 2, 3]", GOOD],
-    ),
-    (
-        "line without id",
-        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
-        ['{"prompt": "hi"}', GOOD],
-    ),
-    (
-        "neither context nor prompt",
-        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
-        ['{"id": 1}', GOOD],
-    ),
-    (
-        "a field not a string",
-        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
-        ['{"id": 1, "prompt": 5}', GOOD],
-    ),
-    (
-        "empty prompt",
-        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
-        ['{"id": 1, "prompt": ""}', GOOD],
-    ),
-    (
-        "duplicate id",
-        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
-        [GOOD, GOOD],
-    ),
+    ("line not JSON", GEN_FULL, ["{not json", GOOD]),
+    ("line not an object", GEN_FULL, ["[1, 2, 3]", GOOD]),
+    ("line without id", GEN_FULL, ['{"prompt": "hi"}', GOOD]),
+    ("neither context nor prompt", GEN_FULL, ['{"id": 1}', GOOD]),
+    ("a field not a string", GEN_FULL, ['{"id": 1, "prompt": 5}', GOOD]),
+    ("empty prompt", GEN_FULL, ['{"id": 1, "prompt": ""}', GOOD]),
+    ("duplicate id", GEN_FULL, [GOOD, GOOD]),
     (
         "prompt longer than the model's positions",
-        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
+        GEN_FULL,
         [json.dumps({"id": "long", "prompt": "The grass is green. " * 2000})],
     ),
     (
@@ -255,26 +229,10 @@ CASES = [
         ],
         [GOOD],
     ),
-    (
-        "a lone surrogate in a prompt",
-        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
-        ['{"id": 1, "prompt": "The sky \\ud800 is blue."}', GOOD],
-    ),
-    (
-        "NaN as an id",
-        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
-        ['{"id": NaN, "prompt": "hi"}', GOOD],
-    ),
-    (
-        "a question beside a prompt",
-        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
-        ['{"id": 1, "prompt": "hi", "question": "why?"}', GOOD],
-    ),
-    (
-        "a line nested 100,000 deep",
-        ["generate", "--method", "full", "--max-new-tokens", "2", "--input", "in.jsonl", "--output", "o.jsonl"],
-        ["[" * 100_000, GOOD],
-    ),
+    ("a lone surrogate in a prompt", GEN_FULL, ['{"id": 1, "prompt": "The sky \\ud800 is blue."}', GOOD]),
+    ("NaN as an id", GEN_FULL, ['{"id": NaN, "prompt": "hi"}', GOOD]),
+    ("a question beside a prompt", GEN_FULL, ['{"id": 1, "prompt": "hi", "question": "why?"}', GOOD]),
+    ("a line nested 100,000 deep", GEN_FULL, ["[" * 100_000, GOOD]),
     (
         "an option that is --chunk",
         ["generate", "--method", "arm", "--option", "arm.chunk=64", "--input", "in.jsonl", "--output", "o.jsonl"],
