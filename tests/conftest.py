@@ -1,5 +1,6 @@
 """Shared fixtures: tiny seeded models from configs, and the NaN-filled torch.empty of fla."""
 
+import json
 import os
 
 # Triton reads TRITON_INTERPRET when it is first imported (torch and transformers import it while
@@ -155,3 +156,62 @@ class Vectorised:
     def __getattr__(self, name):
         fn = getattr(self.module, name)
         return lambda *args, **kwargs: fn(*args, **kwargs, vectorised=self.vectorised)
+
+
+# ``armkv generate`` on a tiny model: the shared pieces of the CLI's safety tests.
+
+
+def write_requests(path, requests, raw=()):
+    """A request JSONL: ``requests`` as JSON lines, then the ``raw`` lines as they are."""
+    path.write_text(
+        "".join(json.dumps(r) + "\n" for r in requests) + "".join(line + "\n" for line in raw), encoding="utf-8"
+    )
+    return path
+
+
+def requests(n, prompt="The sky is blue. {i}"):
+    return [{"id": f"r{i}", "prompt": prompt.format(i=i)} for i in range(n)]
+
+
+def generate(model_dir, src, out, *extra):
+    """``armkv generate`` of ``src`` into ``out``: 3 new tokens, prefill chunk 8, then ``extra``."""
+    from armkv.cli import main
+
+    argv = ["generate", "--model", str(model_dir), "--input", str(src), "--output", str(out)]
+    return main([*argv, "--max-new-tokens", "3", "--chunk", "8", *extra])
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any model load fails the test: the checks under test must come before it."""
+    import armkv.hf.model
+
+    def refuse(*a, **k):
+        raise AssertionError("the model loaded before the check")
+
+    monkeypatch.setattr(armkv.hf.model, "load_model", refuse)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts Runner.generate calls. ``calls.hook`` (if set) runs before each; with
+    ``calls.stop_after = n`` call n + 1 raises KeyboardInterrupt (a user's Ctrl-C)."""
+    from armkv.hf.runner import Runner
+
+    class Calls:
+        n = 0
+        hook = None
+        stop_after = None
+
+    real = Runner.generate
+
+    def counted(self, reqs, *a, **k):
+        if Calls.stop_after is not None and Calls.n >= Calls.stop_after:
+            raise KeyboardInterrupt
+        if Calls.hook is not None:
+            Calls.hook(Calls.n)
+        Calls.n += 1
+        return real(self, reqs, *a, **k)
+
+    monkeypatch.setattr(Runner, "generate", counted)
+    return Calls

@@ -15,23 +15,7 @@ import torch
 
 import armkv.hf.model
 from armkv.cli import main
-from armkv.hf.runner import Runner
-
-
-def write_requests(path, requests, raw=()):
-    path.write_text(
-        "".join(json.dumps(r) + "\n" for r in requests) + "".join(line + "\n" for line in raw), encoding="utf-8"
-    )
-    return path
-
-
-def requests(n, prompt="The sky is blue. {i}"):
-    return [{"id": f"r{i}", "prompt": prompt.format(i=i)} for i in range(n)]
-
-
-def generate(model_dir, src, out, *extra):
-    argv = ["generate", "--model", str(model_dir), "--input", str(src), "--output", str(out)]
-    return main([*argv, "--max-new-tokens", "3", "--chunk", "8", *extra])
+from conftest import generate, requests, write_requests
 
 
 def strict(line):
@@ -45,36 +29,6 @@ def lines(path):
 def answers(records):
     """What a result says, without its timings."""
     return [(r["id"], r["output"], r["settings"], r["hash"]) for r in records]
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    """Any model load fails the test: the checks under test must come before it."""
-
-    def refuse(*a, **k):
-        raise AssertionError("the model loaded before the check")
-
-    monkeypatch.setattr(armkv.hf.model, "load_model", refuse)
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    """Counts Runner.generate calls; ``calls.hook`` (if set) runs before each."""
-
-    class Calls:
-        n = 0
-        hook = None
-
-    real = Runner.generate
-
-    def counted(self, reqs, *a, **k):
-        if Calls.hook is not None:
-            Calls.hook(Calls.n)
-        Calls.n += 1
-        return real(self, reqs, *a, **k)
-
-    monkeypatch.setattr(Runner, "generate", counted)
-    return Calls
 
 
 def one_error(capsys, message):

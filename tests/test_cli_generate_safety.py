@@ -8,72 +8,12 @@ import json
 import pytest
 
 import armkv.hf.model
-from armkv.cli import main
 from armkv.hf.runner import Runner
-
-
-def write_requests(path, requests, raw=()):
-    path.write_text(
-        "".join(json.dumps(r) + "\n" for r in requests) + "".join(line + "\n" for line in raw), encoding="utf-8"
-    )
-    return path
-
-
-def requests(n):
-    return [{"id": f"r{i}", "prompt": f"The sky is blue. {i}"} for i in range(n)]
-
-
-def generate(model_dir, src, out, *extra):
-    return main(
-        [
-            "generate",
-            "--model",
-            str(model_dir),
-            "--input",
-            str(src),
-            "--output",
-            str(out),
-            "--max-new-tokens",
-            "3",
-            "--chunk",
-            "8",
-            *extra,
-        ]
-    )
+from conftest import generate, requests, write_requests
 
 
 def lines(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    """Any model load fails the test: the checks under test must come before it."""
-
-    def refuse(*a, **k):
-        raise AssertionError("the model loaded before the check")
-
-    monkeypatch.setattr(armkv.hf.model, "load_model", refuse)
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    """Counts Runner.generate calls; ``calls.stop_after = n`` raises KeyboardInterrupt at call n + 1."""
-
-    class Calls:
-        n = 0
-        stop_after = None
-
-    real = Runner.generate
-
-    def counted(self, reqs, *a, **k):
-        if Calls.stop_after is not None and Calls.n >= Calls.stop_after:
-            raise KeyboardInterrupt
-        Calls.n += 1
-        return real(self, reqs, *a, **k)
-
-    monkeypatch.setattr(Runner, "generate", counted)
-    return Calls
 
 
 def test_rerun_resumes_and_keeps_earlier_results(tmp_path, tiny_model_dir, calls):
