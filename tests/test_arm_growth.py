@@ -8,6 +8,7 @@ import torch
 import armkv.memory.pool as pool
 from armkv.hf.attach import make_cache
 from conftest import tiny_model
+from test_hf import padded_prefill_then_decode
 
 
 def left_padded(batch: int, length: int, seed: int):
@@ -22,27 +23,7 @@ def left_padded(batch: int, length: int, seed: int):
 def run(model, ids, mask, prompt: int, **kw):
     """Prefill ``prompt`` tokens in chunks, then decode the rest one by one: (logits, cache)."""
     cache = make_cache(model, "arm", chunk=16, **kw)
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    got = []
-    with torch.no_grad():
-        out = model(
-            ids[:, :prompt],
-            attention_mask=mask[:, :prompt],
-            position_ids=positions[:, :prompt],
-            past_key_values=cache,
-            use_cache=True,
-        )
-        got.append(out.logits)
-        for t in range(prompt, ids.shape[1]):
-            out = model(
-                ids[:, t : t + 1],
-                attention_mask=mask[:, : t + 1],
-                position_ids=positions[:, t : t + 1],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            got.append(out.logits)
-    return torch.cat(got, 1), cache
+    return padded_prefill_then_decode(model, ids, mask, cache, prompt=prompt), cache
 
 
 def whole_at_once(monkeypatch):

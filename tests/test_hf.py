@@ -28,6 +28,24 @@ def left_padded(batch=3, length=20, seed=0, vocab=128):
     return ids, mask
 
 
+def padded_prefill_then_decode(model, ids, mask, cache, prompt: int) -> torch.Tensor:
+    """Prefill ``prompt`` tokens (the cache chunks them), then feed the rest one by one, with
+    positions that skip the left padding: the logits of every position, concatenated."""
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    got = []
+    with torch.no_grad():
+        for lo, hi in [(0, prompt)] + [(t, t + 1) for t in range(prompt, ids.shape[1])]:
+            out = model(
+                ids[:, lo:hi],
+                attention_mask=mask[:, :hi],
+                position_ids=positions[:, lo:hi],
+                **cache_arg(cache),
+                use_cache=True,
+            )
+            got.append(out.logits)
+    return torch.cat(got, dim=1)
+
+
 @pytest.fixture(autouse=True)
 def _restore_models():
     yield
@@ -137,28 +155,7 @@ def test_chunked_prefill_and_decode_equal_no_cache_forward(arch, dtype, method, 
     with torch.no_grad():
         want = model(ids, attention_mask=mask, use_cache=False).logits
     cache = make_cache(model, method, budget=BIG, chunk=5)
-    prompt = 23
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    got = []
-    with torch.no_grad():
-        out = model(
-            ids[:, :prompt],
-            attention_mask=mask[:, :prompt],
-            position_ids=positions[:, :prompt],
-            **cache_arg(cache),
-            use_cache=True,
-        )
-        got.append(out.logits)
-        for t in range(prompt, ids.shape[1]):
-            out = model(
-                ids[:, t : t + 1],
-                attention_mask=mask[:, : t + 1],
-                position_ids=positions[:, t : t + 1],
-                **cache_arg(cache),
-                use_cache=True,
-            )
-            got.append(out.logits)
-    got = torch.cat(got, dim=1)
+    got = padded_prefill_then_decode(model, ids, mask, cache, prompt=23)
     valid = mask.bool()
     assert got.dtype == dtype and got.device.type == device
     torch.testing.assert_close(got[valid], want[valid], **TOLERANCE[dtype])
