@@ -113,24 +113,13 @@ DRY = {
     "sparse_length": "160",
     "small_config": None,  # the tiny shape
     "small_length": "96",
-    "read_shape": "4,2,16",  # DRY_SHAPE's
+    "read_shape": "4,2,16",  # TOY_WIDTHS's heads and head_dim
     "read_contexts": "96,160",
     "read_batches": "1,2",
     "read_budgets": "32",
     "read_repeats": "1",
     "read_warmup": "0",
 }
-DRY_SHAPE = dict(
-    num_hidden_layers=2,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=256,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 # seconds a run may take at most (the whole call also stops at --budget-s); ARM's prefill
 # of 161k tokens at 1.3k-2k tokens/s is the longest; reads compiles its Triton kernels first
 # (about 10 s each of the five on this project's CPU)
@@ -682,7 +671,9 @@ def main() -> int:
     if a.dry_run:
         shape = json.loads((ROOT / "src/armkv/data/model_configs/llama-3.1-8b.json").read_text())
         settings["model_config"] = str(work / "llama-3.1-8b-tiny.json")
-        Path(settings["model_config"]).write_text(json.dumps({**shape, **DRY_SHAPE}))
+        from armkv.hf.model import TOY_WIDTHS
+
+        Path(settings["model_config"]).write_text(json.dumps({**shape, **TOY_WIDTHS}))
     if a.lengths:
         settings["lengths"] = a.lengths
     runs = plan(settings)

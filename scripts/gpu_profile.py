@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from armkv.bench.decode import DecodeBench, Session, build_bench_model  # noqa: E402
+from armkv.hf.model import TOY_WIDTHS as DRY_SHAPE  # noqa: E402
 
 # host calls that put work on the device: kernel launches, copies and graph replays
 LAUNCHES = (
@@ -85,17 +86,6 @@ NO_KERNEL = {
         "_local_scalar_dense",
     )
 }
-DRY_SHAPE = dict(
-    num_hidden_layers=2,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=256,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 
 
 def run_spec(name: str) -> tuple[str, bool]:

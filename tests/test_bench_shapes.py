@@ -10,6 +10,7 @@ import torch
 from armkv.bench.decode import NATIVE, DecodeBench, Session, run_bench
 from armkv.cli import main as cli_main
 from armkv.errors import ArmkvError
+from armkv.hf.model import TOY_WIDTHS as SHRINK
 from armkv.hf.model import build_model_from_config, load_model_config, shipped_model_configs
 
 # The published architectures: (model_type, layers, hidden, intermediate, heads, kv heads,
@@ -21,18 +22,6 @@ PUBLISHED = {
     "mistral-7b": ("mistral", 32, 4096, 14336, 32, 8, 128, 32768, False, 7_248_023_552),
     "smollm2-135m": ("llama", 30, 576, 1536, 9, 3, 64, 49152, True, 134_515_008),
 }
-# A shipped shape made tiny: its architecture, RoPE kind and norms, at toy widths.
-SHRINK = dict(
-    num_hidden_layers=2,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=256,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import armkv
+from conftest import modules_after
 
 HEAVY = ("torch", "transformers", "matplotlib", "lm_eval", "rouge_score", "rapidfuzz", "tqdm", "datasets")
-
-
-def modules_after(code: str) -> set[str]:
-    out = subprocess.run(
-        [sys.executable, "-c", code + "\nimport sys; print(' '.join(sys.modules))"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return set(out.split())
 
 
 def test_eval_modules_import_nothing_heavy():

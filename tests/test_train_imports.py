@@ -1,18 +1,7 @@
 """The training tools import their heavy dependencies only when used, and the library core
 never imports them."""
 
-import subprocess
-import sys
-
-
-def modules_after(code: str) -> set[str]:
-    out = subprocess.run(
-        [sys.executable, "-c", code + "\nimport sys; print(' '.join(sys.modules))"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return set(out.split())
+from conftest import modules_after
 
 
 def test_core_does_not_import_train():

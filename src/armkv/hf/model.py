@@ -110,6 +110,19 @@ def load_model(model_dir: str | Path | None = None, dtype: torch.dtype = torch.f
 # llama-3.1-8b and llama-3.2-1b (meta-llama), qwen3-8b (Qwen), mistral-7b (Mistral-7B-v0.3),
 # smollm2-135m (SmolLM2-135M, the default model's shape).
 MODEL_CONFIGS_PACKAGE_DIR = ("data", "model_configs")
+# A shipped shape made tiny (``build_model_from_config(name, **TOY_WIDTHS)``): its architecture,
+# RoPE kind and norms at toy widths, for tests and the GPU scripts' CPU dry runs.
+TOY_WIDTHS = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def shipped_model_configs() -> dict[str, Path]:
