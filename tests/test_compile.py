@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from armkv.errors import ArmkvError
-from armkv.hf import make_cache
+from armkv.hf import cache_arg, make_cache
 from conftest import DEVICES, TOLERANCE, tiny_model
 from test_hf import left_padded
 
@@ -167,6 +167,25 @@ def test_runner_decodes_through_the_compiled_step():
     want, _, _ = Runner(model, NoTokenizer(), "arm", budget=48, chunk=8).generate_ids(other, 12)
     assert runner.generate_ids(other, 12)[0] == want
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_compiled_cache_decoded_through_the_model_says_it_runs_eagerly():
+    """A cache made with compile=True but stepped by ``model(...)`` (as ``model.generate``
+    does) decodes eagerly: one warning says to call ``cache.forward``; ``cache.forward``
+    itself, and the prefill, say nothing."""
+    import warnings
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(2))
+    cache = make_cache(model, "sink", budget=10, chunk=8, compile={"backend": "aot_eager"})
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache.forward(model, ids[:, :10])
+        cache.forward(model, ids[:, 10:11])
+    with torch.no_grad(), pytest.warns(UserWarning, match="cache.forward") as caught:
+        model(ids[:, 11:12], **cache_arg(cache), use_cache=True)
+        model(ids[:, 11:12], **cache_arg(cache), use_cache=True)
+    assert len([w for w in caught if "cache.forward" in str(w.message)]) == 1
 
 
 @pytest.mark.real_model

@@ -115,7 +115,9 @@ def make_cache(
         the default settings (``mode="reduce-overhead"`` on CUDA, where the step is replayed
         as one CUDA graph; inductor's default mode on a CPU), or a dict of ``torch.compile``
         arguments (``backend``, ``mode``, ``options``). Bounded methods only (sink, swa,
-        kivi with a budget, arm, fifo); prefill stays eager
+        kivi with a budget, arm, fifo); prefill stays eager. Only steps made with
+        ``cache.forward(model, ...)`` compile; ``model(...)`` and ``model.generate`` step it
+        eagerly (with one warning)
     options : method options (e.g. ``bits=4`` for kivi, ``adapter=`` for arm)
 
     Raises

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -34,6 +35,8 @@ class ArmkvCache(Cache):
         self.budget = budget
         # torch.compile's arguments for the compiled decode forward (:meth:`forward`), None: eager
         self.compile_options = compile_options
+        self._in_forward = False  # inside :meth:`forward` (its eager fallback is on purpose)
+        self._warned_eager = False
         super().__init__(layers=[make_layer(i) for i in range(num_layers)])
 
     def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask=None, **kwargs):
@@ -52,7 +55,11 @@ class ArmkvCache(Cache):
         + 1] mask: the step takes its last column (the validity of the new tokens, all the
         cache reads of it), so that its shape does not change from step to step."""
         if not self._compiled_step_ready(input_ids):
-            return model(input_ids, attention_mask=attention_mask, **cache_arg(self), **kwargs)
+            self._in_forward = True
+            try:
+                return model(input_ids, attention_mask=attention_mask, **cache_arg(self), **kwargs)
+            finally:
+                self._in_forward = False
         from transformers import CompileConfig
 
         if attention_mask is not None:
@@ -97,6 +104,20 @@ class ArmkvCache(Cache):
             # The previous layer's update was never consumed: the attention that ran was not ours.
             ACTIVE.set(None)
             raise ArmkvError("an ArmkvCache needs the model attached: call armkv.hf.attach(model) first")
+        if (
+            self.compile_options is not None
+            and key_states.shape[-2] == 1
+            and not self._in_forward
+            and not self._warned_eager
+            and not torch.is_grad_enabled()
+        ):
+            self._warned_eager = True
+            warnings.warn(
+                "this cache was made with compile=True, but a decode step reached it through model(...) or "
+                "model.generate, which run it eagerly: call cache.forward(model, input_ids, ...) for the "
+                "compiled step (armkv's Runner and --compile do)",
+                stacklevel=2,
+            )
         ACTIVE.set((self, layer_idx))
         return key_states, value_states
 
