@@ -114,6 +114,38 @@ def one_engine(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def plot(summary: dict, path: str) -> None:
+    """The run's figures as bars, ARM beside vLLM's full cache: tokens/s, peak RSS, KV bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, labels = ("vllm_full", "arm"), ("vLLM, full cache", f"vLLM + ARM, budget {summary['budget']}")
+    panels = [
+        ("tokens/s (prompt + generated)", [summary["tokens_per_s"][n] for n in names]),
+        ("worker peak RSS (GiB)", [summary["peak_rss_bytes"][n] / 2**30 for n in names]),
+        ("KV memory of the requests (GiB)", [summary["kv_bytes"][n] / 2**30 for n in names]),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    for ax, (title, values) in zip(axes, panels):
+        ax.bar(labels, values, color=["tab:gray", "tab:blue"])
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8)
+        for i, v in enumerate(values):
+            ax.annotate(f"{v:.3g}", (i, v), ha="center", va="bottom", fontsize=8)
+    lengths = summary["prompt_tokens"]
+    fig.suptitle(
+        f"{summary['requests']} concurrent requests of {min(lengths):,}-{max(lengths):,} tokens, "
+        f"{summary['new_tokens']} generated each ({summary['model']}, float32, CPU)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=os.path.expanduser("~/.cache/armkv/models/smollm2-135m-instruct"))
@@ -123,14 +155,28 @@ def main() -> None:
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--kv-slack", type=float, default=1.1, help="each engine's KV pool over what its requests need")
-    p.add_argument("--output", default=None, help="also write the result JSON here (with the command)")
+    p.add_argument(
+        "--output", default=None, help="also write the result JSON here (with the command), and its plot beside it"
+    )
+    p.add_argument(
+        "--plot", default=None, metavar="JSON", help="only draw the plot of a result JSON (needs matplotlib)"
+    )
     p.add_argument("--kv-bytes", type=int, default=0, help=argparse.SUPPRESS)  # (the child's pool)
     p.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # (the child process's setting)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return one_engine(args)
+    if args.plot:
+        out = os.path.splitext(args.plot)[0] + ".png"
+        plot(json.load(open(args.plot)), out)
+        return print(f"bench_vllm: wrote {out}")
     config = json.load(open(os.path.join(args.model, "config.json")))
+    longest = config.get("max_position_embeddings")
+    if longest and args.max_tokens + args.new > longest:
+        sys.exit(
+            f"bench_vllm: --max-tokens + --new ({args.max_tokens + args.new}) exceeds the model's {longest} positions"
+        )
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     layers = config["num_hidden_layers"]
@@ -203,6 +249,10 @@ def main() -> None:
         with open(tmp, "w") as f:
             f.write(json.dumps({**summary, "results": results}, indent=1) + "\n")
         os.replace(tmp, args.output)
+        try:
+            plot(summary, os.path.splitext(args.output)[0] + ".png")
+        except ImportError:  # (vLLM's environment has no matplotlib)
+            print(f"bench_vllm: plot it in armkv's main environment: python scripts/bench_vllm.py --plot {args.output}")
     print(line)
 
 

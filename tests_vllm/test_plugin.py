@@ -134,3 +134,34 @@ def test_bad_setting_is_one_line(tiny, tmp_path):
     path.write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, str(HERE / "engine_run.py"), str(path)], capture_output=True, text=True)
     assert proc.returncode != 0 and "method 'kivi' does not serve in vLLM" in proc.stderr
+
+
+def test_scheduler_cuts_prompts_in_whole_chunks():
+    """A prefill piece ends on a multiple of P or at the prompt's end (else it waits a step);
+    generated tokens and a recompute past the prompt are scheduled as vLLM would."""
+    from types import SimpleNamespace
+
+    from armkv.vllm.scheduler import ARMConfigHook, _WholeChunks, arm_scheduler, check_scheduler
+
+    split = _WholeChunks.__new__(_WholeChunks)
+    split.arm_chunk = 32
+    for computed, new, prompt, expected in [
+        (0, 64, 300, 64),
+        (0, 50, 300, 32),
+        (32, 20, 300, 0),
+        (288, 64, 300, 64),
+        (0, 10, 5, 10),
+        (300, 1, 300, 1),
+        (0, 305, 300, 305),  # (a preempted request's recompute: prompt and generated tokens)
+    ]:
+        request = SimpleNamespace(num_computed_tokens=computed, num_prompt_tokens=prompt)
+        assert split._mamba_block_aligned_split(request, new) == expected, (computed, new, prompt)
+    sched = SimpleNamespace(scheduler_cls=None, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    config = SimpleNamespace(scheduler_config=sched)
+    ARMConfigHook.verify_and_update_config(config)
+    assert sched.scheduler_cls is arm_scheduler
+    with pytest.raises(Exception, match="max-num-batched-tokens to at least 32"):
+        check_scheduler(config, 32)
+    sched.scheduler_cls = "my.Scheduler"
+    with pytest.raises(Exception, match="drop --scheduler-cls"):
+        ARMConfigHook.verify_and_update_config(config)
