@@ -9,8 +9,10 @@ JSON object with the options ``armkv generate`` takes::
 Unset, the plugin changes nothing. Set, every process vLLM starts (the plugin runs in each)
 maps the Llama architectures (``LlamaForCausalLM``: Llama 2/3, SmolLM2) to ARM variants whose
 attention layers keep, per request, one fixed state of ``budget`` token-equivalents per layer
-(``ARMStateSpec``, a ``MambaSpec``: one block per request for its whole life) and attend
-through armkv's own cache layers (:mod:`armkv.vllm.backend`).
+inside the block vLLM allocates for the request (``ARMStateSpec``, a ``MambaSpec``: one block
+per request for its whole life, holding every layer's state) and attend through armkv's own
+cache layers (:mod:`armkv.vllm.backend`), with prompts scheduled in whole ARM chunks
+(:mod:`armkv.vllm.scheduler`).
 """
 
 from __future__ import annotations

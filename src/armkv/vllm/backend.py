@@ -38,15 +38,19 @@ from armkv.vllm.feed import RequestMemory
 
 @dataclass(frozen=True, kw_only=True)
 class ARMStateSpec(MambaSpec):
-    """One fixed block per request and layer: the budget's bytes (``shapes = ((bytes,),)``, uint8)."""
+    """One fixed block per request holding every layer's state (``shapes = ((bytes,),)``, uint8;
+    declared by the first ARM layer, shared by the others: ``LayerPlan``)."""
 
     method: str = "arm"
 
 
 class ARMAttention(Attention):
     """vLLM's ``Attention`` whose KV cache is an :class:`ARMStateSpec` and whose backend is
-    :class:`ARMBackend`. ``plan`` makes this layer's armkv cache layer for one request
-    (``plan()`` -> CacheLayer) and knows its bytes (``plan.state_bytes``)."""
+    :class:`ARMBackend`. ``plan`` makes this layer's armkv cache layer for one request, placed
+    in the request's block (``plan(block)`` -> CacheLayer), and knows the block's bytes
+    (``plan.state_bytes``) and this layer's share of them (``plan.offset``, ``plan.own_bytes``).
+    Every ARM layer after the first shares the first one's cache (vLLM's cross-layer KV
+    sharing): one block a request holds them all."""
 
     def __init__(self, *args, plan, prefix: str, **kwargs):
         if plan.placed and plan.layer_idx > 0:  # (the request's block is the first layer's: see LayerPlan)
