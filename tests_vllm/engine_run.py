@@ -22,6 +22,34 @@ def arm_peaks(worker) -> dict:
     }
 
 
+def arm_blocks(worker) -> dict:
+    """{layer name: {state block: where that request's memory lies}}: the request's block, the
+    layer's bytes of it (size and offset), the bytes its layer's state needs, the tensors it
+    keeps (by path) and those outside its bytes of the block."""
+    from armkv.memory.arena import within
+    from armkv.vllm.backend import ARMAttention
+    from armkv.vllm.feed import held_tensors
+
+    out = {}
+    for name, module in worker.model_runner.model.named_modules():
+        if not isinstance(module, ARMAttention) or not module.arm_plan.placed:
+            continue
+        layer = {}
+        for s, mem in module.impl.memories.items():
+            block = module.impl.storage(module, module.kv_cache, s)  # (this layer's bytes of the request's block)
+            held = held_tensors(mem)
+            layer[str(s)] = {
+                "request_block_bytes": module.impl.block(module.kv_cache, s).nbytes,
+                "block_bytes": block.nbytes,
+                "offset": module.arm_plan.offset,
+                "storage_bytes": mem.layer.storage_bytes(),
+                "held": len(held),
+                "outside": [p for p, t in held.items() if not within(t, block)],
+            }
+        out[name] = layer
+    return out
+
+
 def preempted_run(llm, prompts, params, preempt_at: list[int], TokensPrompt) -> list[list[int]]:
     """The prompts stepped through the engine, every running request preempted (its state freed,
     recomputed from token 0 when it is scheduled again) after each step in ``preempt_at``."""
@@ -68,6 +96,7 @@ def main(job_path: str) -> None:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
         result = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
     result["peaks"] = llm.collective_rpc(arm_peaks)[0] if job.get("arm") else {}
+    result["blocks"] = llm.collective_rpc(arm_blocks)[0] if job.get("arm") else {}
     print("RESULT " + json.dumps(result), flush=True)
 
 

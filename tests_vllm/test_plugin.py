@@ -6,7 +6,8 @@ plugins once a process.
   state, backend and feeding) gives plain vLLM's tokens
 - ARM through vLLM gives armkv's HF path's tokens at the same budget (the HF path runs in the
   main environment's Python, ``ARMKV_HF_PYTHON``; skipped without it)
-- 8 concurrent requests of mixed lengths: each request's memory stays within its budget
+- 8 concurrent requests of mixed lengths: each request's memory stays within its budget and
+  lies in the block vLLM allocated for it
 - vLLM's chunking (64 and 4,096 tokens a step) and forced preemption change nothing
 """
 
@@ -27,7 +28,8 @@ from tiny import build_tiny_llama, prompts  # noqa: E402
 BUDGET = 64
 LENGTHS = [37, 300, 700, 90, 1200, 5, 450, 260]  # 8 requests, mixed lengths
 NEW = 12
-ARM = json.dumps({"method": "arm", "budget": BUDGET, "adapter": "random"})
+CHUNK = 32  # ARM's prefill chunk P: at most a step's tokens (64 in the small-step runs)
+ARM = json.dumps({"method": "arm", "budget": BUDGET, "adapter": "random", "chunk": CHUNK})
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,25 @@ def test_arm_stays_within_budget(tiny, tmp_path):
     assert arm["tokens"][4] != plain["tokens"][4]
 
 
+def test_state_lives_in_its_block(tiny, tmp_path):
+    """Each request's memory lies in the one block vLLM allocated for it: every layer's state in
+    its own bytes of that block (every tensor it keeps between steps a view of them), and the
+    block is the layers' states: the budget's bytes plus the exact tokens' positions and validity."""
+    arm = engine(tiny, tmp_path, ARM, max_num_batched_tokens=4096)
+    budget_bytes = BUDGET * 2 * 2 * 32 * 4
+    layers = list(arm["blocks"].values())
+    assert len(layers) == 2
+    for layer in layers:
+        assert len(layer) == len(LENGTHS)
+        for state, where in layer.items():
+            assert where["held"] >= 13 and where["outside"] == [], (state, where)
+            assert where["block_bytes"] == where["storage_bytes"]
+            assert budget_bytes < where["block_bytes"] <= budget_bytes + 1024, where
+    for state in layers[0]:  # the layers' bytes tile the request's block
+        assert [layer[state]["offset"] for layer in layers] == [0, layers[0][state]["block_bytes"]]
+        assert layers[0][state]["request_block_bytes"] == sum(layer[state]["block_bytes"] for layer in layers)
+
+
 def test_chunking_changes_nothing(tiny, tmp_path):
     big = engine(tiny, tmp_path, ARM, max_num_batched_tokens=4096)
     small = engine(tiny, tmp_path, ARM, max_num_batched_tokens=64)
@@ -100,6 +121,7 @@ def test_arm_equals_hf_path(tiny, tmp_path):
         "max_tokens": NEW,
         "method": "arm",
         "budget": BUDGET,
+        "chunk": CHUNK,
         "options": {"adapter": "random"},
     }
     hf = run("hf_reference.py", job, tmp_path, python=os.environ["ARMKV_HF_PYTHON"])
@@ -112,3 +134,34 @@ def test_bad_setting_is_one_line(tiny, tmp_path):
     path.write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, str(HERE / "engine_run.py"), str(path)], capture_output=True, text=True)
     assert proc.returncode != 0 and "method 'kivi' does not serve in vLLM" in proc.stderr
+
+
+def test_scheduler_cuts_prompts_in_whole_chunks():
+    """A prefill piece ends on a multiple of P or at the prompt's end (else it waits a step);
+    generated tokens and a recompute past the prompt are scheduled as vLLM would."""
+    from types import SimpleNamespace
+
+    from armkv.vllm.scheduler import ARMConfigHook, _WholeChunks, arm_scheduler, check_scheduler
+
+    split = _WholeChunks.__new__(_WholeChunks)
+    split.arm_chunk = 32
+    for computed, new, prompt, expected in [
+        (0, 64, 300, 64),
+        (0, 50, 300, 32),
+        (32, 20, 300, 0),
+        (288, 64, 300, 64),
+        (0, 10, 5, 10),
+        (300, 1, 300, 1),
+        (0, 305, 300, 305),  # (a preempted request's recompute: prompt and generated tokens)
+    ]:
+        request = SimpleNamespace(num_computed_tokens=computed, num_prompt_tokens=prompt)
+        assert split._mamba_block_aligned_split(request, new) == expected, (computed, new, prompt)
+    sched = SimpleNamespace(scheduler_cls=None, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    config = SimpleNamespace(scheduler_config=sched)
+    ARMConfigHook.verify_and_update_config(config)
+    assert sched.scheduler_cls is arm_scheduler
+    with pytest.raises(Exception, match="max-num-batched-tokens to at least 32"):
+        check_scheduler(config, 32)
+    sched.scheduler_cls = "my.Scheduler"
+    with pytest.raises(Exception, match="drop --scheduler-cls"):
+        ARMConfigHook.verify_and_update_config(config)

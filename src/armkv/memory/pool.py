@@ -29,6 +29,7 @@ import torch
 
 from armkv.config import ARMConfig, slot_bytes
 from armkv.memory import kernels
+from armkv.memory.arena import ALIGN, carve
 from armkv.memory.rope import Rotary
 from armkv.memory.state import MemoryState
 from armkv.memory.write import roomy_groups
@@ -82,6 +83,9 @@ class SlotPool:
         # the pool's tensors stay where they were allocated (a compiled decode step reads and
         # writes them there): allocated whole, not grown, and a new state is copied into them
         self.fixed = False
+        # where the stored state lives when someone else owns the memory (``place``): a flat
+        # uint8 tensor the state's tensors are views of, sized for the largest rung; None: its own
+        self.region: torch.Tensor | None = None
         self.model_dtype: torch.dtype | None = None  # the dtype "model"-format slots are packed from
         self.reach = 0  # slots from index `reach` on are free in every row: reads stop there
         self._read_view: tuple[MemoryState, MemoryState] | None = None  # (state, its first `reach` slots)
@@ -102,6 +106,9 @@ class SlotPool:
         """A new state; in a ``fixed`` pool of the same layout, copied into the tensors it
         has (a new object all the same: what a read keeps is keyed on the state object)."""
         old = self._state
+        if self.region is not None and state is not None:
+            self._state = self._into_region(state)
+            return
         if self.fixed and old is not None and state is not None and state is not old and same_layout(old, state):
             moved = {}
             for f in dataclasses.fields(state):
@@ -116,6 +123,32 @@ class SlotPool:
             for tensor in self.tensors_of(state).values():
                 torch._dynamo.mark_static_address(tensor)
         self._state = state
+
+    def place(self, region: torch.Tensor) -> None:
+        """Keep the stored state in ``region`` (a flat uint8 tensor of :meth:`region_bytes`),
+        before :meth:`start`: allocated whole (``fixed``), every state the pool takes is laid
+        out in it (views) and a ladder climb re-lays it there; the pool holds no tensor of its own."""
+        self.region, self.fixed = region, True
+
+    def region_bytes(self, groups: int) -> int:
+        """Bytes a region for ``groups`` rows (batch x KV heads) needs: the largest rung's state
+        (what the pool holds at most, the ladder's reserve included) and the alignment of its tensors."""
+        largest = groups * max(slots * slot_bytes(fmt, self.head_dim, self.dtype_bytes) for fmt, slots in self.rungs)
+        return largest + ALIGN * 8
+
+    def _into_region(self, state: MemoryState) -> MemoryState:
+        """``state`` with its tensors as views of :attr:`region` (copied there where they are not yet)."""
+        named = self.tensors_of(state)
+        views = carve(self.region, {name: (tuple(t.shape), t.dtype) for name, t in named.items()})
+        lo, hi = self.region.data_ptr(), self.region.data_ptr() + self.region.nbytes
+        moving = {
+            name: t.clone() if lo <= t.data_ptr() < hi else t  # (in the region elsewhere: read before it is written)
+            for name, t in named.items()
+            if t.data_ptr() != views[name].data_ptr() or t.stride() != views[name].stride()
+        }
+        for name, t in moving.items():
+            views[name].copy_(t)
+        return dataclasses.replace(state, **views)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stored state's tensors by name (empty before :meth:`start`)."""
@@ -179,7 +212,10 @@ class SlotPool:
         self._reserve_ladder_bytes()
 
     def nbytes(self) -> int:
-        """Bytes the pool holds: the stored state and the ladder's reserve."""
+        """Bytes the pool holds: the stored state and the ladder's reserve (placed: its region's
+        largest rung, the bytes it holds from the start)."""
+        if self.region is not None:
+            return max(self.state.nbytes(), self.region_bytes(self.state.groups) - ALIGN * 8)
         return self.state.nbytes() + (0 if self.reserve is None else self.reserve.nbytes)
 
     # ------------------------------------------------------------------ the write cycle
@@ -259,7 +295,7 @@ class SlotPool:
         slots of different sizes), so that a full pool's size does not depend on the rung it
         reached. Nothing without a ladder, in training, or while the pool is still growing."""
         st = self.state
-        if len(self.rungs) == 1 or self.memory.training or st.slots < self.slots:
+        if self.region is not None or len(self.rungs) == 1 or self.memory.training or st.slots < self.slots:
             self.reserve = None
             return
         target = st.groups * max(slots * slot_bytes(fmt, self.head_dim, self.dtype_bytes) for fmt, slots in self.rungs)

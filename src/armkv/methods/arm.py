@@ -39,6 +39,7 @@ from armkv.budget import (
 from armkv.config import ARMConfig
 from armkv.errors import ArmkvError
 from armkv.memory import kernels
+from armkv.memory.arena import Layout, carve, layout_bytes
 from armkv.memory.module import ARMModel
 from armkv.memory.pool import SlotPool
 from armkv.memory.quant import at_least_float32, mixing_matrix
@@ -167,6 +168,9 @@ class ARMLayer(CacheLayer):
         # [slots read, slots occupied], summed over the decode reads and their KV heads while
         # it is a list (``armkv bench decode`` sets it): what share of the memory a read touches
         self.read_tally: list[int] | None = None
+        # the layer's state in storage a serving engine owns (``place``): {name: view}, None: its own tensors
+        self.placed: dict[str, torch.Tensor] | None = None
+        self.placed_batch = 0
 
     @property
     def state(self) -> MemoryState | None:
@@ -187,11 +191,92 @@ class ARMLayer(CacheLayer):
         """The dtype the memory computes in: its parameters' (float32), whatever the model's."""
         return self.pool.work_dtype
 
+    # ------------------------------------------------------------------ placed state
+    def storage_layout(self, batch: int = 1) -> Layout:
+        """Every tensor the layer keeps from one call to the next, for ``batch`` rows, when it
+        is placed (:meth:`place`): the exact buffer (``buffer.*``: sinks and window, their
+        positions, validity and ring heads), the tokens waiting for the write (``pending.*``:
+        fewer than ``sync`` between calls), the slot pool's region (``pool``: the largest rung
+        of the ladder) and the buckets each row reads (``m``). Keys and values first."""
+        c, info = self.config, self.info
+        H, d, dt = info.num_kv_heads, info.head_dim, info.dtype
+        buffer = ExactBuffer.layout(c.sinks, c.window, batch, H, d, dt)
+        pending = {
+            "k": ((batch, H, c.sync, d), dt),
+            "v": ((batch, H, c.sync, d), dt),
+            "valid": ((batch, c.sync), torch.bool),
+            "pos": ((batch, c.sync), torch.long),
+        }
+        layout: Layout = {"buffer.k": buffer.pop("k"), "buffer.v": buffer.pop("v")}
+        layout.update({"pending.k": pending.pop("k"), "pending.v": pending.pop("v")})
+        layout["pool"] = ((self.pool.region_bytes(batch * H),), torch.uint8)
+        layout.update({f"buffer.{n}": spec for n, spec in buffer.items()})
+        layout.update({f"pending.{n}": spec for n, spec in pending.items()})
+        layout["m"] = ((batch,), torch.long)
+        return layout
+
+    def storage_bytes(self, batch: int = 1) -> int:
+        """Bytes of the storage :meth:`place` needs for ``batch`` rows (``storage_layout``)."""
+        return layout_bytes(self.storage_layout(batch))
+
+    def place(self, storage: torch.Tensor, batch: int = 1) -> "ARMLayer":
+        """Keep this layer's state for ``batch`` rows in ``storage``, a flat uint8 tensor of at
+        least :meth:`storage_bytes` (e.g. a serving engine's block for one request), before its
+        first chunk: every tensor the layer keeps between calls is a view of it
+        (:meth:`storage_layout`) once :meth:`settle` has run after a call. The outputs and the
+        state are those of the layer on its own tensors (the pool allocated whole, ``fixed``);
+        ``tests/test_arm_placed.py`` compares them. Returns the layer."""
+        if self.buffer is not None:
+            raise ArmkvError("ARMLayer.place: the layer already holds a state; place it before its first chunk")
+        if self.memory.training or self.compiled:
+            raise ArmkvError("ARMLayer.place serves inference, eagerly: not in training or with a compiled decode step")
+        self.placed = carve(storage, self.storage_layout(batch))
+        self.placed_batch = batch
+        self.pool.place(self.placed["pool"])
+        return self
+
+    def settle(self) -> None:
+        """After a call, on a placed layer: move what the layer keeps to the next call into its
+        storage (the waiting tokens and M) and drop what is derived from the state (the
+        bucket index, the read's bound calls and slot biases: made again by the next read), so
+        that it holds no tensor of its own between calls. Nothing on a layer not placed."""
+        if self.placed is None or self.buffer is None:
+            return
+        if self.pending is not None:
+            n = self.pending[0].shape[2]
+            area = [self.placed[f"pending.{name}"] for name in ("k", "v", "valid", "pos")]
+            if n > area[0].shape[2]:
+                raise ArmkvError(
+                    f"ARMLayer.settle: {n} tokens wait for the write, more than the {area[0].shape[2]} held"
+                )
+            views = []
+            for held, t in zip(area, self.pending):
+                view = held.narrow(2 if held.ndim == 4 else 1, 0, n)
+                if view.data_ptr() != t.data_ptr():
+                    view.copy_(t)
+                views.append(view)
+            self.pending = tuple(views)
+        if self.m is not None and self.m.data_ptr() != self.placed["m"].data_ptr():
+            self.placed["m"].copy_(self.m)
+            self.m = self.placed["m"]
+        self._index_for = self._pages_for = self._summaries_for = self._take_for = None
+        self._ranked_for = self._dense_for = self._bias_for = None
+        self.pool._read_view = None
+        self.pool.dirty = None  # (read_summaries: every bucket's summary is made again)
+
     # ------------------------------------------------------------------ state
     def _lazy_init(self, key: torch.Tensor) -> None:
         B, H, _, d = key.shape
         c = self.config
-        self.buffer = ExactBuffer(c.sinks, c.window, B, H, d, key.dtype, key.device)
+        if self.placed is None:
+            self.buffer = ExactBuffer(c.sinks, c.window, B, H, d, key.dtype, key.device)
+        else:
+            if B != self.placed_batch or key.dtype != self.info.dtype:
+                raise ArmkvError(
+                    f"ARMLayer: placed for {self.placed_batch} rows of {self.info.dtype}, given {B} of {key.dtype}"
+                )
+            tensors = {n: self.placed[f"buffer.{n}"] for n in ("k", "v", "valid", "pos", "head")}
+            self.buffer = ExactBuffer(c.sinks, c.window, B, H, d, key.dtype, key.device, tensors=tensors)
         self.pool.start(B, key.dtype, key.device)
         self.mixing = mixing_matrix(d, key.dtype, key.device)  # (fetched once: a compiled step reads it as a tensor)
         if self.compiled:

@@ -54,6 +54,9 @@ class ExactBuffer:
     sinks, window : tokens kept (either may be 0)
     batch, num_kv_heads, head_dim : B, H, d
     dtype, device : of the key and value tensors
+    tensors : where the buffer lives, {name: tensor} for every name of :meth:`layout` (e.g.
+        views of a serving engine's block, ``ARMLayer.place``): zeroed and used in place of
+        tensors of its own; None: it allocates them
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class ExactBuffer:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        tensors: dict[str, torch.Tensor] | None = None,
     ):
         if sinks < 0 or window < 0:
             raise ValueError(f"ExactBuffer: sinks={sinks} and window={window} must be >= 0")
@@ -72,17 +76,25 @@ class ExactBuffer:
         # One tensor each for keys, values, validity and positions, sinks first: the read takes
         # them as they are (no copy). Entries that hold no valid token are zero, so a reader
         # need not mask them out of its products (state_clean in attention.joint_attention).
-        self.k = torch.zeros(batch, num_kv_heads, sinks + window, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.valid = torch.zeros(batch, sinks + window, dtype=torch.bool, device=device)
-        self.pos = torch.zeros(batch, sinks + window, dtype=torch.long, device=device)
+        layout = self.layout(sinks, window, batch, num_kv_heads, head_dim, dtype)
+        if tensors is None:
+            tensors = {name: torch.zeros(shape, dtype=dt, device=device) for name, (shape, dt) in layout.items()}
+        else:
+            for name, (shape, dt) in layout.items():
+                t = tensors[name]
+                if tuple(t.shape) != shape or t.dtype != dt:
+                    raise ValueError(
+                        f"ExactBuffer: {name} must be {dt} of shape {shape}, not {t.dtype} {tuple(t.shape)}"
+                    )
+                t.zero_()
+        self.k, self.v, self.valid, self.pos = tensors["k"], tensors["v"], tensors["valid"], tensors["pos"]
         self.sink_k, self.win_k = self.k[:, :, :sinks], self.k[:, :, sinks:]  # views
         self.sink_v, self.win_v = self.v[:, :, :sinks], self.v[:, :, sinks:]
         self.sink_valid, self.win_valid = self.valid[:, :sinks], self.valid[:, sinks:]
         self.sink_pos, self.win_pos = self.pos[:, :sinks], self.pos[:, sinks:]
         # The window is a ring while decoding: head[b] is the index of row b's oldest entry
         # (the next one replaced). A chunk push puts it back in time order first.
-        self.head = torch.zeros(batch, dtype=torch.long, device=device)
+        self.head = tensors["head"]
         self._ring = False  # head may be nonzero
         # every row's sinks hold a token (known after a chunk push, which syncs anyway): a
         # decode push then skips the sink update, a dozen ops that would change nothing
@@ -90,6 +102,20 @@ class ExactBuffer:
         # the decode push's window part in one kernel call on a CPU (kernels.ring_push) rather
         # than some twenty small ops; False: the PyTorch ops, its reference
         self.fused_push = True
+
+    @staticmethod
+    def layout(
+        sinks: int, window: int, batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The buffer's tensors, {name: (shape, dtype)}: what :meth:`tensors` returns."""
+        L = sinks + window
+        return {
+            "k": ((batch, num_kv_heads, L, head_dim), dtype),
+            "v": ((batch, num_kv_heads, L, head_dim), dtype),
+            "valid": ((batch, L), torch.bool),
+            "pos": ((batch, L), torch.long),
+            "head": ((batch,), torch.long),
+        }
 
     @property
     def capacity(self) -> int:

@@ -9,12 +9,15 @@ JSON object with the options ``armkv generate`` takes::
 Unset, the plugin changes nothing. Set, every process vLLM starts (the plugin runs in each)
 maps the Llama architectures (``LlamaForCausalLM``: Llama 2/3, SmolLM2) to ARM variants whose
 attention layers keep, per request, one fixed state of ``budget`` token-equivalents per layer
-(``ARMStateSpec``, a ``MambaSpec``: one block per request for its whole life) and attend
-through armkv's own cache layers (:mod:`armkv.vllm.backend`).
+inside the block vLLM allocates for the request (``ARMStateSpec``, a ``MambaSpec``: one block
+per request for its whole life, holding every layer's state) and attend through armkv's own
+cache layers (:mod:`armkv.vllm.backend`), with prompts scheduled in whole ARM chunks
+(:mod:`armkv.vllm.scheduler`).
 """
 
 from __future__ import annotations
 
+from armkv.errors import ArmkvError
 from armkv.vllm.settings import ENV, Settings, settings_from_env
 
 # The architectures the plugin serves, and the ARM variant registered for each.
@@ -36,7 +39,21 @@ def register() -> None:
 
     for arch, target in ARCHITECTURES.items():
         ModelRegistry.register_model(arch, target)
+    install_scheduler(ARCHITECTURES)
     _registered = True
+
+
+def install_scheduler(architectures) -> None:
+    """Give the served architectures armkv's scheduler (:mod:`armkv.vllm.scheduler`: prompts
+    scheduled in whole ARM chunks) through vLLM's per-architecture config hook."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from armkv.vllm.scheduler import ARMConfigHook
+
+    for arch in architectures:
+        if MODELS_CONFIG_MAP.get(arch, ARMConfigHook) is not ARMConfigHook:
+            raise ArmkvError(f"vLLM already has a config hook for {arch}; armkv's plugin cannot serve it")
+        MODELS_CONFIG_MAP[arch] = ARMConfigHook
 
 
 __all__ = ["ARCHITECTURES", "ENV", "Settings", "register", "settings_from_env"]

@@ -2,11 +2,16 @@
 
 State. vLLM keeps one block per request for an ``ARMStateSpec`` layer (a ``MambaSpec``: the
 state of a request is fixed in size, allocated when it is scheduled and freed when it ends or
-is preempted), of exactly the bytes armkv's budget gives a layer: ``budget`` token-equivalents
-(``ModelInfo.budget_bytes``), so vLLM admits as many requests as their memories fit. The
-memory itself is an armkv cache layer (:class:`armkv.methods.arm.ARMLayer`: sinks, window,
-slot pool with its codes, scales and index, the trees) made per request and per layer by the
-same factory as the Hugging Face path (``armkv.methods``), keyed by the request's block.
+is preempted), and the request's memory lies inside it. The memory is an armkv cache layer
+(:class:`armkv.methods.arm.ARMLayer`: sinks, window, the tokens waiting for the write, the
+slot pool with its codes, scales and metadata) made per request and per layer by the same
+factory as the Hugging Face path (``armkv.methods``) and placed in the request's block
+(``ARMLayer.place``: its tensors are views of the block, ``ARMLayer.storage_layout``), found
+by the block id in vLLM's metadata. The block is the budget's bytes of the layer's share plus
+the positions and validity of its exact tokens; after every step the layer keeps nothing
+outside it (``ARMLayer.settle``), so vLLM's accounting is the memory's, and a finished or
+preempted request's memory is gone with its block. (``full``, the exact mode, grows with every
+token: it keeps its own tensors and its block reserves every position.)
 
 Attention. Each step's batch mixes prefill pieces and decode tokens of different requests;
 :class:`RequestMemory` gives every request's tokens to its layer as the Hugging Face path
@@ -33,21 +38,32 @@ from armkv.vllm.feed import RequestMemory
 
 @dataclass(frozen=True, kw_only=True)
 class ARMStateSpec(MambaSpec):
-    """One fixed block per request and layer: the budget's bytes (``shapes = ((bytes,),)``, uint8)."""
+    """One fixed block per request holding every layer's state (``shapes = ((bytes,),)``, uint8;
+    declared by the first ARM layer, shared by the others: ``LayerPlan``)."""
 
     method: str = "arm"
 
 
 class ARMAttention(Attention):
     """vLLM's ``Attention`` whose KV cache is an :class:`ARMStateSpec` and whose backend is
-    :class:`ARMBackend`. ``plan`` makes this layer's armkv cache layer for one request
-    (``plan()`` -> CacheLayer) and knows its bytes (``plan.state_bytes``)."""
+    :class:`ARMBackend`. ``plan`` makes this layer's armkv cache layer for one request, placed
+    in the request's block (``plan(block)`` -> CacheLayer), and knows the block's bytes
+    (``plan.state_bytes``) and this layer's share of them (``plan.offset``, ``plan.own_bytes``).
+    Every ARM layer after the first shares the first one's cache (vLLM's cross-layer KV
+    sharing): one block a request holds them all."""
 
-    def __init__(self, *args, plan, **kwargs):
-        super().__init__(*args, attn_backend=ARMBackend, **kwargs)
+    def __init__(self, *args, plan, prefix: str, **kwargs):
+        if plan.placed and plan.layer_idx > 0:  # (the request's block is the first layer's: see LayerPlan)
+            parts = prefix.split(".")
+            parts[parts.index(str(plan.layer_idx))] = "0"
+            kwargs["kv_sharing_target_layer_name"] = ".".join(parts)
+        super().__init__(*args, attn_backend=ARMBackend, prefix=prefix, **kwargs)
         self.arm_plan = plan
 
     def get_kv_cache_spec(self, vllm_config):
+        from armkv.vllm.scheduler import check_scheduler
+
+        check_scheduler(vllm_config, self.arm_plan.chunk)
         cache = vllm_config.cache_config
         if cache.enable_prefix_caching:
             raise ArmkvError(
@@ -119,11 +135,26 @@ class ARMAttentionImpl(AttentionImpl[ARMMetadata]):
     ):
         if alibi_slopes is not None or sliding_window is not None or logits_soft_cap:
             raise ArmkvError("ARM layers serve RoPE attention without ALiBi, sliding window or soft cap")
-        if kv_sharing_target_layer_name is not None:
-            raise ArmkvError("ARM layers do not share their KV cache with other layers")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.memories: dict[int, RequestMemory] = {}  # state block -> the request's memory
+
+    @staticmethod
+    def block(kv_cache, state: int) -> torch.Tensor:
+        """Block ``state`` of the cache as flat uint8 bytes (a view: the block itself): a
+        request's memory in every layer. vLLM binds a MambaSpec layer's cache as a list of its
+        states' tensors, [num_blocks, ...] each."""
+        if isinstance(kv_cache, (list, tuple)):
+            kv_cache = kv_cache[0]
+        block = kv_cache[state]
+        if not block.is_contiguous():
+            raise ArmkvError(f"vLLM's block for an ARM layer is not contiguous ({tuple(kv_cache.shape)})")
+        return block.reshape(-1).view(torch.uint8)
+
+    def storage(self, layer, kv_cache, state: int) -> torch.Tensor:
+        """The bytes of block ``state`` that hold this layer's memory of the request."""
+        plan = layer.arm_plan
+        return self.block(kv_cache, state)[plan.offset : plan.offset + plan.own_bytes]
 
     def forward(
         self,
@@ -150,9 +181,18 @@ class ARMAttentionImpl(AttentionImpl[ARMMetadata]):
                 continue
             memory = self.memories.get(state)
             if memory is None or m.starts[i] == 0:  # a new request, or one recomputed from token 0
-                memory = self.memories[state] = RequestMemory(plan(), plan.chunk)
+                memory = self.memories[state] = RequestMemory(
+                    plan(self.block(kv_cache, state) if plan.placed else None), plan.chunk
+                )
             out = memory.step(query[lo:hi], key[lo:hi], value[lo:hi], m.starts[i], m.prompt_lens[i], self.scale)
             output[lo:hi] = out.to(output.dtype)
+            if plan.placed:
+                if memory.open is not None:
+                    raise ArmkvError(
+                        "vLLM split an ARM prefill chunk across steps (armkv's scheduler was not used): "
+                        "serve through the plugin with ARMKV_VLLM set in every process"
+                    )
+                memory.layer.settle()
         return output
 
     def state_bytes(self) -> dict[int, int]:

@@ -4,6 +4,9 @@ test suite checks it."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 from armkv.errors import ArmkvError
@@ -57,3 +60,41 @@ class RequestMemory:
             )
         self.next = start + T
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+
+def held_tensors(memory: RequestMemory) -> dict[str, torch.Tensor]:
+    """Every tensor a request's memory keeps (by its attribute path), not counting what all
+    requests share (the ARM parameters, the rotary table, the cached mixing matrix): what must
+    lie in the request's block when the engine owns its memory."""
+    from armkv.memory.quant import mixing_matrix
+
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def walk(obj, path: str) -> None:
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.dtype)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.dim() == 2 and obj.shape[0] == obj.shape[1]:
+                shared = mixing_matrix(obj.shape[0], obj.dtype, obj.device)
+                if obj.data_ptr() == shared.data_ptr():
+                    return
+            found[path] = obj
+        elif isinstance(obj, (torch.nn.Module, torch.Generator, torch.device, type)) or inspect.isroutine(obj):
+            return
+        elif isinstance(obj, functools.partial):
+            walk((obj.args, obj.keywords), f"{path}.partial")
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{path}[{k!r}]")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}[{i}]")
+        elif hasattr(obj, "__dict__"):
+            for k, v in vars(obj).items():
+                if k not in ("rotary", "info", "config", "rule", "memory"):
+                    walk(v, f"{path}.{k}")
+
+    walk(memory, "memory")
+    return found

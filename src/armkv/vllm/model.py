@@ -22,24 +22,61 @@ from armkv.vllm.settings import ENV, Settings, settings_from_env
 
 
 class LayerPlan:
-    """Makes one layer's armkv cache layer for one request, and knows its bytes."""
+    """Makes one layer's armkv cache layer for one request, and knows the bytes of the block
+    vLLM keeps for it (``state_bytes``).
+
+    arm and fifo (``placed``): the layer's whole state lies in the request's block
+    (``ARMLayer.place``). One block per request holds every layer's state (vLLM would give
+    every layer's block the size of the largest, and the budget's layer shares differ): the
+    first layer declares it, of the bytes all the layers' states need, and the others share
+    its cache (vLLM's cross-layer KV sharing); this layer's state is the block's bytes
+    ``[offset, offset + own_bytes)``: the budget's bytes of its share plus its positions and
+    validity (``ARMLayer.storage_layout``). full: the layer keeps its own
+    tensors (it grows with every token) and the block reserves every position the model takes."""
 
     def __init__(self, layer_idx: int, info: ModelInfo, rotary: Rotary, settings: Settings, max_len: int):
         self.layer_idx, self.info, self.rotary, self.settings = layer_idx, info, rotary, settings
         self.method, self.chunk = settings.method, settings.chunk
         self.spec = get_method(settings.method)
         self.options = dict(settings.options)
-        if settings.method in ("arm", "fifo"):  # the ARM parameters: loaded once, shared by every layer and request
+        self.placed = settings.method in ("arm", "fifo")
+        if self.placed:  # the ARM parameters: loaded once, shared by every layer and request
             self.options["arm"] = shared_arm(info, settings)
             self.options.pop("adapter", None)
-        # the bytes vLLM keeps per request: the budget's (full: every position the model takes)
-        tokens = settings.budget if self.spec.bounded else max_len
-        self.state_bytes = info.budget_bytes(tokens)
+            sizes = storage_bytes(info, rotary, settings)
+            # one block per request holds every layer's state, one after another (the first
+            # layer declares it; the others share its cache): this layer's bytes [offset, offset + own)
+            self.offset, self.own_bytes = sum(sizes[:layer_idx]), sizes[layer_idx]
+            self.state_bytes = sum(sizes)
+        else:
+            self.state_bytes = info.budget_bytes(max_len)
 
-    def __call__(self):
-        return self.spec.make_layer(
+    def __call__(self, storage: torch.Tensor | None = None):
+        """This layer's cache layer for one request, placed in ``storage`` (its block) where given."""
+        layer = self.spec.make_layer(
             self.layer_idx, self.info, self.rotary, self.settings.budget, self.chunk, **self.options
         )
+        if storage is None or not self.placed:
+            return layer
+        return layer.place(storage[self.offset : self.offset + self.own_bytes])
+
+
+_STORAGE: dict[tuple[ModelInfo, str], tuple[int, ...]] = {}
+
+
+def storage_bytes(info: ModelInfo, rotary: Rotary, settings: Settings) -> tuple[int, ...]:
+    """Each layer's placed storage for one request (``ARMLayer.storage_bytes``), once a process
+    (it depends on the shapes and the settings, not on the rotary's values)."""
+    key = (info, settings.to_env())
+    if key not in _STORAGE:
+        options = {k: v for k, v in settings.options.items() if k != "adapter"}
+        options["arm"] = shared_arm(info, settings)
+        spec = get_method(settings.method)
+        _STORAGE[key] = tuple(
+            spec.make_layer(i, info, rotary, settings.budget, settings.chunk, **options).storage_bytes()
+            for i in range(info.num_layers)
+        )
+    return _STORAGE[key]
 
 
 @functools.lru_cache(maxsize=4)

@@ -7,7 +7,9 @@ Keys (all optional but ``method``), as ``armkv generate`` takes them:
 - ``budget``: token-equivalents of KV memory per layer and request (bounded methods; default
   ``armkv generate``'s)
 - ``adapter``: arm and fifo: ``calibrated``, ``random`` or an adapter folder
-- ``chunk``: P, the prefill chunk (the sync point of the budgeted chunked prefill; 256)
+- ``chunk``: P, the prefill chunk (the sync point of the budgeted chunked prefill; 256): vLLM
+  schedules prompts in whole chunks, so a step's token budget (``--max-num-batched-tokens``)
+  must hold one
 - ``options``: method options, ``["arm.slot_format=int8", ...]`` as ``--option`` takes them
 
 Example: ``ARMKV_VLLM='{"method": "arm", "budget": 1024, "options": ["arm.slot_format=int8"]}'``.
