@@ -1,6 +1,6 @@
 """Fused CPU kernels for ARM's decode step (``csrc/``: one extension built from its sources by
 concern, listed in ``csrc/common.h``): the read of int4 slots, and the passes over the pool that
-a write makes.
+a write makes. They are the ``cpu`` backend of the reads (``armkv.memory.reader.BACKENDS``).
 
 The decode step reads every slot of a layer: its keys against the new query, its values
 under the softmax weights. :meth:`MemoryState.key_scores` and
@@ -19,7 +19,7 @@ Where it cannot be built, a warning says why, once, and the PyTorch path serves.
 ``ARMKV_KERNELS=0`` skips it.
 
 At M < N_b (``top_m="fixed"``, or a fitted policy) the decode step reads only the slots of
-each KV head's top-M buckets (``ARMLayer._sparse_read``). With PyTorch ops that is a dozen
+each KV head's top-M buckets (``Reader.sparse``). With PyTorch ops that is a dozen
 small ops to route the query, list the buckets' slots, gather them by index from the
 channel-major codes and read the copy: at budget 2,048 they cost two thirds of reading the
 whole pool. ``arm_best_decode_read`` does it for ``read_rank="best"`` in one call: every
