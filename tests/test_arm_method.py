@@ -268,15 +268,15 @@ def test_decode_read_equals_the_chunk_read(overrides, dtype):
     query, key, value = (torch.randn(B, h, 1, d).to(dtype) for h in (Hq, H, H))
     valid = torch.tensor([[True], [False]])  # row 1 decodes a padding token
     positions = torch.full((B, 1), 160)
-    exact = layer._exact()
-    fast = layer._decode_read(query, key, value, valid, 0.3, *exact)
-    ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
+    exact = layer.exact()
+    fast = layer.reader.dense(query, key, value, valid, 0.3, *exact)
+    ref = layer.reader.masked(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
     assert fast.dtype == dtype
     tol = 1e-5 if dtype == F32 else 2 * torch.finfo(dtype).eps
     torch.testing.assert_close(fast, ref, rtol=tol, atol=tol)
     # the fused kernel (quantised slots on a CPU) against the PyTorch ops it replaces
     torch.testing.assert_close(
-        fast, layer._decode_read(query, key, value, valid, 0.3, *exact, fused=False), rtol=1e-5, atol=1e-6
+        fast, layer.reader.dense(query, key, value, valid, 0.3, *exact, fused=False), rtol=1e-5, atol=1e-6
     )
 
 

@@ -17,12 +17,12 @@ def _settings(**overrides):
 
 def _full_probs(layer, query, key, valid, scaling, exact_k, exact_valid):
     """The full read's attention on each slot, [B, Hq, S], from the dequantised keys (the reference)."""
-    st = layer._readable()
+    st = layer.reader.readable()
     B, Hq, _, d = query.shape
     H = key.shape[1]
     R, S = Hq // H, st.slots
     keys = st.kv(torch.float32)[0].reshape(B, H, S, d).repeat_interleave(R, 1)
-    bias = layer._decode_bias().float().repeat_interleave(R, 1)
+    bias = layer.reader.bias().float().repeat_interleave(R, 1)
     q = query.float()[:, :, 0]
     slots = torch.einsum("bhd,bhsd->bhs", q, keys) * scaling + bias
     exact = torch.einsum("bhd,bhld->bhl", q, exact_k.float().repeat_interleave(R, 1)) * scaling
@@ -38,9 +38,9 @@ def test_missed_mass_is_the_attention_on_the_slots_the_sparse_read_skips(split, 
     overrides = {"read_rank": rank, "slot_mixing": False, "read_pages": True, "page_split": split}
     model, layer = _layer_with_memory(torch.float32, overrides)
     query, key, value, valid, positions = _chunk(model, layer, torch.float32, 1, padded=0)
-    exact_k, exact_v, exact_valid = layer._exact()
+    exact_k, exact_v, exact_valid = layer.exact()
     m, scaling = 3, 0.3
-    layer.m, layer._route_k = torch.tensor([m, m]), m
+    layer.reader.m, layer.reader.route_k = torch.tensor([m, m]), m
     settings = [
         {
             "name": "s",
@@ -52,9 +52,9 @@ def test_missed_mass_is_the_attention_on_the_slots_the_sparse_read_skips(split, 
     with torch.no_grad():
         missed, share = reads.missed_mass(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)["s"]
         # the slots the layer's own masked read takes at this M (its reference read)
-        best = layer._bucket_scores(query, scaling)
-        _, _, occupied, _ = layer._slots()
-        mask = layer._masks_for(query, best, occupied, query.shape[1] // key.shape[1])[0][:, :, 0]  # [B, Hq, S]
+        best = layer.reader.bucket_scores(query, scaling)
+        _, _, occupied, _ = layer.reader.slots()
+        mask = layer.reader._masks_for(query, best, occupied, query.shape[1] // key.shape[1])[0][:, :, 0]  # [B, Hq, S]
         p = _full_probs(layer, query, key, valid, scaling, exact_k, exact_valid)
     B, Hq = query.shape[:2]
     torch.testing.assert_close(missed.view(B, Hq), (p * ~mask).sum(-1), rtol=1e-4, atol=1e-5)
@@ -70,17 +70,17 @@ def test_tree_missed_mass_is_the_attention_the_tree_read_skips():
     """``tree``: the slots of the buckets the layer's own tree read (read_rank="tree") takes."""
     model, layer = _layer_with_memory(torch.float32, {"read_rank": "tree", "slot_mixing": False})
     query, key, value, valid, positions = _chunk(model, layer, torch.float32, 1, padded=0)
-    exact_k, exact_v, exact_valid = layer._exact()
+    exact_k, exact_v, exact_valid = layer.exact()
     m, scaling = 3, 0.3
-    layer.m, layer._route_k = torch.tensor([m, m]), m
+    layer.reader.m, layer.reader.route_k = torch.tensor([m, m]), m
     settings = reads.settings_from(argparse.Namespace(ranks="tree", page_split="1", partial_share="0.25"))
     with torch.no_grad():
         args = (layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)
         choices = reads._sparse_choices(*args, position=positions)
         missed, share = reads.missed_mass(*args, choices=choices)["tree"]
         q_pre = layer.rotary.unrotate(query, positions.unsqueeze(1))
-        _, _, occupied, _ = layer._slots()
-        mask = layer._masks_for(q_pre, None, occupied, query.shape[1] // key.shape[1])[0][:, :, 0]
+        _, _, occupied, _ = layer.reader.slots()
+        mask = layer.reader._masks_for(q_pre, None, occupied, query.shape[1] // key.shape[1])[0][:, :, 0]
         p = _full_probs(layer, query, key, valid, scaling, exact_k, exact_valid)
         cost = reads.read_cost(layer, settings[0], choices[1]["tree"][0], query.shape[-1], m)
         best = {"name": "b", "rank": "best", "page_split": 1, "partial_share": None}
@@ -155,9 +155,9 @@ def test_output_errors_are_those_of_the_layers_own_reads(split, rank):
     overrides = {"read_rank": rank, "slot_mixing": False, "read_pages": True, "page_split": split}
     model, layer = _layer_with_memory(torch.float32, overrides)
     query, key, value, valid, positions = _chunk(model, layer, torch.float32, 1, padded=0)
-    exact = layer._exact()
+    exact = layer.exact()
     m, scaling = 3, 0.3
-    layer.m, layer._route_k = torch.tensor([m, m]), m
+    layer.reader.m, layer.reader.route_k = torch.tensor([m, m]), m
     settings = [
         {
             "name": "s",
@@ -170,10 +170,12 @@ def test_output_errors_are_those_of_the_layers_own_reads(split, rank):
         error, summarised = reads.output_errors(
             layer, query, key, value, valid, scaling, *exact[:2], exact[2], settings, m
         )["s"]
-        every = layer._chunk_read(query, key, value, valid, positions, scaling, *exact, reads_all=True)[:, 0]
-        plain = layer._chunk_read(query, key, value, valid, positions, scaling, *exact, reads_all=False)[:, 0]
+        every = layer.reader.masked(query, key, value, valid, positions, scaling, *exact, reads_all=True)[:, 0]
+        plain = layer.reader.masked(query, key, value, valid, positions, scaling, *exact, reads_all=False)[:, 0]
         layer.config.read_summaries = True
-        with_summaries = layer._chunk_read(query, key, value, valid, positions, scaling, *exact, reads_all=False)[:, 0]
+        with_summaries = layer.reader.masked(query, key, value, valid, positions, scaling, *exact, reads_all=False)[
+            :, 0
+        ]
     relative = lambda o: ((o - every).norm(dim=-1) / every.norm(dim=-1)).flatten()  # noqa: E731
     torch.testing.assert_close(error, relative(plain), rtol=1e-3, atol=1e-5)
     torch.testing.assert_close(summarised, relative(with_summaries), rtol=1e-3, atol=1e-5)

@@ -205,7 +205,7 @@ def test_fused_unpack_to_pre_rope_equals_dequantise_then_unrotate(kernel, d, gro
 )
 @pytest.mark.parametrize("vectorised", [True, False])
 def test_fused_decode_read_equals_the_pytorch_ops(kernel, fmt, d, slots, rep, exact, mixed, vectorised):
-    """One layer's decode read in one call (ARMLayer._decode_read's fused path) against the
+    """One layer's decode read in one call (Reader.dense's fused path) against the
     PyTorch ops it replaces: free slots, invalid exact entries, a padding token, and a group
     with nothing to read at all (zeros); the AVX2 and the portable loops."""
     from armkv.memory.quant import mixing_matrix
@@ -278,7 +278,7 @@ def _random_pool(G, slots, d, buckets, fmt, mixed, laid, g):
     st.key[free], st.value[free], st.count[free], st.bucket[free] = 0, 0, 0, -1
     st = st.pack(fmt, mix=mixed)
     index = bucket_index(st.bucket, st.count > 0, buckets)
-    if laid:  # (ARMLayer._bucket_index)
+    if laid:  # (Reader.bucket_index)
         st = sort_by_bucket(st, index)
         index = BucketIndex(
             order=torch.arange(slots, dtype=torch.int32).expand(G, slots), start=index.start, size=index.size, laid=True
@@ -302,7 +302,7 @@ def _random_pool(G, slots, d, buckets, fmt, mixed, laid, g):
 def test_fused_sparse_decode_read_equals_the_gathered_pytorch_read(
     kernel, fmt, d, slots, rep, buckets, mixed, laid, vectorised
 ):
-    """The sparse decode read in place (ARMLayer._sparse_read's fused path: the chosen
+    """The sparse decode read in place (Reader.sparse's fused path: the chosen
     buckets' runs of the pool) against gathering the same slots by index and reading them
     with PyTorch ops (read.slots_of_buckets, gather_slots, gathered_read with fused=False):
     free slots, buckets that hold nothing, rows that read fewer buckets than were routed

@@ -288,8 +288,8 @@ def test_arm_reading_fewer_buckets_stays_within_budget(dtype, options):
     built = summarised = False
     for _ in run_layer(layer, 120, batch, info_, g, 300):
         assert layer.state_bytes() <= bound
-        built |= layer._index_for is not None
-        summarised |= layer._summaries_for is not None
+        built |= layer.reader.view().index is not None
+        summarised |= layer.reader._carried is not None  # (the last entries made, kept from write to write)
     assert built and layer.peak_bytes <= bound
     assert summarised == bool(options.get("read_summaries"))  # (read_summaries keeps its units' entries, counted)
 

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-import armkv.methods.arm as arm_method
+import armkv.memory.reader as reader_module
 from armkv.config import ARMConfig
 from armkv.errors import ArmkvError
 from armkv.hf.attach import make_cache
@@ -82,30 +82,30 @@ def test_a_needle_is_read_from_one_bucket_when_the_ranking_is_the_best_logit(rea
     partial logits are then its logits; the tree's routing of a random tree, which never sees
     the slots, misses some."""
     _, layer = _layer_with_memory(torch.float32, {"slot_format": "k4v4", **_rank(read_rank)})
-    st = layer._readable()
+    st = layer.reader.readable()
     B, H = layer.buffer.sink_k.shape[:2]
     Hq, d = layer.info.num_heads, layer.info.head_dim
     keys, _ = st.kv(torch.float32, unmix=True)
     bias = torch.where(st.count > 0, st.count.clamp_min(1).log(), -torch.inf)
-    layer.m, layer._route_k = torch.tensor([1, 1]), 1
+    layer.reader.m, layer.reader.route_k = torch.tensor([1, 1]), 1
     needles = misses = 0
     for needle in range(st.slots):
         if not st.count[0, needle] > 0:
             continue
         direction = keys[0, needle]
-        if read_rank == "partial":  # the needle's key on its layer._partial_rows largest rows only
+        if read_rank == "partial":  # the needle's key on its layer.reader.partial_rows largest rows only
             stored = st.kv(torch.float32, unmix=False)[0][0, needle]
             energy = stored[: d // 2].square() + stored[d // 2 :].square()
-            rows = energy.topk(layer._partial_rows).indices
+            rows = energy.topk(layer.reader.partial_rows).indices
             kept = torch.zeros(d, dtype=torch.bool)
             kept[rows], kept[rows + d // 2] = True, True
             direction = torch.where(kept, stored, 0.0)
-            direction = direction @ layer.mixing.T if st.mixed else direction
+            direction = direction @ layer.reader.mixing.T if st.mixed else direction
         query = torch.zeros(B, Hq, 1, d)
         query[0, : Hq // H] = 40 * direction / direction.norm()  # KV head 0 of row 0
         logits = keys[0] @ query[0, 0, 0] * d**-0.5 + bias[0]
         best = int(logits.argmax())
-        picked = layer._group_buckets(1, query, layer._bucket_scores(query, d**-0.5))[0, 0, 0, 0]
+        picked = layer.reader.group_buckets(1, query, layer.reader.bucket_scores(query, d**-0.5))[0, 0, 0, 0]
         needles += 1
         misses += int(picked != st.bucket[0, best])
     assert needles > 20 and (misses == 0) == finds
@@ -195,7 +195,7 @@ def _layer_with_memory(dtype, overrides, seed=1, device="cpu", with_cache=False)
             model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
     layer = cache.layers[1]
     assert layer.pending is not None and layer.state.count.max() > 1
-    assert layer.memory.router.num_buckets >= 8 and 0 < layer._route_k < layer.memory.router.num_buckets
+    assert layer.memory.router.num_buckets >= 8 and 0 < layer.reader.route_k < layer.memory.router.num_buckets
     return (model, layer, cache) if with_cache else (model, layer)
 
 
@@ -235,32 +235,32 @@ def test_sparse_read_equals_the_masked_read_of_the_whole_pool(dtype, tol, overri
     one decoded token's from a quarter of the key-code rows, a chunk's as "best")."""
     model, layer = _layer_with_memory(dtype, {**overrides, **_rank(read_rank)}, device=device)
     query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=1)
-    exact = layer._exact()
+    exact = layer.exact()
     for m in (
         torch.tensor([3, 3], device=device),
         torch.tensor([1, 2], device=device),
     ):  # rows may read fewer buckets than the widest
-        layer.m, layer._route_k = m, int(m.max())  # as ARMLayer._decide_m sets them
-        assert layer._reads_sparse(T, reads_all=False) == (
+        layer.reader.m, layer.reader.route_k = m, int(m.max())  # as ARMLayer._decide_m sets them
+        assert (layer.reader.path(T, every=False) == "sparse") == (
             T == 1 or read_rank == "tree"
         )  # (best, partial chunks: the ranked read)
         with torch.no_grad():
-            ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
-            fast = layer._sparse_read(query, key, value, valid, positions, 0.3, *exact)
-            eager = layer._sparse_read(query, key, value, valid, positions, 0.3, *exact, fused=False)
-            every = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
+            ref = layer.reader.masked(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
+            fast = layer.reader.sparse(query, key, value, valid, positions, 0.3, *exact)
+            eager = layer.reader.sparse(query, key, value, valid, positions, 0.3, *exact, fused=False)
+            every = layer.reader.masked(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
         torch.testing.assert_close(fast, ref, rtol=tol, atol=tol)
         torch.testing.assert_close(eager, ref, rtol=tol, atol=tol)
         with monkeypatch.context() as patch:  # compiled: the fixed width of any M buckets, no host sync
             patch.setattr(torch.compiler, "is_compiling", lambda: True)
             with torch.no_grad():
-                fixed = layer._sparse_read(query, key, value, valid, positions, 0.3, *exact)
+                fixed = layer.reader.sparse(query, key, value, valid, positions, 0.3, *exact)
         torch.testing.assert_close(fixed, ref, rtol=tol, atol=tol)
         # the masks mattered (not every slot was read): reading all differs far more than the two reads
         assert (every.float() - ref.float()).abs().max() > 4 * (fast.float() - ref.float()).abs().max()
     # the gather reads a fraction of the pool
-    index = layer._bucket_index()
-    assert index.width(3) <= layer._readable().slots
+    index = layer.reader.bucket_index()
+    assert index.width(3) <= layer.reader.readable().slots
 
 
 @pytest.mark.parametrize("read_rank", ["best", "partial", "tree"])
@@ -269,20 +269,20 @@ def test_read_tally_counts_the_slots_a_decode_read_touches(read_rank):
     count, part of the occupied slots; the dense read counts them all."""
     model, layer = _layer_with_memory(torch.float32, _rank(read_rank))
     query, key, value, valid, positions = _chunk(model, layer, torch.float32, 1, padded=0)
-    exact = layer._exact()
-    layer.m, layer._route_k = torch.tensor([3, 2]), 3
+    exact = layer.exact()
+    layer.reader.m, layer.reader.route_k = torch.tensor([3, 2]), 3
     tallies = []
     for fused in (True, False):
         layer.read_tally = [0, 0]
         with torch.no_grad():
-            layer._sparse_read(query, key, value, valid, positions, 0.3, *exact, fused=fused)
+            layer.reader.sparse(query, key, value, valid, positions, 0.3, *exact, fused=fused)
         tallies.append(layer.read_tally)
-    occupied = int((layer._readable().count > 0).sum())
+    occupied = int((layer.reader.readable().count > 0).sum())
     assert tallies[0] == tallies[1]
     assert tallies[0][1] == occupied and 0 < tallies[0][0] < occupied
     layer.read_tally = [0, 0]
     with torch.no_grad():
-        layer._decode_read(query, key, value, valid, 0.3, *exact)
+        layer.reader.dense(query, key, value, valid, 0.3, *exact)
     assert layer.read_tally == [occupied, occupied]
 
 
@@ -311,20 +311,20 @@ def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch, read_
         return torch.cat(outs, 1), cache
 
     calls = []
-    gathered = arm_method.ARMLayer._sparse_read
+    gathered = reader_module.Reader.sparse
     monkeypatch.setattr(
-        arm_method.ARMLayer,
-        "_sparse_read",
+        reader_module.Reader,
+        "sparse",
         lambda self, *a, **k: calls.append(a[0].shape[2]) or gathered(self, *a, **k),
     )
     monkeypatch.setattr(
-        arm_method, "relay_breaks", lambda slots, num_buckets: 0
+        reader_module, "relay_breaks", lambda slots, num_buckets: 0
     )  # re-lay the pool at every write that breaks its order
     sorts = []
-    relay = arm_method.sort_by_bucket
-    monkeypatch.setattr(arm_method, "sort_by_bucket", lambda st, index: sorts.append(1) or relay(st, index))
+    relay = reader_module.sort_by_bucket
+    monkeypatch.setattr(reader_module, "sort_by_bucket", lambda st, index: sorts.append(1) or relay(st, index))
     builds, bound_calls = [], []
-    bind = arm_method.ranked_decode_call
+    bind = reader_module.ranked_decode_call
 
     class Counted:  # the bound fused call, counting its calls
         def __init__(self, call):
@@ -338,10 +338,10 @@ def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch, read_
         builds.append(1)
         return Counted(bind(*a, **k))
 
-    monkeypatch.setattr(arm_method, "ranked_decode_call", counted)
+    monkeypatch.setattr(reader_module, "ranked_decode_call", counted)
     sparse, cache = run()
     assert len(sorts) > 10
-    assert cache.layers[0]._route_k < cache.layers[0].memory.router.num_buckets
+    assert cache.layers[0].reader.route_k < cache.layers[0].memory.router.num_buckets
     # every decode step of both layers gathered: through _sparse_read, or (best / partial,
     # between writes) straight to the call it bound, once a build in _sparse_read
     assert calls.count(1) + len(bound_calls) - len(builds) == 2 * 60
@@ -351,10 +351,10 @@ def test_generation_with_sparse_reads_equals_the_masked_reads(monkeypatch, read_
     # the reference: every read masked over the whole pool, the pool re-laid by bucket as the
     # sparse run lays it (where slots lie changes no read, but a write's ties may fall otherwise)
     def masked(self, query, key, value, valid, positions, scaling, *exact, fused=True):
-        self._bucket_index()
-        return self._chunk_read(query, key, value, valid, positions, scaling, *exact, reads_all=False)
+        self.bucket_index()
+        return self.masked(query, key, value, valid, positions, scaling, *exact, reads_all=False)
 
-    monkeypatch.setattr(arm_method.ARMLayer, "_sparse_read", masked)
+    monkeypatch.setattr(reader_module.Reader, "sparse", masked)
     dense, _ = run()
     torch.testing.assert_close(sparse, dense, rtol=1e-4, atol=1e-4)
 
@@ -407,28 +407,28 @@ def test_paged_reads_equal_the_masked_read_and_touch_at_most_m_pages(
         dtype, {**_rank(read_rank), "read_pages": True, "page_split": split}, device=device
     )
     query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=1)
-    layer._page_index()  # (the first paged index may re-lay the pool)
-    exact = layer._exact()
+    layer.reader.page_index()  # (the first paged index may re-lay the pool)
+    exact = layer.exact()
     nb = layer.memory.router.num_buckets
     for m in (torch.tensor([3, 3], device=device), torch.tensor([1, 2], device=device)):
-        layer.m, layer._route_k = m, int(m.max())
+        layer.reader.m, layer.reader.route_k = m, int(m.max())
         with torch.no_grad():
-            ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
-            fast = layer._read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
+            ref = layer.reader.masked(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
+            fast = layer.reader.read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
             outs = [fast]
             if T == 1:
-                outs.append(layer._sparse_read(query, key, value, valid, positions, 0.3, *exact, fused=False))
+                outs.append(layer.reader.sparse(query, key, value, valid, positions, 0.3, *exact, fused=False))
                 with monkeypatch.context() as patch:
                     patch.setattr(torch.compiler, "is_compiling", lambda: True)
-                    outs.append(layer._sparse_read(query, key, value, valid, positions, 0.3, *exact))
+                    outs.append(layer.reader.sparse(query, key, value, valid, positions, 0.3, *exact))
         for out in outs:
             torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
         if T == 1:
             layer.read_tally = [0, 0]
             with torch.no_grad():
-                layer._sparse_read(query, key, value, valid, positions, 0.3, *exact)
+                layer.reader.sparse(query, key, value, valid, positions, 0.3, *exact)
             read, occupied = layer.read_tally
-            per_group = (layer._readable().count > 0).sum(1)
+            per_group = (layer.reader.readable().count > 0).sum(1)
             units = nb * split  # pages of at most ceil(n / units) slots, M * split of them read
             assert (
                 0
@@ -511,18 +511,20 @@ def test_ranked_chunk_read_equals_the_masked_read(dtype, tol, overrides, T, page
     read works in float32, the masked one's products and softmax in the model's dtype."""
     model, layer = _layer_with_memory(dtype, {**overrides, "read_rank": "best", "read_pages": pages}, device=device)
     query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=max(1, T // 3))
-    exact = layer._exact()
+    exact = layer.exact()
     module = kernels.int4_read() if device == "cpu" else None  # (the kernels serve CPU tensors)
     for m in (torch.tensor([3, 3], device=device), torch.tensor([1, 2], device=device)):
-        layer.m, layer._route_k = m, int(m.max())
-        assert layer._reads_ranked(reads_all=False)
+        layer.reader.m, layer.reader.route_k = m, int(m.max())
+        assert layer.reader.path(T, every=False) == (
+            "sparse" if T == 1 else "ranked"
+        )  # (one token: ranked in one call)
         with torch.no_grad():
-            ref = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
-            every = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
-            reads = [layer._ranked_chunk_read(query, key, value, valid, 0.3, *exact, fused=False)]
+            ref = layer.reader.masked(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
+            every = layer.reader.masked(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
+            reads = [layer.reader.ranked(query, key, value, valid, 0.3, *exact, fused=False)]
             for vectorised in [True, False] if module is not None else []:
                 monkeypatch.setattr(kernels, "fused_cpu", lambda x, v=vectorised: Vectorised(module, v))
-                reads.append(layer._ranked_chunk_read(query, key, value, valid, 0.3, *exact))
+                reads.append(layer.reader.ranked(query, key, value, valid, 0.3, *exact))
         for ranked in reads:
             assert ranked.dtype == ref.dtype and ranked.shape == ref.shape
             torch.testing.assert_close(ranked, ref, rtol=tol, atol=tol)
@@ -562,34 +564,36 @@ def test_prefill_with_ranked_chunk_reads_equals_the_masked_reads(monkeypatch):
         return torch.cat(outs, 1)
 
     calls = []
-    ranked = arm_method.ARMLayer._ranked_chunk_read
+    ranked = reader_module.Reader.ranked
     monkeypatch.setattr(
-        arm_method.ARMLayer,
-        "_ranked_chunk_read",
+        reader_module.Reader,
+        "ranked",
         lambda self, *a, **k: calls.append(a[0].shape[2]) or ranked(self, *a, **k),
     )
     fast = run()
-    assert calls and min(calls) > 1 and max(calls) > arm_method.SPARSE_MAX_QUERIES
-    monkeypatch.setattr(arm_method.ARMLayer, "_reads_ranked", lambda self, reads_all: False)
+    assert calls and min(calls) > 1 and max(calls) > reader_module.SPARSE_MAX_QUERIES
+    monkeypatch.setattr(reader_module, "PATHS", tuple(row for row in reader_module.PATHS if row[0] != "ranked"))
     masked = run()
     torch.testing.assert_close(fast, masked, rtol=1e-4, atol=1e-4)
 
 
 def test_sparse_reads_off_the_cpu_warn_once(monkeypatch):
     """Reading M < N_b buckets at inference on an accelerator (PyTorch ops, slower there than
-    reading every bucket) warns once a process; the CPU, training and reading every bucket do not."""
-    monkeypatch.setattr(arm_method, "_warned_slow_sparse", False)
+    reading every bucket) warns once a process, where no fused backend serves there (triton not
+    installed); the CPU, training and reading every bucket do not."""
+    monkeypatch.setattr(reader_module, "_warned_slow_sparse", False)
+    monkeypatch.setattr(reader_module, "_triton", False)  # (triton's kernels did not import)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        arm_method._warn_slow_sparse_reads(8, 64, cpu, False)
-        arm_method._warn_slow_sparse_reads(64, 64, cuda, False)
-        arm_method._warn_slow_sparse_reads(8, 64, cuda, True)
+        reader_module.warn_slow_sparse_reads(8, 64, cpu, False)
+        reader_module.warn_slow_sparse_reads(64, 64, cuda, False)
+        reader_module.warn_slow_sparse_reads(8, 64, cuda, True)
     with pytest.warns(RuntimeWarning, match="reads 8 of 64 buckets on cuda"):
-        arm_method._warn_slow_sparse_reads(8, 64, cuda, False)
+        reader_module.warn_slow_sparse_reads(8, 64, cuda, False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        arm_method._warn_slow_sparse_reads(8, 64, cuda, False)
+        reader_module.warn_slow_sparse_reads(8, 64, cuda, False)
 
 
 def _naive_summarised_read(layer, query, key, value, valid, scaling, exact_k, exact_v, exact_valid, mask):
@@ -597,8 +601,8 @@ def _naive_summarised_read(layer, query, key, value, valid, scaling, exact_k, ex
     (``mask`` [B, Hq, T, S]), each unit it skips as the weighted mean of its slots' keys and
     values (weights exp(bias)) with the log of the weights' sum as bias, the exact entries and
     the chunk up to the query. In float64 -> [B, T, Hq, d]."""
-    slot_k, slot_v, occupied, bias = (t.double() for t in layer._slots())
-    slot_unit, num_units = layer._read_units()
+    slot_k, slot_v, occupied, bias = (t.double() for t in layer.reader.slots())
+    slot_unit, num_units = layer.reader.read_units()
     B, Hq, T, d = query.shape
     H = key.shape[1]
     slot_unit = slot_unit.reshape(B, H, -1)
@@ -645,36 +649,38 @@ def test_read_summaries_equal_a_softmax_over_the_read_slots_and_each_skipped_uni
     thin)."""
     model, layer = _layer_with_memory(dtype, {**_rank(read_rank), "read_summaries": True})
     query, key, value, valid, positions = _chunk(model, layer, dtype, T, padded=1)
-    exact = layer._exact()
+    exact = layer.exact()
     fused = []  # (which fused reads ran, with the units' entries)
     for name in ("ranked_decode_call", "fused_sparse_decode_read"):
-        real = getattr(arm_method, name)
+        real = getattr(reader_module, name)
         monkeypatch.setattr(
-            arm_method, name, lambda *a, _real=real, _name=name: fused.append((_name, a[-1] is not None)) or _real(*a)
+            reader_module,
+            name,
+            lambda *a, _real=real, _name=name: fused.append((_name, a[-1] is not None)) or _real(*a),
         )
-    real_ranked = arm_method.ranked_chunk_read
+    real_ranked = reader_module.ranked_chunk_read
     monkeypatch.setattr(
-        arm_method,
+        reader_module,
         "ranked_chunk_read",
         lambda *a, **k: fused.append(("ranked", k["fused"] is not None)) or real_ranked(*a, **k),
     )
     for m in (torch.tensor([3, 3]), torch.tensor([1, 2])):
-        layer.m, layer._route_k = m, int(m.max())
-        layer._ranked_for = None
+        layer.reader.m, layer.reader.route_k = m, int(m.max())
+        layer.reader.view().ranked = None
         with torch.no_grad():
             fused.clear()
-            read = layer._read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
+            read = layer.reader.read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
             if dtype == torch.float32 and kernels.int4_read() is not None and (T == 1 or read_rank != "tree"):
                 assert fused and all(used for _, used in fused), fused
-            masked = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
+            masked = layer.reader.masked(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
             q_pre = layer.rotary.unrotate(query, positions.unsqueeze(1))
-            occupied = layer._slots()[2]
-            mask = layer._masks_for(q_pre, layer._bucket_scores(query, 0.3), occupied, query.shape[1] // key.shape[1])[
-                0
-            ]
-            every = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
+            occupied = layer.reader.slots()[2]
+            mask = layer.reader._masks_for(
+                q_pre, layer.reader.bucket_scores(query, 0.3), occupied, query.shape[1] // key.shape[1]
+            )[0]
+            every = layer.reader.masked(query, key, value, valid, positions, 0.3, *exact, reads_all=True)
             layer.config.read_summaries = False
-            plain = layer._chunk_read(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
+            plain = layer.reader.masked(query, key, value, valid, positions, 0.3, *exact, reads_all=False)
             layer.config.read_summaries = True
         naive = _naive_summarised_read(layer, query, key, value, valid, 0.3, *exact, mask)
         assert read.dtype == dtype and read.shape == naive.shape
@@ -703,16 +709,16 @@ def test_index_summaries_kernel_equals_the_pytorch_form(overrides, laid):
     if kernel is None:
         pytest.skip("the fused kernel is not built here")
     model, layer = _layer_with_memory(torch.float32, {**overrides, "read_summaries": True, "slot_ladder": ""})
-    if laid:  # (as _bucket_index re-lays a pool whose list has drifted from its order)
-        listed = layer._bucket_index()
+    if laid:  # (as Reader.bucket_index re-lays a pool whose list has drifted from its order)
+        listed = layer.reader.bucket_index()
         layer.state = sort_by_bucket(layer.state, listed)
         order = torch.arange(listed.order.shape[1], dtype=torch.int32).expand_as(listed.order)
-        layer._index_for = (layer.state, BucketIndex(order=order, start=listed.start, size=listed.size, laid=True))
-        layer._pages_for = None
-    index = layer._page_index() or layer._bucket_index()
+        view = layer.reader.view()  # (the re-laid state's)
+        view.index = BucketIndex(order=order, start=listed.start, size=listed.size, laid=True)
+    index = layer.reader.page_index() or layer.reader.bucket_index()
     assert index.laid == laid
-    st = layer._readable()
-    bias = layer._decode_bias().reshape(-1, st.slots)
+    st = layer.reader.readable()
+    bias = layer.reader.bias().reshape(-1, st.slots)
     ref = index_summaries(st, bias, index, fused=False)
     for vectorised in (True, False):
         got = kernel.unit_summaries(
@@ -731,9 +737,9 @@ def test_index_summaries_kernel_equals_the_pytorch_form(overrides, laid):
     assert torch.isfinite(ref[2]).any() and (
         torch.isinf(ref[2]).any() or not overrides.get("read_pages")
     )  # (pages: some empty)
-    layer._summaries_for = None  # (the decode steps kept those of an earlier index)
+    layer.reader._carried = layer.reader.view().summaries = None  # (the decode steps kept those of an earlier index)
     before = layer.state_bytes()
-    kept = layer._unit_summaries(index)
+    kept = layer.reader.summaries(index)
     assert layer.state_bytes() == before + sum(t.nbytes for t in kept)
 
 
@@ -756,8 +762,8 @@ def test_summaries_carried_over_writes_equal_a_fresh_build(overrides, monkeypatc
     if kernels.int4_read() is None:
         pytest.skip("the fused kernel is not built here")
     carried = []
-    real = arm_method.carried_units
-    monkeypatch.setattr(arm_method, "carried_units", lambda *a: carried.append(r := real(*a)) or r)
+    real = reader_module.carried_units
+    monkeypatch.setattr(reader_module, "carried_units", lambda *a: carried.append(r := real(*a)) or r)
     model, layer, cache = _layer_with_memory(
         torch.float32, {**overrides, "read_summaries": True, "sync": 4}, with_cache=True
     )
@@ -766,12 +772,13 @@ def test_summaries_carried_over_writes_equal_a_fresh_build(overrides, monkeypatc
         for _ in range(40):
             out = model(ids, past_key_values=cache, use_cache=True)
             ids = out.logits[:, -1:].argmax(-1)
-            index = layer._page_index() or layer._bucket_index()
-            if layer._summaries_for is None or layer._summaries_for[0] is not index:
+            index = layer.reader.page_index() or layer.reader.bucket_index()
+            view = layer.reader.view()
+            if view.summaries is None:
                 continue
-            st = layer._readable()
-            fresh = index_summaries(st, layer._decode_bias().reshape(-1, st.slots), index)
-            for a, b in zip(layer._summaries_for[1], fresh):
+            st = layer.reader.readable()
+            fresh = index_summaries(st, layer.reader.bias().reshape(-1, st.slots), index)
+            for a, b in zip(view.summaries, fresh):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     shares = [float((c >= 0).float().mean()) for c in carried]
     assert len(shares) > 5 and max(shares) > 0.5, shares

@@ -395,14 +395,14 @@ class Session:
         """``steps`` more decode steps with the cache's attention timed apart: each layer's
         ``attend`` (the read of its state, and on the steps that write, the write) on the
         session's clock, summed over the layers; and within it, ARM's read of its memory
-        alone (``ARMLayer._decode_read`` or ``_read``: the slots, the exact entries and their
+        alone (the layer's ``reader.read``: the slots, the exact entries and their
         one softmax), without the window's update or the write. On an armkv cache only (None
         for transformers' own). Returns (the median seconds a step spends in attention, the
         median in ARM's reads or None, the share of their occupied slots that ARM's reads
         touched or None, the next token [B, 1]). The share is counted over ``steps`` steps more,
         untimed (counting costs host work a read does not do). Where ARM's reads are sparse
         (M < N_b), 2 ``steps`` steps more make each of its reads and the dense read of every
-        slot of the same state on the same inputs (``ARMLayer._decode_read``: the read a sparse
+        slot of the same state on the same inputs (``reader.dense``: the read a sparse
         one saves, of the same pool; a pool that reserves bytes for a sparse read's index and
         entries holds fewer slots than one that reads every bucket), one after the other, the
         first of the two in turn (:meth:`_paired_reads`). Returns also, last, (the median a step
@@ -424,13 +424,14 @@ class Session:
 
             return run
 
-        tallied = [layer for layer in layers if hasattr(layer, "read_tally")]  # ARM's layers
-        wrapped = [(layer, "attend", 0) for layer in layers]
-        wrapped += [(layer, name, 1) for layer in tallied for name in ("_decode_read", "_read")]
+        tallied = [layer for layer in layers if hasattr(layer, "reader")]  # ARM's layers
         paired = (None, None, None)
         positions = torch.arange(start, start + 4 * steps, device=self.device)[None]
         try:
-            with _overriding([(layer, name, timed(getattr(layer, name), k)) for layer, name, k in wrapped]):
+            with contextlib.ExitStack() as hooks:
+                hooks.enter_context(_overriding([(layer, "attend", timed(layer.attend, 0)) for layer in layers]))
+                for layer in tallied:  # (every read of the memory: the dense one, or at M < N_b the top-M one)
+                    hooks.enter_context(layer.reader.hooks(read=lambda read: timed(read, 1)))
                 rows, token = self._timed_steps(cache, token, positions[:, :steps], spent, progress)
                 per_step, read_step = [r[0] for r in rows], [r[1] for r in rows]
                 for layer in tallied:
@@ -470,9 +471,7 @@ class Session:
         dense / sparse of those medians, the next token [B, 1])."""
         spent, step = [0.0, 0.0], [0]
 
-        def paired(layer):
-            read = layer._read
-
+        def paired(layer, read):
             def run(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, *args, **kwargs):
                 if query.shape[2] != 1:  # (only decode steps pair)
                     return read(
@@ -481,19 +480,21 @@ class Session:
                 dense_first = step[0] % 2 == 1
                 if dense_first:
                     t0 = self.clock()
-                    layer._decode_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
+                    layer.reader.dense(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
                     spent[1] += self.clock() - t0
                 t0 = self.clock()
                 out = read(query, key, value, valid, positions, scaling, exact_k, exact_v, exact_valid, *args, **kwargs)
                 spent[0] += self.clock() - t0
                 if not dense_first:
-                    layer._decode_read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
+                    layer.reader.dense(query, key, value, valid, scaling, exact_k, exact_v, exact_valid)
                 return out
 
             return run
 
         rows = []
-        with _overriding([(layer, "_read", paired(layer)) for layer in layers]):
+        with contextlib.ExitStack() as hooks:
+            for layer in layers:
+                hooks.enter_context(layer.reader.hooks(read=lambda read, layer=layer: paired(layer, read)))
             for i in range(positions.shape[1]):
                 step[0] = i
                 row, token = self._timed_steps(cache, token, positions[:, i : i + 1], spent, progress)

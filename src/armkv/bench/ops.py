@@ -12,7 +12,7 @@
 - sparse read: one layer's read at M = N_b / ``--sparse-fraction`` on the default model's shape
   (3 KV heads of 3 query heads, d = 64, the shipped adapter's 64-bucket tree, k4v4 slots, a
   full pool of each ``--sparse-budgets`` budget), for each bucket ranking of ``--sparse-ranks``
-  (``read_rank``): the layer's read of the top-M buckets' slots (``ARMLayer._read``: ranking
+  (``read_rank``): the layer's read of the top-M buckets' slots (``Reader.read``: ranking
   included; for one query on a CPU fused calls of ``armkv.memory.kernels``; for a chunk the
   gathered PyTorch read, or with ``best`` and ``partial`` the ranked read that reuses its
   logits; ``partial`` on unmixed slots, as it requires; a ranking with ``-pages``, e.g.
@@ -21,8 +21,8 @@
   ``partial-pages-summaries``, reads each skipped unit as one entry, ``read_summaries``, whose
   entries a write makes once: their build is timed apart) against
   the dense read of every slot (the decode step's
-  ``ARMLayer._decode_read``) and the masked read of the whole pool at the same M
-  (``ARMLayer._chunk_read``, the sparse read's reference), for one query and for chunks of
+  ``Reader.dense``) and the masked read of the whole pool at the same M
+  (``Reader.masked``, the sparse read's reference), for one query and for chunks of
   ``--sparse-queries``; with the largest difference from the masked read. The three reads
   are timed side by side, their calls interleaved (at least 30 rounds), so that their ratios
   hold on a shared machine.
@@ -291,7 +291,7 @@ def _full_arm_layer(
     g = torch.Generator().manual_seed(seed)
     H, d = info.num_kv_heads, info.head_dim
     with torch.no_grad():
-        layer._lazy_init(torch.zeros(1, H, 1, d))
+        layer.begin(torch.zeros(1, H, 1, d), torch.ones(1, 1, dtype=torch.bool))  # (the state allocated, M decided)
         pool = layer.pool
         pool.rung = len(pool.rungs) - 1
         S = pool.rungs[-1][1]
@@ -311,7 +311,6 @@ def _full_arm_layer(
         )
         pool.state = pool.stored(state)
         pool.reach = S
-        layer._decide_m(torch.zeros(1, H, 1, d), torch.ones(1, 1, dtype=torch.bool))
     return layer, info
 
 
@@ -331,16 +330,17 @@ def bench_sparse_read(
         layer, info = _full_arm_layer(budget, fraction, read_rank=rank, page_split=page_split)
         H, Hq, d = info.num_kv_heads, info.num_heads, info.head_dim
         g = torch.Generator().manual_seed(budget)
-        exact = layer._exact()
-        st, nb, M = layer._readable(), layer.memory.router.num_buckets, layer._route_k
+        reader = layer.reader
+        exact = layer.exact()
+        st, nb, M = reader.readable(), layer.memory.router.num_buckets, reader.route_k
         t0 = time.perf_counter()
         bucket_index(st.bucket, st.count > 0, nb)
         build = time.perf_counter() - t0
         t0 = time.perf_counter()
         # the synthetic pool lies in random order: re-laid by bucket here (read_pages: then cut into pages)
-        index = layer._page_index() or layer._bucket_index()
+        index = reader.units_index()
         relay = time.perf_counter() - t0
-        width = index.width(layer._units(M))
+        width = index.width(reader.units(M))
         row = {
             "slots": layer.state.slots,
             "buckets": nb,
@@ -353,8 +353,8 @@ def bench_sparse_read(
         if (
             layer.config.read_summaries
         ):  # the units' entries, made once a write (read.index_summaries): the median of 5 builds
-            bias = layer._decode_bias().reshape(-1, layer._readable().slots)
-            row["summaries_build_ms"] = 1e3 * _time(lambda: index_summaries(layer._readable(), bias, index), 5)
+            bias = reader.bias().reshape(-1, reader.readable().slots)
+            row["summaries_build_ms"] = 1e3 * _time(lambda: index_summaries(reader.readable(), bias, index), 5)
         for T in queries:
             q = torch.randn(1, Hq, T, d, generator=g)
             k, v = torch.randn(1, H, T, d, generator=g), torch.randn(1, H, T, d, generator=g)
@@ -363,15 +363,15 @@ def bench_sparse_read(
             with torch.no_grad():
                 if T == 1:  # the width an eager CPU read gathers for this query (the fixed one serves compiled reads)
                     q_pre = layer.rotary.unrotate(q, pos.unsqueeze(1))
-                    picked = layer._group_buckets(M, q_pre, layer._bucket_scores(q, d**-0.5)).reshape(H, 1, -1)
+                    picked = reader.group_buckets(M, q_pre, reader.bucket_scores(q, d**-0.5)).reshape(H, 1, -1)
                     row["eager_width_share"] = slots_of_buckets(index, picked)[0].shape[-1] / layer.state.slots
-                sparse = lambda: layer._read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=False)  # noqa: E731
-                masked = lambda: layer._chunk_read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=False)  # noqa: E731
+                sparse = lambda: reader.read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=False)  # noqa: E731
+                masked = lambda: reader.masked(q, k, v, valid, pos, d**-0.5, *exact, reads_all=False)  # noqa: E731
                 diff = (sparse() - masked()).abs().max().item()
                 if T == 1:  # the dense read of every slot: the fused decode read
-                    dense = lambda: layer._decode_read(q, k, v, valid, d**-0.5, *exact)  # noqa: E731
+                    dense = lambda: reader.dense(q, k, v, valid, d**-0.5, *exact)  # noqa: E731
                 else:
-                    dense = lambda: layer._chunk_read(q, k, v, valid, pos, d**-0.5, *exact, reads_all=True)  # noqa: E731
+                    dense = lambda: reader.masked(q, k, v, valid, pos, d**-0.5, *exact, reads_all=True)  # noqa: E731
                 took = _time_side_by_side({"sparse": sparse, "masked": masked, "dense": dense}, repeats)
                 cell = {f"{name}_us": 1e6 * t for name, t in took.items()}
                 cell["max_abs_diff"] = diff

@@ -37,6 +37,7 @@ and ``reads.png`` (missed mass per layer, one line per setting).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -121,15 +122,15 @@ def _sparse_choices(
     from armkv.evals.read_cost import tree_taken
     from armkv.memory.read import paged_index, partial_row_count, partial_rows, slot_units, top_unit_slots
 
-    index = layer._bucket_index()  # (its first build may re-lay the pool: before the slots are read)
-    st = layer._readable()
+    index = layer.reader.bucket_index()  # (its first build may re-lay the pool: before the slots are read)
+    st = layer.reader.readable()
     if st.mixed:
         raise ArmkvError("eval reads needs unmixed slots (arm.slot_mixing=false)")
     B, Hq, _, d = query.shape
     H = key.shape[1]
     G, R, S = B * H, Hq // H, st.slots
     q = query.reshape(G, R, d).float()
-    bias = layer._decode_bias().reshape(G, 1, S).float()
+    bias = layer.reader.bias().reshape(G, 1, S).float()
     full = st.key_scores(q).float() * scaling + bias  # [G, R, S]
     exact = torch.matmul(q, exact_k.reshape(G, -1, d).float().transpose(1, 2)) * scaling
     exact = exact.masked_fill(~exact_valid.repeat_interleave(H, 0).unsqueeze(1), float("-inf"))
@@ -167,7 +168,7 @@ def read_cost(layer, setting: dict, taken, head_dim: int, m: int) -> float:
     from armkv.memory.read import partial_row_count
 
     rows = partial_row_count(setting["partial_share"], head_dim) if setting["rank"] == "partial" else 0
-    return bytes_read(layer._readable(), setting["rank"], taken, head_dim, layer.memory.router, m, rows)
+    return bytes_read(layer.reader.readable(), setting["rank"], taken, head_dim, layer.memory.router, m, rows)
 
 
 def missed_mass(
@@ -180,7 +181,7 @@ def missed_mass(
     exact_valid [B, L]; ``choices``: :func:`_sparse_choices` of the same arguments, where the
     caller has it."""
     logits, chosen = choices or _sparse_choices(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)
-    st = layer._readable()
+    st = layer.reader.readable()
     S = st.slots
     p = logits.softmax(-1)[..., :S]
     occupied = (st.count.reshape(-1, S) > 0).sum().clamp_min(1)
@@ -214,13 +215,13 @@ def output_errors(
     from armkv.memory.read import unit_summaries, units_read
 
     logits, chosen = choices or _sparse_choices(layer, query, key, valid, scaling, exact_k, exact_valid, settings, m)
-    st = layer._readable()
+    st = layer.reader.readable()
     G, R, S, d = logits.shape[0], logits.shape[1], st.slots, query.shape[-1]
     slot_k, slot_v = (t.reshape(G, S, d).float() for t in st.kv(torch.float32, unmix=False))
     values = torch.cat([slot_v, exact_v.reshape(G, -1, d).float(), value.reshape(G, 1, d).float()], 1)
     full = logits.softmax(-1) @ values  # [G, R, d]
     q = query.reshape(G, R, d).float()
-    bias = layer._decode_bias().reshape(G, S).float()
+    bias = layer.reader.bias().reshape(G, S).float()
     norm = full.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
     out, built = {}, {}
     for name, (taken, unit, num_units) in chosen.items():
@@ -271,8 +272,8 @@ def measure_sample(
     m = None
     at = {}  # the decoded token's position
 
-    def hook(i, layer):
-        read = layer._decode_read
+    def hook(i, read):
+        layer = layers[i]
 
         def run(query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused=True):
             # (the full read's logits and each setting's slots, once for both measures)
@@ -292,9 +293,9 @@ def measure_sample(
                     kept[i].append(error)
             return read(query, key, value, valid, scaling, exact_k, exact_v, exact_valid, fused)
 
-        layer._decode_read = run  # (an instance attribute over the class's method, as bench decode times it)
+        return run
 
-    with torch.inference_mode():
+    with torch.inference_mode(), contextlib.ExitStack() as hooks:
         ids = torch.tensor([context], device=model.device)
         model(
             input_ids=ids,
@@ -303,11 +304,11 @@ def measure_sample(
             use_cache=True,
         )
         num_buckets = layers[0].memory.router.num_buckets
-        if not all(layer._reads_all for layer in layers):
+        if not all(layer.reader.reads_all for layer in layers):
             raise ArmkvError("eval reads measures a cache that reads every bucket: drop the top_m / m_fixed options")
         m = max(1, num_buckets // fraction)
-        for i, layer in enumerate(layers):
-            hook(i, layer)
+        for i, layer in enumerate(layers):  # (each dense read measured, then made)
+            hooks.enter_context(layer.reader.hooks(dense=lambda read, i=i: hook(i, read)))
         for step, token in enumerate(fed):
             position = at["position"] = len(context) + step
             model(
@@ -325,7 +326,9 @@ def measure_sample(
         "m": m,
         "num_buckets": num_buckets,
         # occupied slots per KV head, mean over layers (against "tokens": how much merged)
-        "slots": sum(float((layer._readable().count > 0).sum()) / layer._readable().groups for layer in layers)
+        "slots": sum(
+            float((layer.reader.readable().count > 0).sum()) / layer.reader.readable().groups for layer in layers
+        )
         / len(layers),
         "missed": {},
     }

@@ -1,5 +1,6 @@
-"""Fused CPU kernels for ARM's decode step (``csrc/int4_read.cpp``): the read of int4 slots,
-and the two passes over the pool that a write makes.
+"""Fused CPU kernels for ARM's decode step (``csrc/``: one extension built from its sources by
+concern, listed in ``csrc/common.h``): the read of int4 slots, and the passes over the pool that
+a write makes. They are the ``cpu`` backend of the reads (``armkv.memory.reader.BACKENDS``).
 
 The decode step reads every slot of a layer: its keys against the new query, its values
 under the softmax weights. :meth:`MemoryState.key_scores` and
@@ -18,7 +19,7 @@ Where it cannot be built, a warning says why, once, and the PyTorch path serves.
 ``ARMKV_KERNELS=0`` skips it.
 
 At M < N_b (``top_m="fixed"``, or a fitted policy) the decode step reads only the slots of
-each KV head's top-M buckets (``ARMLayer._sparse_read``). With PyTorch ops that is a dozen
+each KV head's top-M buckets (``Reader.sparse``). With PyTorch ops that is a dozen
 small ops to route the query, list the buckets' slots, gather them by index from the
 channel-major codes and read the copy: at budget 2,048 they cost two thirds of reading the
 whole pool. ``arm_best_decode_read`` does it for ``read_rank="best"`` in one call: every
@@ -71,11 +72,18 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).parent / "csrc" / "int4_read.cpp"
-# the build is named by the source's hash: two versions of armkv (an upgrade, two checkouts on
-# one machine) build into their own folders of torch's extension cache and never load each
-# other's module, whose functions may take other arguments
-_NAME = "armkv_int4_read_" + hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+_CSRC = Path(__file__).parent / "csrc"
+# the sources by concern (csrc/common.h lists them), built as one extension
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
+# the build is named by the hash of every source and header: two versions of armkv (an upgrade,
+# two checkouts on one machine) build into their own folders of torch's extension cache and
+# never load each other's module, whose functions may take other arguments
+_NAME = (
+    "armkv_kernels_"
+    + hashlib.sha256(
+        b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in sorted(_CSRC.glob("*.[ch]*")))
+    ).hexdigest()[:12]
+)
 _lock = threading.Lock()
 _module = None
 _tried = False
@@ -108,7 +116,13 @@ def int4_read():
             _clear_stale_lock(build / "lock")
             if not any(build.glob(f"{_NAME}*.so")):
                 print("armkv: building the fused int4 read kernel (once per machine, about a minute)", file=sys.stderr)
-            _module = load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O3", "-std=c++17"], verbose=False)
+            _module = load(
+                name=_NAME,
+                sources=[str(p) for p in _SOURCES],
+                extra_cflags=["-O3", "-std=c++17"],
+                extra_include_paths=[str(_CSRC)],
+                verbose=False,
+            )
         except Exception as e:  # no compiler, no headers, a failed build: the PyTorch path serves
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             warnings.warn(

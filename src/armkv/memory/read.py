@@ -246,7 +246,7 @@ def ranked_chunk_read(
 ) -> torch.Tensor:
     """A chunk's read of the slots its queries' top buckets hold, with every slot's logit
     computed once: the same logits rank the buckets (``pick``) and enter the softmax. The
-    masked read (``ARMLayer._chunk_read``) scores every slot twice (once to rank, once in
+    masked read (``Reader.masked``) scores every slot twice (once to rank, once in
     SDPA) and builds a float mask of [queries, state + chunk]; this one holds the logits of
     ``block`` queries at a time.
 
@@ -559,7 +559,7 @@ def gathered_read(
     fused: bool = True,
 ) -> torch.Tensor:
     """One joint softmax over [gathered slots | exact entries | the chunk, causally]: the
-    read of ``ARMLayer._chunk_read`` with each query's slots gathered instead of masked.
+    read of ``Reader.masked`` with each query's slots gathered instead of masked.
 
     query : [B, Hq, T, d] (post-RoPE); key, value : [B, H, T, d] the chunk; valid : [B, T]
     exact_k, exact_v : [B, H, L, d] (entries holding no token zero); exact_valid : [B, L]
@@ -569,7 +569,7 @@ def gathered_read(
     -> [B, T, Hq, d]
 
     The R = Hq / H query heads of a KV head read the same gathered slots (one choice of
-    buckets per KV head, ``ARMLayer._group_buckets``). One query (T = 1) with int4 values on a CPU in float32
+    buckets per KV head, ``Reader.group_buckets``). One query (T = 1) with int4 values on a CPU in float32
     goes through the decode step's fused kernel (``armkv.memory.kernels``) unless
     ``fused=False``; the PyTorch ops below are its reference.
     """

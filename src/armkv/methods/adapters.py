@@ -203,7 +203,7 @@ def resolve_arm(info: ModelInfo, budget: int, adapter=None, arm: ARMModel | None
 INDEX_SLOT_BYTES, INDEX_BUCKET_BYTES, PAGES_BUCKET_BYTES = 4, 8, 16
 # the shared pool is re-laid bucket by bucket once its bucket order breaks in more than
 # 1 / RESORT_SHARE of its readable slots, and more than RESORT_PER_BUCKET times per bucket
-# (relay_breaks; ARMLayer._bucket_index)
+# (relay_breaks; Reader.bucket_index)
 RESORT_SHARE = 64
 RESORT_PER_BUCKET = 2
 # the fused decode read's bound call (the kernel's DecodeCall) keeps the runs of consecutive

@@ -5,7 +5,7 @@ them, for CUDA devices (and, under ``TRITON_INTERPRET=1``, on CPU tensors: how t
 check them here).
 
 :class:`DecodeCall` has the interface and the semantics of the C++ extension's
-``DecodeCall`` (``armkv.memory.kernels``, ``csrc/int4_read.cpp``), so that this module
+``DecodeCall`` (``armkv.memory.kernels``, ``csrc/decode.cpp``), so that this module
 serves where that one does: ``read._bound_call(armkv.memory.triton, kind, ...)`` binds a
 read of kind "dense", "sparse", "best" or "partial" with what stays between writes (the
 codes, scales, bias, mixing, index and the units' entries), and each call takes a step's
