@@ -182,8 +182,7 @@ class VLLMRunner:
 
     What differs from the HF path's results: a request's context and question are one prompt
     (the HF path feeds the question as a second prefill, so its chunks fall elsewhere); no
-    ``memory`` report; ``prefill_seconds`` and ``decode_seconds_per_token`` from vLLM's own
-    timestamps where it keeps them, else the request's wall time over its tokens.
+    ``memory`` report. ``prefill_seconds`` is the time to the first token, as the HF path's.
     """
 
     def __init__(
@@ -197,7 +196,7 @@ class VLLMRunner:
         self.llm = make_llm(model, max_model_len)
 
     def generate(self, requests: list[dict], max_new_tokens: int = 64, do_sample: bool = False) -> list[dict]:
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams
 
         from armkv.hf.runner import check_request
 
@@ -214,17 +213,8 @@ class VLLMRunner:
                     f"model's limit of {self.max_model_len} positions"
                 )
             self.llm.collective_rpc(_forget_memories)  # so that the layers' memories are this request's alone
-            start = time.perf_counter()
-            (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-            seconds = time.perf_counter() - start
-            tokens = list(out.outputs[0].token_ids)
+            tokens, prefill, decode = self._step(prompt, params)
             layers = self.llm.collective_rpc(_arm_peaks)[0]
-            m = out.metrics
-            if m is not None and m.first_token_ts > 0:
-                prefill = m.first_token_ts - m.scheduled_ts
-                decode = (m.last_token_ts - m.first_token_ts) / max(1, len(tokens) - 1)
-            else:
-                prefill, decode = None, seconds / max(1, len(tokens))
             results.append(
                 {
                     "id": request["id"],
@@ -237,6 +227,26 @@ class VLLMRunner:
                 }
             )
         return results
+
+    def _step(self, prompt: list[int], params) -> tuple[list[int], float, float]:
+        """One request stepped through the engine: its tokens, the seconds to its first token (the
+        prefill) and per later token."""
+        from vllm import TokensPrompt
+
+        engine = self.llm.llm_engine
+        self._requests = getattr(self, "_requests", 0) + 1
+        engine.add_request(f"armkv-{self._requests}", TokensPrompt(prompt_token_ids=prompt), params)
+        start, first, final = time.perf_counter(), None, None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if first is None and out.outputs and out.outputs[0].token_ids:
+                    first = time.perf_counter()
+                if out.finished:
+                    final = out
+        end = time.perf_counter()
+        tokens = list(final.outputs[0].token_ids)
+        first = end if first is None else first
+        return tokens, first - start, (end - first) / max(1, len(tokens) - 1)
 
     def close(self) -> None:
         """Free the engine (an eval runs one method's engine at a time)."""
