@@ -10,6 +10,9 @@ question as a second prefill (a chunk of its own); vLLM gets them as one prompt,
 chunk holds the context's tail and the question together. Each sample whose outputs differ is
 run once more on the HF path with vLLM's layout (the same token ids as one prefill): where
 that reproduces vLLM's output word for word, the difference is the chunk layout, not the engine.
+With ``--rounding``, each difference left is run once more on the HF path, as the eval runs it,
+by the model with every weight moved by one float32 rounding step: where the HF path's own
+answer moves, the sample's answer rests on rounding, which the two engines' kernels do differently.
 Prints a table and a final JSON line; writes the JSON (with the commands) to ``--output``.
 """
 
@@ -36,10 +39,15 @@ def settings(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
 
-def one_prefill_outputs(keys: list[tuple], config: dict, haystack_file: str | None) -> dict:
-    """{key: output} of the HF path with each sample fed as one prefill (vLLM's layout)."""
+def one_prefill_outputs(keys: list[tuple], config: dict, haystack_file: str | None, rounding: bool = False) -> dict:
+    """{key: output} of the HF path with each sample fed as one prefill (vLLM's layout); with
+    ``rounding``, fed as the eval feeds it (two prefills) by the model with every weight moved by
+    at most one float32 rounding step (x (1 + k 2^-23), k in {-1, 0, 1}, seeded): how far the
+    sample's answer depends on rounding, which two engines' kernels do differently."""
     if not keys:
         return {}
+    import torch
+
     from armkv.evals import ruler
     from armkv.hf.model import load_model
     from armkv.hf.runner import Runner
@@ -47,6 +55,11 @@ def one_prefill_outputs(keys: list[tuple], config: dict, haystack_file: str | No
     from armkv.tools.vllm_engine import encode
 
     model, tokenizer = load_model(None if config["model"] == "default" else config["model"])
+    if rounding:
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + 2.0**-23 * torch.randint(-1, 2, p.shape, generator=g).to(p.dtype))
     words = ruler.load_essay(haystack_file) if haystack_file else None
     override = None if config["haystack"] == "task" else config["haystack"]
     generator = ruler.RulerGenerator(tokenizer, config["seed"], words, None, haystack=override)
@@ -58,8 +71,11 @@ def one_prefill_outputs(keys: list[tuple], config: dict, haystack_file: str | No
         options = dict(config["options"].get(label, {}))
         budget = config["budget"] if get_method(label).bounded else None
         runner = Runner(model, tokenizer, label, budget=budget, chunk=config["chunk"], **options)
-        ids = encode(tokenizer, sample, config["chat"])
         limit = min(ruler.tokens_to_generate(task), config.get("max_new_tokens") or 10**9)
+        if rounding:
+            out[key] = runner.generate([sample], max_new_tokens=limit)[0]["output"]
+            continue
+        ids = encode(tokenizer, sample, config["chat"])
         tokens, _, _ = runner.generate_ids([ids], limit)
         out[key] = tokenizer.decode(tokens, skip_special_tokens=True)
     return out
@@ -69,6 +85,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", nargs=3, action="append", required=True, metavar=("NAME", "HF_DIR", "VLLM_DIR"))
     p.add_argument("--haystack-file", default=None, help="the prose haystack the essay folders were made with")
+    p.add_argument(
+        "--rounding",
+        action="store_true",
+        help="re-run each difference the chunk layout does not explain on the HF path with weights moved by one "
+        "float32 rounding step, to see whether the sample's answer rests on rounding",
+    )
+    p.add_argument(
+        "--no-rerun", dest="rerun", action="store_false", help="compare only: re-run no difference on the HF path"
+    )
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--command", action="append", default=[], help="a command that made the folders (kept in the JSON)")
     args = p.parse_args()
@@ -84,7 +109,10 @@ def main() -> int:
         hf, vl = logs(hf_dir), logs(vllm_dir)
         both = sorted(set(hf) & set(vl))
         differ = [k for k in both if hf[k]["output"] != vl[k]["output"]]
-        rerun = one_prefill_outputs(differ, a, args.haystack_file if a["haystack"] == "essay" else None)
+        words = args.haystack_file if a["haystack"] == "essay" else None
+        rerun = one_prefill_outputs(differ, a, words) if args.rerun else {}
+        left = [k for k in differ if k in rerun and rerun[k] != vl[k]["output"]]
+        rounded = one_prefill_outputs(left, a, words, rounding=True) if args.rounding else {}
         for key in both:
             label, task, length, sample_id = key
             row = {
@@ -104,11 +132,17 @@ def main() -> int:
             if key in rerun:
                 row["output_hf_one_prefill"] = rerun[key]
                 row["explained_by_chunk_layout"] = rerun[key] == vl[key]["output"]
+            if key in rounded:
+                row["output_hf_rounding_moved"] = rounded[key]
+                row["hf_answer_moves_with_rounding"] = rounded[key] != hf[key]["output"]
             rows.append(row)
             cell = cells.setdefault(f"{name} {label} {length}", {"samples": 0, "equal": 0, "explained": 0})
             cell["samples"] += 1
             cell["equal"] += row["equal"]
             cell["explained"] += bool(row.get("explained_by_chunk_layout"))
+            cell["moves_with_rounding"] = cell.get("moves_with_rounding", 0) + bool(
+                row.get("hf_answer_moves_with_rounding")
+            )
             cell.setdefault("score_hf", []).append(row["score_hf"])
             cell.setdefault("score_vllm", []).append(row["score_vllm"])
         settings_of = a
@@ -125,6 +159,7 @@ def main() -> int:
         "samples": len(rows),
         "equal": sum(r["equal"] for r in rows),
         "explained": sum(bool(r.get("explained_by_chunk_layout")) for r in rows),
+        "hf_answer_moves_with_rounding": sum(bool(r.get("hf_answer_moves_with_rounding")) for r in rows),
         "unexplained": sum(not r["equal"] and not r.get("explained_by_chunk_layout") for r in rows),
     }
     result = {
