@@ -124,3 +124,48 @@ def test_engine_vllm_without_vllm_names_the_command():
         assert vllm_engine.VLLM_ENV_COMMAND in str(e.value) and "\n" not in str(e.value)
     else:
         vllm_engine.require_vllm()
+
+
+def _has_vllm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--methods", "full,kivi"], "--engine vllm serves the methods arm, fifo, full, not 'kivi'"),
+        (["--methods", "arm", "--compile"], "--compile is the HF path's"),
+    ],
+)
+def test_eval_ruler_engine_vllm_refuses_what_it_does_not_run(tmp_path, capsys, extra, message):
+    from armkv.cli import main
+
+    out = tmp_path / "out"
+    assert main(["eval", "ruler", "--engine", "vllm", "--lengths", "1k", "--output", str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not out.exists()
+
+
+@pytest.mark.skipif(_has_vllm(), reason="vLLM is installed here")
+def test_eval_ruler_engine_vllm_without_vllm_names_the_command(tmp_path, capsys):
+    from armkv.cli import main
+    from armkv.tools.vllm_engine import VLLM_ENV_COMMAND
+
+    out = tmp_path / "out"
+    assert main(["eval", "ruler", "--engine", "vllm", "--methods", "full,arm", "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and VLLM_ENV_COMMAND in err[0] and "armkv eval ruler --engine vllm" in err[0], err
+    assert not out.exists()
+
+
+def test_eval_ruler_engine_is_an_option_with_hf_the_default():
+    from armkv.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["eval", "ruler", "--output", "o"]).engine == "hf"
+    assert parser.parse_args(["eval", "ruler", "--output", "o", "--engine", "vllm"]).engine == "vllm"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["eval", "ruler", "--output", "o", "--engine", "sglang"])

@@ -1,6 +1,11 @@
 """Run prompts through vLLM in a fresh process (every vLLM process loads the plugins anew):
 ``python engine_run.py JOB.json`` prints one JSON line: each prompt's greedy tokens, and, for
-the plugin's model, each request's peak bytes per layer (``ARMKV_VLLM`` from the job)."""
+the plugin's model, each request's peak bytes per layer (``ARMKV_VLLM`` from the job).
+
+A job ``{"jobs": [job, ...]}`` runs its jobs one engine after the other in this one process
+(saving vLLM's import, most of a run's time on a tiny model) and prints their results as a
+list. vLLM maps architectures to classes once a process, so its jobs are either all plain
+vLLM (no ``arm``) or all through the plugin (``arm`` set, its method and budget free)."""
 
 from __future__ import annotations
 
@@ -68,8 +73,10 @@ def preempted_run(llm, prompts, params, preempt_at: list[int], TokensPrompt) -> 
     return [done[str(i)] for i in range(len(prompts))]
 
 
-def main(job_path: str) -> None:
-    job = json.loads(Path(job_path).read_text())
+def run_job(job: dict) -> dict:
+    """One engine for ``job``, its prompts' greedy tokens and ARM peaks; the engine is freed after."""
+    import gc
+
     if job.get("arm") is None:
         os.environ.pop("ARMKV_VLLM", None)
     else:
@@ -97,6 +104,19 @@ def main(job_path: str) -> None:
         result = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
     result["peaks"] = llm.collective_rpc(arm_peaks)[0] if job.get("arm") else {}
     result["blocks"] = llm.collective_rpc(arm_blocks)[0] if job.get("arm") else {}
+    del llm
+    gc.collect()
+    return result
+
+
+def main(job_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    if "jobs" in job:
+        if len({j.get("arm") is None for j in job["jobs"]}) > 1:
+            raise SystemExit("engine_run.py: a process runs either plain vLLM or the plugin, not both")
+        result = [run_job(j) for j in job["jobs"]]
+    else:
+        result = run_job(job)
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -1,6 +1,7 @@
 """armkv's HF path on the tiny model (run by the main environment's Python, whose transformers
 armkv supports): ``python hf_reference.py JOB.json`` prints each prompt's greedy tokens with
-the job's method and budget: the prompt in one call (chunks of P inside), then one token a call."""
+the job's method and budget: the prompt in one call (chunks of P inside), then one token a call.
+A job ``{"jobs": [job, ...]}`` runs each in turn and prints their results as a list."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ from pathlib import Path
 import torch
 
 
-def main(job_path: str) -> None:
+def run_job(job: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from armkv.hf import make_cache
 
-    job = json.loads(Path(job_path).read_text())
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32, local_files_only=True).eval()
     out = []
     for prompt in job["prompts"]:
@@ -30,7 +30,13 @@ def main(job_path: str) -> None:
                 new.append(token)
                 ids = torch.tensor([[token]])
         out.append(new)
-    print("RESULT " + json.dumps({"tokens": out}), flush=True)
+    return {"tokens": out}
+
+
+def main(job_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    result = [run_job(j) for j in job["jobs"]] if "jobs" in job else run_job(job)
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -155,6 +155,15 @@ def load(args, settings: dict | None = None):
     under them (:func:`check_settings` writes them once the model is loaded)."""
     from armkv.hf.attach import model_info
     from armkv.hf.model import load_model
+
+    check_args(args, settings)
+    model, tokenizer = load_model(args.model)
+    return model, tokenizer, model_info(model)
+
+
+def check_args(args, settings: dict | None = None) -> None:
+    """:func:`load`'s checks, which need no model: the output folder (and, where ``settings`` are
+    given, that its samples were made under them), the model folder, the budget, each method's options."""
     from armkv.tools.preflight import (
         check_budget,
         check_method,
@@ -173,8 +182,6 @@ def load(args, settings: dict | None = None):
         options = method_options(args)
         for method in parse_list(args.methods, "methods"):
             check_method(method, resolve_budget(method, args.budget), args.chunk, options.get(method, {}), args.model)
-    model, tokenizer = load_model(args.model)
-    return model, tokenizer, model_info(model)
 
 
 def runner_factory(

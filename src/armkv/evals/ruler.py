@@ -933,6 +933,13 @@ def add_arguments(parser) -> None:
         help="cap on generated tokens (default: RULER's per task, 30 to 128)",
     )
     common.add_common_arguments(parser, methods="full,swa,sink,kivi,arm", samples=25)
+    parser.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="hf: armkv's own loop over transformers; vllm: the same samples through vLLM with armkv's plugin "
+        "(methods arm, fifo, full; run from vLLM's environment, docs/serving.md) (default: %(default)s)",
+    )
 
 
 def parse_tasks(text: str) -> list[str]:
@@ -945,7 +952,8 @@ def parse_tasks(text: str) -> list[str]:
 
 def prepare(args, tasks: list[str], settings: dict | None = None):
     """Check the tasks' data and lengths (and, where given, the output folder's ``settings``),
-    then load the model: ``(generator, lengths, depths, info, model, tokenizer)``."""
+    then load the model: ``(generator, lengths, depths, info, model, tokenizer)``; with
+    ``--engine vllm`` the model is its folder (vLLM loads it)."""
     lengths = common.parse_list(args.lengths, "lengths", common.parse_length)
     depths = common.parse_list(args.depths, "depths", float) or None
     if args.samples < 1:
@@ -957,7 +965,18 @@ def prepare(args, tasks: list[str], settings: dict | None = None):
     for task in tasks:
         unchecked.check(task)
     check_lengths(lengths, None)
-    model, tokenizer, info = common.load(args, settings)
+    if getattr(args, "engine", "hf") == "vllm":  # vLLM loads the model: here only its tokenizer and shape
+        from transformers import AutoTokenizer
+
+        from armkv.tools.preflight import model_info_from_config
+        from armkv.tools.vllm_engine import model_folder
+
+        common.check_args(args, settings)
+        folder = model_folder(args.model)
+        model, tokenizer = folder, AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        info, _ = model_info_from_config(folder)
+    else:
+        model, tokenizer, info = common.load(args, settings)
     extra = chat_template_tokens(tokenizer) if args.chat else 0
     generator = RulerGenerator(tokenizer, args.seed, haystack, qa, extra, haystack=override)
     return generator, lengths, depths, info, model, tokenizer
@@ -972,14 +991,32 @@ def chat_template_tokens(tokenizer) -> int:
 def main(args) -> int:
     tasks = parse_tasks(args.tasks)
     rows = common.method_rows(args.methods, common.method_options(args))
+    extra = {"engine": "vllm"} if args.engine == "vllm" else {}  # (a folder's samples come from one engine)
+    if args.engine == "vllm":
+        from armkv.tools.vllm_engine import check_served, require_vllm
+
+        check_served([row.method for row in rows], args.compile)
+        require_vllm("eval ruler")
     settings = common.settings_of(
         args,
         "ruler",
         depths=common.parse_list(args.depths, "depths", float) or None,
         max_new_tokens=args.max_new_tokens,
         haystack=(None if getattr(args, "haystack", "task") == "task" else args.haystack) or "task",
+        **extra,
     )
     generator, lengths, depths, info, model, tokenizer = prepare(args, tasks, settings)
+    if args.engine == "vllm":
+        from armkv.tools import vllm_engine
+
+        # the engine takes what the model takes, as the HF path does (each request is checked against it)
+        factory = vllm_engine.runner_factory(
+            model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat, max_model_len=info.max_positions
+        )
+    else:
+        factory = common.runner_factory(
+            model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat, compile=args.compile
+        )
     evaluate(
         generator,
         rows,
@@ -987,9 +1024,7 @@ def main(args) -> int:
         lengths,
         args.samples,
         args.output,
-        common.runner_factory(
-            model, tokenizer, budget=args.budget, chunk=args.chunk, chat=args.chat, compile=args.compile
-        ),
+        factory,
         settings=settings,
         depths=depths,
         max_new_tokens=args.max_new_tokens,

@@ -1,4 +1,4 @@
-"""ARM inside vLLM: a ``vllm.general_plugins`` plugin that gives vLLM's Llama models armkv's
+"""ARM inside vLLM: a ``vllm.general_plugins`` plugin that gives vLLM's Llama-family models armkv's
 fixed-size memory per request (``docs/serving.md``).
 
 The one setting is the environment variable ``ARMKV_VLLM`` (:mod:`armkv.vllm.settings`), a
@@ -7,7 +7,8 @@ JSON object with the options ``armkv generate`` takes::
     ARMKV_VLLM='{"method": "arm", "budget": 1024}' vllm serve MODEL --no-enable-prefix-caching
 
 Unset, the plugin changes nothing. Set, every process vLLM starts (the plugin runs in each)
-maps the Llama architectures (``LlamaForCausalLM``: Llama 2/3, SmolLM2) to ARM variants whose
+maps the Llama-family architectures (:data:`ARCHITECTURES`: Llama 2/3, SmolLM2, Qwen2, Qwen3,
+Mistral) to ARM variants whose
 attention layers keep, per request, one fixed state of ``budget`` token-equivalents per layer
 inside the block vLLM allocates for the request (``ARMStateSpec``, a ``MambaSpec``: one block
 per request for its whole life, holding every layer's state) and attend through armkv's own
@@ -21,7 +22,12 @@ from armkv.errors import ArmkvError
 from armkv.vllm.settings import ENV, Settings, settings_from_env
 
 # The architectures the plugin serves, and the ARM variant registered for each.
-ARCHITECTURES = {"LlamaForCausalLM": "armkv.vllm.model:ARMLlamaForCausalLM"}
+ARCHITECTURES = {
+    "LlamaForCausalLM": "armkv.vllm.model:ARMLlamaForCausalLM",
+    "Qwen2ForCausalLM": "armkv.vllm.model:ARMQwen2ForCausalLM",
+    "Qwen3ForCausalLM": "armkv.vllm.model:ARMQwen3ForCausalLM",
+    "MistralForCausalLM": "armkv.vllm.model:ARMMistralForCausalLM",
+}
 
 _registered = False
 

