@@ -34,6 +34,45 @@ RUNS = {
     for haystack in ("noise", "prose")
 }
 BYTES = {512: 786_432, 1024: 1_572_864}
+DECODE = (
+    "armkv bench decode --methods arm --budget 4096 --lengths 4096 --gen-lengths 4 --repeats 16 --warmup 2 "
+    "--threads 1 --clock process --prompt-file heldout.txt --option arm.slot_mixing=false --option arm.top_m=fixed "
+    "--option arm.m_fixed=1/8"
+)
+DECODE_RUNS = {  # the decode read's cost: name -> (folder, command); the tree's run first, then partial's
+    "trained tree (--read-cost 1), M = 8": (
+        "runs/bench-tree",
+        f"{DECODE} --option arm.read_rank=tree --adapter runs/router-rc1/adapter --output bench-tree",
+    ),
+    "partial, pages, M = 8": (
+        "runs/bench-partial",
+        f"{DECODE} --option arm.read_rank=partial --option arm.read_pages=true --output bench-partial",
+    ),
+}
+FIELDS = ("read_ms_per_token", "paired_read_ms_per_token", "dense_read_ms_per_token", "read_share", "cache_bytes")
+
+
+def decode() -> None:
+    """docs/results/router_decode.json from the two bench decode runs (when both are there)."""
+    runs = {}
+    for name, (folder, command) in DECODE_RUNS.items():
+        path = ROOT / folder / "results.json"
+        if not path.is_file():
+            return
+        result = json.loads(path.read_text())
+        runs[name] = {"command": command, **{f: result[f]["arm"]["4096"] for f in FIELDS}}
+    tree, partial = runs.values()
+    doc = {
+        "setting": "whole-model decode, default model fp32, one thread, process clock, budget 4,096 (6,291,456 "
+        "bytes a layer), a 4k prompt of held-out prose (python -m armkv.train.data heldout heldout.txt), unmixed "
+        "slots, M = 8 of 64; the two runs one after the other on a 2-core CPU shared with four other jobs. "
+        "read_ms_per_token: ARM's reads of its memory, summed over the 30 layers; paired / dense: the same steps' "
+        "read and a dense read of every bucket timed beside it; read_share: occupied slots the reads touched.",
+        "runs": runs,
+        "ratio_read_ms_partial_over_tree": partial["read_ms_per_token"] / tree["read_ms_per_token"],
+    }
+    (ROOT / "docs/results/router_decode.json").write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps({"ratio_read_ms_partial_over_tree": doc["ratio_read_ms_partial_over_tree"]}))
 
 
 def main() -> None:
@@ -99,6 +138,7 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(ROOT / "docs/router_reads.png", dpi=120)
     print(json.dumps({n: {s: round(v["mean"], 4) for s, v in r["settings"].items()} for n, r in out.items()}))
+    decode()
 
 
 if __name__ == "__main__":
