@@ -6,11 +6,15 @@ between, on the signal a router run wrote (OUT/signal.safetensors), layer by lay
   trains;
 - key and query maps of one tree: the k-means tree files the keys as before, and queries
   are routed through a per-KV-head d x d query map A (from the identity, ``W_p A`` at each
-  node) trained with the read biases on the same loss.
+  node) trained with the read biases on the same loss;
+- and, with ``--read-costs`` / ``--alphas``, the one tree trained with the read-cost term
+  (``--read-cost`` of the run: the read's expected share of the pool in the loss) or the
+  balance loss at each weight given.
 
 Both start from ``--adapter`` (the shipped k-means adapter by default) and are scored on
 the run's held-out sequences: the share of the dense read's attention a tree read at
-M = N_b / 8 misses, and that of the M heaviest buckets (before any merging).
+M = N_b / 8 misses, that of the M heaviest buckets, and the share of the pool's keys the
+tree read takes (before any merging).
 
     python scripts/router_variants.py --signal runs/router/signal.safetensors --layers 5,18,23
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 
@@ -68,6 +73,11 @@ def main() -> None:
     p.add_argument("--layers", default="5,18,23", help="layers to compare (default: %(default)s)")
     p.add_argument("--adapter", default=None, help="the tree to start from (default: the shipped adapter)")
     p.add_argument("--steps", type=int, default=RouterTrainConfig.steps)
+    p.add_argument(
+        "--read-costs", default="", help="weights of the read-cost term to train the one tree at, e.g. 0.3,1"
+    )
+    p.add_argument("--alphas", default="", help="weights of the balance loss to train the one tree at, e.g. 0.1,1")
+    p.add_argument("--no-query-map", action="store_true", help="leave out the key and query maps")
     args = p.parse_args()
     t = load_file(args.signal)
 
@@ -80,20 +90,29 @@ def main() -> None:
     rotary = model_rotary(model)
     arm = ARMModel.load(_adapter_folder(model, args.adapter))
     cfg = RouterTrainConfig(steps=args.steps)
+    costs = [float(x) for x in args.read_costs.split(",") if x]
+    alphas = [float(x) for x in args.alphas.split(",") if x]
+    variants = {"one_tree": cfg}
+    variants.update({f"one_tree read_cost {w:g}": dataclasses.replace(cfg, read_cost=w) for w in costs})
+    variants.update({f"one_tree alpha {a:g}": dataclasses.replace(cfg, alpha=a) for a in alphas})
     rows = []
     for layer in (int(x) for x in args.layers.split(",")):
         router = arm.layers[layer].router
-        kmeans = evaluate(router, router, held, layer, rotary, cfg)
-        query_map = evaluate(router, train_query_map(router, train, layer, rotary, cfg), held, layer, rotary, cfg)
-        shared = copy.deepcopy(router)
-        train_layer(shared, train, layer, rotary, cfg)
-        one_tree = evaluate(shared, shared, held, layer, rotary, cfg)
-        rows.append({"layer": layer, "kmeans": kmeans, "one_tree": one_tree, "query_map": query_map})
+        row = {"layer": layer, "kmeans": evaluate(router, router, held, layer, rotary, cfg)}
+        if not args.no_query_map:
+            read = train_query_map(router, train, layer, rotary, cfg)
+            row["query_map"] = evaluate(router, read, held, layer, rotary, cfg)
+        for name, variant in variants.items():
+            shared = copy.deepcopy(router)
+            train_layer(shared, train, layer, rotary, variant)
+            row[name] = evaluate(shared, shared, held, layer, rotary, cfg)
+        rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
     means = {
         f"{k} {field}": sum(r[k][field] for r in rows) / len(rows)
-        for k in ("kmeans", "one_tree", "query_map")
-        for field in ("missed", "oracle")
+        for k in rows[0]
+        if k != "layer"
+        for field in ("missed", "oracle", "read_share")
     }
     print(json.dumps({"layers": [r["layer"] for r in rows], "steps": cfg.steps, **means}))
 

@@ -12,7 +12,7 @@ from armkv.hf.attach import model_rotary
 from armkv.memory.kmeans import init_router_from_keys
 from armkv.memory.route import Router
 from armkv.train.arm import new_arm
-from armkv.train.router import RouterTrainConfig, evaluate, read_loss, train_layer
+from armkv.train.router import RouterTrainConfig, evaluate, pool_fill, read_cost_loss, read_loss, train_layer
 from armkv.train.router_signal import bucket_mass, collect_qk, grouped, missed_mass
 from conftest import tiny_model
 
@@ -136,6 +136,53 @@ def test_training_a_layer_lowers_what_its_tree_read_misses_and_is_seeded():
     for a, b in zip(router.parameters(), again.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert evaluate(router, router, held, 1, rotary, cfg)["missed"] >= 0
+
+
+def test_pool_fill_counts_each_buckets_pool_keys_at_each_query():
+    model = tiny_model("llama")
+    train, _ = _signal(model, T=96, n=12, sequences=2)
+    cfg = RouterTrainConfig(sinks=3, window=8)
+    router = Router(2, 16, depth=2, branching=3)
+    init_router_from_keys(router, torch.cat([s.k[1] for s in train], 1))
+    got = pool_fill(router, train, 1, cfg)
+    want = []
+    for s in train:  # by hand: each query's pool keys, counted bucket by bucket
+        buckets = router.route_writes(s.k[1][None])[0]
+        for t in s.qpos.tolist():
+            row = torch.zeros(2, 9)
+            for h in range(2):
+                for j in range(cfg.sinks, t - cfg.window + 1):
+                    row[h, buckets[h, j]] += 1
+            want.append(row / row.sum(-1, keepdim=True))
+    torch.testing.assert_close(got, torch.stack(want, 1))
+    # the cost term: 1 for a uniform read, the fill of the chosen bucket for a certain one
+    x = torch.randn(1, 2, 3, got.shape[1], 16)
+    with torch.no_grad():
+        router.weight.zero_()
+        router.read_bias.zero_()
+    torch.testing.assert_close(read_cost_loss(router, x, got), torch.tensor(1.0))
+
+
+def test_the_read_cost_term_moves_the_read_off_the_full_buckets():
+    model = tiny_model("llama")
+    train, _ = _signal(model, T=128, n=48, sequences=3)
+    rotary = model_rotary(model)
+    costs = []
+    for weight in (0.0, 4.0):  # (no re-filing: the fill the term sees stays the same)
+        cfg = RouterTrainConfig(
+            steps=30, batch_queries=64, batch_keys=128, refile_every=100, fraction=4, window=8, read_cost=weight
+        )
+        router = Router(2, 16, depth=2, branching=4)
+        init_router_from_keys(router, torch.cat([s.k[1] for s in train], 1))
+        fill = pool_fill(router, train, 1, cfg)
+        x = grouped(torch.cat([s.q[1] for s in train], 1), 2)
+        with torch.no_grad():
+            before = float(read_cost_loss(router, x, fill))
+        log = train_layer(router, train, 1, rotary, cfg)
+        assert len(log["read_cost"]) == (30 if weight else 0)
+        with torch.no_grad():
+            costs.append(float(read_cost_loss(router, x, fill)))
+    assert costs[1] < before and costs[1] < costs[0]
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,7 @@ class RouterTrainConfig:
     batch_keys: int = 2048  # keys per KV head and step in the balance loss
     alpha: float = 0.01  # weight of the balance loss
     refile_every: int = 25  # steps between re-filings of the keys under the tree being trained
+    read_cost: float = 0.0  # weight of the read's expected share of the pool (N_b sum_b P(b | q) fill_b; 1: balanced)
     fraction: int = 8  # the held-out read's M = N_b / fraction
     sinks: int = 4  # the keys ARM holds exactly (never in the pool, never missed)
     window: int = 48
@@ -83,15 +84,49 @@ def layer_masses(
     return grouped(torch.cat(qs, 1), H), torch.cat(masses, 2)
 
 
+def pool_fill(router: Router, samples: list[QKSample], layer: int, cfg: RouterTrainConfig) -> torch.Tensor:
+    """The share of the pool's keys in each bucket when each query reads, [H, N, N_b] over all
+    samples (the pool at a query at t: the keys at sinks..t - window, filed by ``router``'s
+    write routing): what a read of bucket b takes of the pool, before any merging."""
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            k = s.k[layer].float()
+            buckets = router.route_writes(k[None].to(router.weight.dtype))[0].long()  # [H, T]
+            H, T = buckets.shape
+            onehot = torch.zeros(H, T, router.num_buckets).scatter_(-1, buckets[..., None], 1.0)
+            onehot[:, : cfg.sinks] = 0
+            upto = onehot.cumsum(1)  # [H, T, N_b]: keys at positions <= p
+            last = (s.qpos - cfg.window).clamp_min(0)
+            counts = upto[:, last]  # [H, N, N_b]
+            out.append(counts / counts.sum(-1, keepdim=True).clamp_min(1))
+    return torch.cat(out, 1)
+
+
+def group_log_probs(router: Router, x: torch.Tensor) -> torch.Tensor:
+    """The group read distribution over buckets, log P(b | q) [H, N, N_b]: the mean of the R
+    query heads' path probabilities (the ranking of ``Router.group_topm_buckets``).
+    x : [1, H, R, N, d] pre-RoPE queries."""
+    _, H, R, N, d = x.shape
+    logp = router.leaf_scores(x.reshape(1, H, R * N, d), read=True).view(H, R, N, -1)
+    return torch.logsumexp(logp, 1) - math.log(R)
+
+
 def read_loss(router: Router, x: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of the group read distribution against the group's bucket mass.
 
     x : [1, H, R, N, d] pre-RoPE queries; mass : [H, R, N, N_b] -> scalar (per unit of mass)"""
-    _, H, R, N, d = x.shape
-    logp = router.leaf_scores(x.reshape(1, H, R * N, d), read=True).view(H, R, N, -1)
-    group = torch.logsumexp(logp, 1) - math.log(R)  # [H, N, N_b]
     target = mass.sum(1)  # [H, N, N_b]
-    return -(target * group).sum() / target.sum().clamp_min(1e-12)
+    return -(target * group_log_probs(router, x)).sum() / target.sum().clamp_min(1e-12)
+
+
+def read_cost_loss(router: Router, x: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """The read's expected share of the pool, N_b * E_q[sum_b P(b | q) fill_b] (1 for a
+    read that does not prefer full buckets over a balanced tree): what a top-M read costs
+    grows with the fill of the buckets it ranks first, and the mass loss alone is lowest
+    on the fullest buckets (they hold the most attention). fill : [H, N, N_b] (:func:`pool_fill`)."""
+    p = group_log_probs(router, x).exp()
+    return (p * fill).sum(-1).mean() * fill.shape[-1]
 
 
 @torch.no_grad()
@@ -106,8 +141,11 @@ def evaluate(
     m = max(1, write_router.num_buckets // cfg.fraction)
     got = missed_mass(read_router, q, mass, m)
     got_loss = float(read_loss(read_router, x, mass))
+    fill = pool_fill(write_router, samples, layer, cfg)  # [H, N, N_b]
+    chosen = read_router.group_topm_buckets(x.to(read_router.weight.dtype), m)[0][0]  # [H, N, m]
     return {
         "missed": float(got["tree"].mean()),
+        "read_share": float(fill.gather(-1, chosen.long()).sum(-1).mean()),
         "oracle": float(got["oracle"].mean()),
         "pool": float(got["pool"].mean()),
         "ce": got_loss,
@@ -127,11 +165,12 @@ def train_layer(router: Router, samples: list[QKSample], layer: int, rotary: Rot
         p.requires_grad_(True)
     optimizer = torch.optim.Adam(params, lr=cfg.lr * scale)
     base = [cfg.lr * scale, cfg.lr * scale * 0.1]
-    x = mass = None
-    log = {"ce": [], "balance": []}
+    x = mass = fill = None
+    log = {"ce": [], "balance": [], "read_cost": []}
     for step in range(cfg.steps):
         if step % cfg.refile_every == 0:
             x, mass = layer_masses(router, samples, layer, rotary, cfg)
+            fill = pool_fill(router, samples, layer, cfg) if cfg.read_cost else None
         lr = base[1] + 0.5 * (base[0] - base[1]) * (1 + math.cos(math.pi * step / max(1, cfg.steps)))
         lr *= min(1.0, (step + 1) / WARMUP)
         for group in optimizer.param_groups:
@@ -140,6 +179,10 @@ def train_layer(router: Router, samples: list[QKSample], layer: int, rotary: Rot
         pick = torch.randperm(N, generator=g)[: cfg.batch_queries]
         ce = read_loss(router, x[:, :, :, pick], mass[:, :, pick])
         loss = ce
+        if cfg.read_cost:
+            cost = read_cost_loss(router, x[:, :, :, pick], fill[:, pick])
+            loss = loss + cfg.read_cost * cost
+            log["read_cost"].append(float(cost.detach()))
         if cfg.alpha:
             kpick = torch.randperm(keys.shape[1], generator=g)[: cfg.batch_keys]
             balance = router.balance_loss(keys[None, :, kpick])
@@ -171,8 +214,8 @@ def check_config(cfg: RouterTrainConfig) -> None:
             "--router-steps must be >= 0, --batch-queries, --batch-keys and --refile-every >= 1 "
             f"(got {cfg.steps}, {cfg.batch_queries}, {cfg.batch_keys}, {cfg.refile_every})"
         )
-    if cfg.fraction < 1 or cfg.lr <= 0 or cfg.alpha < 0:
-        raise ArmkvError("--fraction must be >= 1, --lr > 0 and --alpha >= 0")
+    if cfg.fraction < 1 or cfg.lr <= 0 or cfg.alpha < 0 or cfg.read_cost < 0:
+        raise ArmkvError("--fraction must be >= 1, --router-lr > 0, --alpha >= 0 and --read-cost >= 0")
 
 
 SIGNAL_FILE = "signal.safetensors"
@@ -200,6 +243,12 @@ def add_arguments(group) -> None:
         "--refile-every", type=int, default=d.refile_every, help="router: steps between re-filings of the keys"
     )
     group.add_argument("--fraction", type=int, default=d.fraction, help="router: the held-out read's M = N_b / this")
+    group.add_argument(
+        "--read-cost",
+        type=float,
+        default=d.read_cost,
+        help="router: weight of the read's expected share of the pool in the loss (0: off)",
+    )
 
 
 def config_from_args(args) -> RouterTrainConfig:
@@ -209,6 +258,7 @@ def config_from_args(args) -> RouterTrainConfig:
         alpha=args.alpha,
         refile_every=args.refile_every,
         fraction=args.fraction,
+        read_cost=args.read_cost,
         seed=args.seed,
     )
     check_config(cfg)
@@ -368,6 +418,7 @@ def main(args, model, tokenizer) -> int:
                 "ce_first": log["ce"][:1],
                 "ce_last": log["ce"][-1:],
                 "balance_last": log["balance"][-1:],
+                "read_cost_last": log["read_cost"][-1:],
             }
         )
         bar.set_postfix(missed=f"{before['missed']:.3f}->{after['missed']:.3f}")
@@ -393,6 +444,8 @@ def main(args, model, tokenizer) -> int:
         "missed_trained": mean("after", "missed"),
         "oracle_kmeans": mean("before", "oracle"),
         "oracle_trained": mean("after", "oracle"),
+        "read_share_kmeans": mean("before", "read_share"),
+        "read_share_trained": mean("after", "read_share"),
         "pool": mean("after", "pool"),
     }
     arm.config = dataclasses.replace(arm.config, meta={**arm.config.meta, "router": "trained"})
