@@ -161,6 +161,7 @@ def main() -> None:
     p.add_argument(
         "--plot", default=None, metavar="JSON", help="only draw the plot of a result JSON (needs matplotlib)"
     )
+    p.add_argument("--figure", default=None, metavar="PNG", help="where the plot goes (default: beside the JSON)")
     p.add_argument("--kv-bytes", type=int, default=0, help=argparse.SUPPRESS)  # (the child's pool)
     p.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # (the child process's setting)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -168,7 +169,7 @@ def main() -> None:
     if args.child:
         return one_engine(args)
     if args.plot:
-        out = os.path.splitext(args.plot)[0] + ".png"
+        out = args.figure or os.path.splitext(args.plot)[0] + ".png"
         plot(json.load(open(args.plot)), out)
         return print(f"bench_vllm: wrote {out}")
     config = json.load(open(os.path.join(args.model, "config.json")))
@@ -250,7 +251,7 @@ def main() -> None:
             f.write(json.dumps({**summary, "results": results}, indent=1) + "\n")
         os.replace(tmp, args.output)
         try:
-            plot(summary, os.path.splitext(args.output)[0] + ".png")
+            plot(summary, args.figure or os.path.splitext(args.output)[0] + ".png")
         except ImportError:  # (vLLM's environment has no matplotlib)
             print(f"bench_vllm: plot it in armkv's main environment: python scripts/bench_vllm.py --plot {args.output}")
     print(line)
