@@ -6,25 +6,28 @@ from pathlib import Path
 
 import torch
 
+# The tiny models' shape: 2 layers, 4 query and 2 KV heads of size 32 (the CPU backend's smallest).
+SHAPE = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
 
 def build_tiny_llama(folder: Path, seed: int = 0) -> Path:
     """A 2-layer Llama (head size 32: the CPU backend's smallest; 4 query, 2 KV heads), random
     weights of scale 0.2 (so that attention is not uniform), saved with safetensors."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = LlamaConfig(**SHAPE)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -46,25 +49,12 @@ def build_tiny(family: str, folder: Path, seed: int = 0) -> Path:
     Llama's attention under Mistral's class (no sliding window)."""
     import transformers
 
-    shape = dict(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
     if family == "qwen2":
-        config = transformers.Qwen2Config(**shape)
+        config = transformers.Qwen2Config(**SHAPE)
     elif family == "qwen3":
-        config = transformers.Qwen3Config(**shape, head_dim=64)
+        config = transformers.Qwen3Config(**SHAPE, head_dim=64)
     elif family == "mistral":
-        config = transformers.MistralConfig(**shape, sliding_window=None)
+        config = transformers.MistralConfig(**SHAPE, sliding_window=None)
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
