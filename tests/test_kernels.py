@@ -308,7 +308,7 @@ def test_fused_sparse_decode_read_equals_the_gathered_pytorch_read(
     free slots, buckets that hold nothing, rows that read fewer buckets than were routed
     (take), a group that reads none, and pools in any order or laid bucket by bucket."""
     from armkv.memory.quant import mixing_matrix
-    from armkv.memory.read import fused_sparse_decode_read, gather_slots, gathered_read, slots_of_buckets
+    from armkv.memory.read import fused_sparse_decode_read, read_slots, slots_of_buckets
 
     B, H, T, L = 2, 2, 1, 7
     G, M = B * H, min(3, buckets)
@@ -346,26 +346,7 @@ def test_fused_sparse_decode_read_equals_the_gathered_pytorch_read(
         )
         used_of = torch.arange(M).view(1, 1, M) < take.view(G, 1, 1)
         ids, used = slots_of_buckets(index, picked.view(G, 1, M), None, used_of)
-        W = ids.shape[-1]
-        gathered_bias = (
-            bias.reshape(G, slots)
-            .gather(1, ids.view(G, W))
-            .view(B, H, 1, W)
-            .masked_fill(~used.view(B, H, 1, W), -torch.inf)
-        )
-        ref = gathered_read(
-            query,
-            key,
-            value,
-            valid,
-            0.3,
-            exact_k,
-            exact_v,
-            exact_valid,
-            gather_slots(st, ids, for_reading=True),
-            gathered_bias,
-            fused=False,
-        )
+        ref = read_slots(query, key, value, valid, 0.3, exact_k, exact_v, exact_valid, st, bias, ids, used, False)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -407,30 +388,16 @@ def _assert_ranked_read(c: dict, out, got, scores, m: int, buckets: int) -> None
     """A fused ranked read's buckets are the PyTorch ranking of ``scores`` [G, R, S] (times
     the scaling plus the bias, the largest over the R heads, read.bucket_best, a stable sort:
     ties to the lower id), best first; its output is the gathered PyTorch read of them."""
-    from armkv.memory.read import bucket_best, gather_slots, gathered_read, slots_of_buckets
+    from armkv.memory.read import bucket_best, read_slots, slots_of_buckets
 
     query, key, value, valid, exact_k, exact_v, exact_valid, st, bias, _, scaling = c["read"]
-    B, H, G = c["B"], c["H"], c["q"].shape[0]
+    G = c["q"].shape[0]
     logits = (scores * scaling + bias.unsqueeze(1)).amax(1, keepdim=True)  # [G, 1, S]
     want = bucket_best(logits, st.bucket, buckets)[:, 0].sort(dim=-1, descending=True, stable=True).indices[:, :m]
     assert torch.equal(got, want)
     used_of = torch.arange(m).view(1, 1, m) < c["take"].view(G, 1, 1)
     ids, used = slots_of_buckets(c["index"], want.view(G, 1, m), None, used_of)
-    W = ids.shape[-1]
-    gathered_bias = bias.gather(1, ids.view(G, W)).view(B, H, 1, W).masked_fill(~used.view(B, H, 1, W), -torch.inf)
-    ref = gathered_read(
-        query,
-        key,
-        value,
-        valid,
-        scaling,
-        exact_k,
-        exact_v,
-        exact_valid,
-        gather_slots(st, ids, for_reading=True),
-        gathered_bias,
-        fused=False,
-    )
+    ref = read_slots(query, key, value, valid, scaling, exact_k, exact_v, exact_valid, st, bias, ids, used, False)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -26,6 +26,7 @@ from armkv.memory.read import (
     gather_slots,
     gathered_read,
     index_summaries,
+    read_slots,
     slots_of_buckets,
 )
 from test_kernels import _assert_ranked_read, _random_pool, _ranked_case
@@ -78,24 +79,9 @@ def _tokens(c: dict, dtype: torch.dtype):
 
 def _gathered(c: dict, wide, ids: torch.Tensor, used: torch.Tensor):
     """The PyTorch reference: gathered_read of the slots ids [G, 1, W] (used: which count)."""
-    st, bias, scaling = c["st"], c["bias"], c["read"][-1]
-    B, H = c["B"], c["H"]
-    G, _, W = ids.shape
-    gathered_bias = bias.reshape(G, -1).gather(1, ids.view(G, W)).view(B, H, 1, W)
-    gathered_bias = gathered_bias.masked_fill(~used.view(B, H, 1, W), -torch.inf)
     query, key, value, valid, exact_k, exact_v, exact_valid = wide
-    return gathered_read(
-        query,
-        key,
-        value,
-        valid,
-        scaling,
-        exact_k,
-        exact_v,
-        exact_valid,
-        gather_slots(st, ids, for_reading=True),
-        gathered_bias,
-        fused=False,
+    return read_slots(
+        query, key, value, valid, c["read"][-1], exact_k, exact_v, exact_valid, c["st"], c["bias"], ids, used, False
     )
 
 

@@ -607,6 +607,43 @@ def gathered_read(
     return out.reshape(B, Hq, T, d).transpose(1, 2)
 
 
+def read_slots(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    exact_valid: torch.Tensor,
+    state: MemoryState,
+    bias: torch.Tensor,
+    ids: torch.Tensor,
+    used: torch.Tensor,
+    fused: bool = True,
+) -> torch.Tensor:
+    """:func:`gathered_read` of the slots ``ids`` [G = B x H, T, W] of ``state`` (as
+    :func:`slots_of_buckets` gives them, ``used`` [G, T, W] marking which count), each with
+    its logit bias from ``bias`` (one per slot of the state, G x S values). -> [B, T, Hq, d]"""
+    B, H = key.shape[:2]
+    G, T, W = ids.shape
+    picked = bias.reshape(G, -1).gather(1, ids.reshape(G, T * W)).view(B, H, T, W)
+    picked = picked.masked_fill(~used.view(B, H, T, W), -torch.inf)
+    return gathered_read(
+        query,
+        key,
+        value,
+        valid,
+        scaling,
+        exact_k,
+        exact_v,
+        exact_valid,
+        gather_slots(state, ids, for_reading=True),
+        picked,
+        fused=fused,
+    )
+
+
 def fused_decode_read(kernel, query, key, value, valid, exact_k, exact_v, exact_valid, slots, slot_bias, mix, scaling):
     """One query's read through the fused CPU kernel (``armkv.memory.kernels.fused_read``):
     slots [G, ..., W] quantised (their codes and scales as stored), slot_bias [B, H, W] or

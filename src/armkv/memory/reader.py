@@ -48,14 +48,13 @@ from armkv.memory.read import (
     carried_units,
     dense_decode_call,
     fused_sparse_decode_read,
-    gather_slots,
-    gathered_read,
     index_summaries,
     paged_index,
     partial_row_count,
     partial_rows,
     ranked_chunk_read,
     ranked_decode_call,
+    read_slots,
     run_breaks,
     slot_units,
     slots_of_buckets,
@@ -842,21 +841,8 @@ class Reader:
         ids, used = slots_of_buckets(
             index, buckets.reshape(G, T, M), None if eager_cpu else index.width(M), take.reshape(G, T, M)
         )
-        W = ids.shape[-1]
         if self.tally is not None:
             self._count(int(used.sum()) // T, int(index.size.sum()))
-        bias = self.bias().reshape(G, st.slots).gather(1, ids.view(G, T * W)).view(B, H, T, W)
-        bias = bias.masked_fill(~used.view(B, H, T, W), -torch.inf)
-        return gathered_read(
-            query,
-            key,
-            value,
-            valid,
-            scaling,
-            exact_k,
-            exact_v,
-            exact_valid,
-            gather_slots(st, ids, for_reading=True),
-            bias,
-            fused=fused,
+        return read_slots(
+            query, key, value, valid, scaling, exact_k, exact_v, exact_valid, st, self.bias(), ids, used, fused=fused
         )
