@@ -27,7 +27,7 @@ from armkv.train.losses import make_arm_loss
 from armkv.train.models import load_model
 from armkv.train.trainer import ScalarSchedule, TrainConfig, train
 
-METHODS = ("arm", "lm", "policy", "router")
+METHODS = ("arm", "lm", "policy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="arm",
         help="arm: train the ARM parameters (router, writes, policy) through the model's loss; policy: fit only "
         "the top-M policy of --adapter to the M its layer's attention outputs need (--error); "
-        "router: train only the trees of --adapter so that a query's top-M tree read reaches the buckets that "
-        "hold its attention (no gradient through the model); "
         "lm: train the model itself (needs --unfreeze all or --lora-rank)",
     )
     parser.add_argument(
@@ -132,10 +130,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_policy_arguments(parser.add_argument_group("policy targets (--method policy)"))
 
-    from armkv.train.router import add_arguments as add_router_arguments
-
-    add_router_arguments(parser.add_argument_group("router (--method router)"))
-
     g = parser.add_argument_group("run")
     g.add_argument("--out", default="runs/train", help="directory for log.jsonl, loss.png and checkpoints/")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
@@ -210,23 +204,9 @@ def main_policy(args: argparse.Namespace) -> int:
     return policy.main(args, model, tokenizer)
 
 
-def main_router(args: argparse.Namespace) -> int:
-    """``--method router``: the trees alone, from the model's attention (armkv.train.router)."""
-    from armkv.train import router
-
-    router.config_from_args(args)  # bad settings are an error before the model loads
-    if args.adapter not in (None, "calibrated") and not Path(args.adapter).is_dir():
-        raise ArmkvError(f"--adapter {args.adapter}: not a folder (an adapter folder, or omit it for the shipped one)")
-    source_from_args(args, args.seed)
-    model, tokenizer = load_model(args)
-    return router.main(args, model, tokenizer)
-
-
 def main(args: argparse.Namespace) -> int:
     if args.method == "policy":
         return main_policy(args)
-    if args.method == "router":
-        return main_router(args)
     config = config_from_args(args)
     config.accum_steps(int(os.environ.get("WORLD_SIZE", "1")))  # a bad batch size fails before the model loads
     source = source_from_args(args, args.seed)
