@@ -162,6 +162,14 @@ def test_one_line_errors(model_dir, corpus, tmp_path, capsys):
     )
 
 
+def test_an_unknown_method_is_argparse_s_one_line_choice_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--method", "router"])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("armkv train: error: argument --method: invalid choice: 'router'") and "policy" in last
+
+
 def test_calibrate_builds_an_adapter(model_dir, corpus, tmp_path):
     from armkv.memory.module import ARMModel
 

@@ -11,7 +11,7 @@ slots that each setting's sparse read would take from the same state: M = N_b / 
 buckets' worth of pages of 1 / ``page_split`` of the mean bucket (``read_pages``), ranked as
 ``read_rank`` ranks them (``partial``: the query's largest ``partial_share`` of key-code rows;
 ``best``: every key whole), or (``tree``) the M whole buckets the tree's read routing of the
-pre-RoPE query reaches (the adapter's routers: a trained one with ``--adapter``). A query
+pre-RoPE query reaches (the routers of the shipped adapter or of ``--adapter``). A query
 head's missed mass is the share of its full attention on slots the setting skips. The slots
 are unmixed (``slot_mixing=false``, as ``partial`` requires).
 
