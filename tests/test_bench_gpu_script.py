@@ -86,13 +86,13 @@ def test_the_range_is_armkvs():
     assert load_script().TRANSFORMERS_RANGE == SUPPORTED
 
 
-def test_dry_run_fails_soft(tmp_path):
-    """Three runs: two that work on this CPU and the compiled one, which fails where this
-    build of bench decode has no --compile; all are recorded, and the call succeeds."""
-    done = run(tmp_path, "--dry-run", "--only", "eager-native,compiled-native,batch8-arm")
+def test_dry_run_records_each_run(tmp_path):
+    """Two runs that work on this CPU, each its own process: both recorded with their results,
+    and the three files come back."""
+    done = run(tmp_path, "--dry-run", "--only", "eager-native,batch8-arm")
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(summary["runs"]) == {"eager-native", "compiled-native", "batch8-arm"}
+    assert set(summary["runs"]) == {"eager-native", "batch8-arm"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_bench.json", "gpu_bench.log", "tables.md"]
     doc = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert doc["dry_run"] is True and doc["transformers"]["transformers"]
@@ -104,11 +104,19 @@ def test_dry_run_fails_soft(tmp_path):
     assert result["prefill_tokens_per_s"]["native"]["160"] > 0
     batch = doc["runs"]["batch8-arm"]["result"]
     assert batch["settings"]["batch"] == 2 and batch["decode_tokens_per_s"]["arm"]["96"] > 0
-    compiled = doc["runs"]["compiled-native"]
-    if compiled["exit_code"] != 0:  # a build without --compile: the error is kept, the rest ran
-        assert "result" not in compiled and compiled["log_tail"]
     tables = (tmp_path / "tables.md").read_text()
-    assert "## eager-native" in tables and "| native |" in tables and "## compiled-native" in tables
+    assert "## eager-native" in tables and "| native |" in tables and "## batch8-arm" in tables
+
+
+def test_a_failing_run_is_recorded(tmp_path):
+    """A run whose ``bench decode`` fails (here: an option this build does not have, as
+    ``--compile`` was on older builds) is recorded with its exit code and log, without a result;
+    its table says so."""
+    gpu = load_script()
+    record, text = gpu.run_one("eager-native", ["--no-such-option"], dict(os.environ), 120, tmp_path)
+    assert record["exit_code"] == 2 and "--no-such-option" in record["log_tail"] and text
+    assert "result" not in record and record["seconds"] >= 0
+    assert "exit 2" in gpu.table("eager-native", record, tmp_path / "eager-native")
 
 
 def test_dry_run_of_a_sparse_run_reads_a_share_of_the_slots(tmp_path):

@@ -21,12 +21,18 @@ from tiny import build_tiny_llama, save_tiny_tokenizer
 BUDGET = 64
 
 
-def eval_ruler(python: str, model: Path, out: Path, engine: str) -> subprocess.CompletedProcess:
+def eval_ruler(python: str, model: Path, out: Path, engine: str) -> subprocess.Popen:
+    """``armkv eval ruler`` started in ``python``'s environment; its stderr goes to ``out``.err."""
     command = [python, "-m", "armkv.cli", "eval", "ruler", "--engine", engine, "--model", str(model)]
     command += ["--methods", "full,arm", "--budget", str(BUDGET), "--adapter", "random", "--chunk", "1"]
     command += ["--tasks", "niah_single_1", "--lengths", "512", "--samples", "2", "--max-new-tokens", "6"]
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", ARMKV_VLLM_MEMORY="0.05")
-    return subprocess.run(command + ["--output", str(out)], capture_output=True, text=True, env=env)
+    with open(f"{out}.err", "w") as err:
+        return subprocess.Popen(command + ["--output", str(out)], stdout=subprocess.DEVNULL, stderr=err, env=env)
+
+
+def finish(run: subprocess.Popen, out: Path) -> None:
+    assert run.wait() == 0, Path(f"{out}.err").read_text()[-4000:]
 
 
 def records(folder: Path) -> dict:
@@ -38,10 +44,10 @@ def records(folder: Path) -> dict:
 @pytest.mark.skipif(not os.environ.get("ARMKV_HF_PYTHON"), reason="ARMKV_HF_PYTHON (the main environment) unset")
 def test_eval_ruler_engine_vllm_equals_hf_path(tmp_path):
     model = save_tiny_tokenizer(build_tiny_llama(tmp_path / "tiny"))
-    vllm = eval_ruler(sys.executable, model, tmp_path / "vllm", "vllm")
-    assert vllm.returncode == 0, vllm.stderr[-4000:]
+    vllm = eval_ruler(sys.executable, model, tmp_path / "vllm", "vllm")  # (the two side by side)
     hf = eval_ruler(os.environ["ARMKV_HF_PYTHON"], model, tmp_path / "hf", "hf")
-    assert hf.returncode == 0, hf.stderr[-4000:]
+    finish(vllm, tmp_path / "vllm")
+    finish(hf, tmp_path / "hf")
     ours, theirs = records(tmp_path / "vllm"), records(tmp_path / "hf")
     assert set(ours) == set(theirs) == {"arm__niah_single_1__512.jsonl", "full__niah_single_1__512.jsonl"}
     keys = ("id", "answers", "prompt_tokens", "output", "score")
@@ -54,5 +60,5 @@ def test_eval_ruler_engine_vllm_equals_hf_path(tmp_path):
     for name in ("summary.json", "table.md", "ruler.png"):
         assert (tmp_path / "vllm" / name).is_file()
     # a second run finds every sample done
-    again = eval_ruler(sys.executable, model, tmp_path / "vllm", "vllm")
-    assert again.returncode == 0 and records(tmp_path / "vllm") == ours
+    finish(eval_ruler(sys.executable, model, tmp_path / "vllm", "vllm"), tmp_path / "vllm")
+    assert records(tmp_path / "vllm") == ours
