@@ -7,6 +7,11 @@ import os
 # the test modules are collected), so the Triton kernels' tests can only run in its interpreter on
 # a machine without CUDA if it is set before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "0" if os.path.exists("/dev/nvidia0") else "1")
+# Under pytest-xdist (pyproject.toml's addopts) the workers share the cores: each takes its part
+# of them for torch's threads, here and in the processes its tests start.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

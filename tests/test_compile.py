@@ -191,8 +191,9 @@ def test_a_compiled_cache_decoded_through_the_model_says_it_runs_eagerly():
 @pytest.mark.real_model
 def test_real_model_generate_compiled_equals_eager(tmp_path, monkeypatch):
     """``armkv generate --compile`` on the default model (its layers hold different budget
-    shares, so the graph holds layers of different shapes), every bounded method: the same
-    answers as eager, through one graph without a break. A ~300-token needle prompt at budget
+    shares, so the graph holds layers of different shapes), for ARM and KIVI (the window methods
+    compile on the tiny models above, every method there): the same answers as eager, through
+    one graph without a break. A ~300-token needle prompt at budget
     128 (ARM writes every 4 decoded tokens). torch.compile runs with aot_eager in place of
     inductor's C++ build (minutes a method on two cores): the same capture, functionalisation
     and view-input handling, where compiling this model used to fail."""
@@ -212,7 +213,7 @@ def test_real_model_generate_compiled_equals_eager(tmp_path, monkeypatch):
     }
     given = tmp_path / "in.jsonl"
     given.write_text(json.dumps(request) + "\n")
-    for method in ("swa", "sink", "kivi", "arm", "fifo"):
+    for method in ("kivi", "arm"):
         answers = {}
         for compiled in (False, True):
             torch._dynamo.reset()
