@@ -185,7 +185,7 @@ class ARMAttentionImpl(AttentionImpl[ARMMetadata]):
                     plan(self.block(kv_cache, state) if plan.placed else None), plan.chunk
                 )
             out = memory.step(query[lo:hi], key[lo:hi], value[lo:hi], m.starts[i], m.prompt_lens[i], self.scale)
-            output[lo:hi] = out.to(output.dtype)
+            output[lo:hi].copy_(out)
             if plan.placed:
                 if memory.open is not None:
                     raise ArmkvError(

@@ -30,6 +30,12 @@ class RequestMemory:
         if start != self.next:
             raise ArmkvError(f"ARM state out of step: given position {start}, expected {self.next}")
         T = q.shape[0]
+        if T == 1 and start >= prompt_len:  # a generated token (most calls): no chunk bookkeeping
+            self.next = start + 1
+            q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            positions = torch.full((1, 1), start, dtype=torch.long, device=q.device)
+            one = torch.ones(1, 1, dtype=torch.bool, device=q.device)
+            return self.layer.attend(q4, k4, v4, one, positions, scaling)[0]
         q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, d]
         outs, i, pos, P = [], 0, start, self.chunk
         n_prompt = max(0, min(T, prompt_len - start))
