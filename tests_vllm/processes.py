@@ -13,6 +13,10 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 _ids = itertools.count()
+# One thread a process, the engine in the process itself, and its thread not pinned: vLLM's CPU
+# worker binds its threads to the same core in every process ("auto"), so that processes run
+# side by side would share one core.
+ENV = {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 class Job:
@@ -21,7 +25,7 @@ class Job:
         path = tmp / f"job-{n}.json"
         path.write_text(json.dumps(job))
         self.script, self.stdout, self.stderr = script, tmp / f"job-{n}.out", tmp / f"job-{n}.err"
-        env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env = dict(os.environ, **ENV)
         with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
             self.proc = subprocess.Popen([python, str(HERE / script), str(path)], stdout=out, stderr=err, env=env)
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import ENV
 from tiny import build_tiny_llama, save_tiny_tokenizer
 
 BUDGET = 64
@@ -26,7 +27,7 @@ def eval_ruler(python: str, model: Path, out: Path, engine: str) -> subprocess.P
     command = [python, "-m", "armkv.cli", "eval", "ruler", "--engine", engine, "--model", str(model)]
     command += ["--methods", "full,arm", "--budget", str(BUDGET), "--adapter", "random", "--chunk", "1"]
     command += ["--tasks", "niah_single_1", "--lengths", "512", "--samples", "2", "--max-new-tokens", "6"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", ARMKV_VLLM_MEMORY="0.05")
+    env = dict(os.environ, **ENV, ARMKV_VLLM_MEMORY="0.05")
     with open(f"{out}.err", "w") as err:
         return subprocess.Popen(command + ["--output", str(out)], stdout=subprocess.DEVNULL, stderr=err, env=env)
 
