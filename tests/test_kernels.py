@@ -116,6 +116,20 @@ def test_only_int4_float32_cpu_reads_are_fused_and_the_switch_turns_it_off(kerne
     assert kernels.describe() == "pytorch (ARMKV_KERNELS=0)"
 
 
+def test_the_build_is_named_by_its_sources_and_the_torch_it_builds_against(tmp_path):
+    """Two environments (armkv's and vLLM's) build into folders of their own: torch rebuilds a
+    folder whose include paths change, so one shared folder would be rebuilt by each in turn."""
+    (tmp_path / "a.cpp").write_text("int f() { return 1; }")
+    (tmp_path / "a.h").write_text("int f();")
+    name = kernels.build_name(tmp_path, "2.13.0+cpu", "/env/a/torch")
+    assert name == kernels.build_name(tmp_path, "2.13.0+cpu", "/env/a/torch")
+    assert name != kernels.build_name(tmp_path, "2.13.0+cpu", "/env/b/torch")
+    assert name != kernels.build_name(tmp_path, "2.11.0+cpu", "/env/a/torch")
+    (tmp_path / "a.h").write_text("int f(void);")
+    assert name != kernels.build_name(tmp_path, "2.13.0+cpu", "/env/a/torch")
+    assert kernels._NAME == kernels.build_name(kernels._CSRC, torch.__version__, os.path.dirname(torch.__file__))
+
+
 def test_a_failed_build_warns_once_and_the_pytorch_path_serves(monkeypatch):
     import torch.utils.cpp_extension as ext
 

