@@ -298,15 +298,13 @@ class Reader:
                 else:
                     self.__dict__[name] = held
 
-    def forget(self, keep_views: bool = False) -> None:
+    def forget(self) -> None:
         """Drop everything derived from the pool's state (the view with its bucket index, pages
-        and bias, the bound calls, the carried summaries and the pool's read view); the next
-        read makes them again. A layer placed in an engine's storage holds nothing of its own
-        between calls (``ARMLayer.settle``): ``keep_views`` keeps the pool's read view (views of
-        its state, which lies in the storage: no tensor of its own), not made again per step."""
+        and bias, the bound calls and the carried summaries); the next read makes them again.
+        A layer placed in an engine's storage holds nothing of its own between calls
+        (``ARMLayer.settle``). The pool's read view stays: it is views of the pool's state,
+        which lies in the storage."""
         self._view = self._take_for = self._carried = self._kept = None
-        if not keep_views:
-            self.pool._read_view = None
         self.pool.dirty = None  # (read_summaries: every bucket's summary is made again)
 
     # ------------------------------------------------------------------ the view

@@ -209,7 +209,7 @@ class ARMLayer(CacheLayer):
         if self.m is not None and self.m.data_ptr() != self.placed["m"].data_ptr():
             self.placed["m"].copy_(self.m)
             self.reader.m = self.placed["m"]
-        self.reader.forget(keep_views=True)
+        self.reader.forget()
 
     # ------------------------------------------------------------------ state
     def _lazy_init(self, key: torch.Tensor) -> None:

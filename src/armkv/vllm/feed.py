@@ -30,13 +30,10 @@ class RequestMemory:
         if start != self.next:
             raise ArmkvError(f"ARM state out of step: given position {start}, expected {self.next}")
         T = q.shape[0]
+        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, d]
         if T == 1 and start >= prompt_len:  # a generated token (most calls): no chunk bookkeeping
             self.next = start + 1
-            q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-            positions = torch.full((1, 1), start, dtype=torch.long, device=q.device)
-            one = torch.ones(1, 1, dtype=torch.bool, device=q.device)
-            return self.layer.attend(q4, k4, v4, one, positions, scaling)[0]
-        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, d]
+            return self.generated(q4, k4, v4, start, scaling)
         outs, i, pos, P = [], 0, start, self.chunk
         n_prompt = max(0, min(T, prompt_len - start))
         while i < n_prompt:  # the prompt: chunks of P from position 0, the last one as it is
@@ -56,16 +53,18 @@ class RequestMemory:
                 self.open = whole
             outs.append(out[0, n - take :])
             i, pos = i + take, pos + take
-        one = torch.ones(1, 1, dtype=torch.bool, device=q.device)
-        for j in range(i, T):  # generated tokens: one at a time
-            positions = torch.full((1, 1), start + j, dtype=torch.long, device=q.device)
+        for j in range(i, T):  # generated tokens (a request recomputed after preemption): one at a time
             outs.append(
-                self.layer.attend(
-                    q4[:, :, j : j + 1], k4[:, :, j : j + 1], v4[:, :, j : j + 1], one, positions, scaling
-                )[0]
+                self.generated(q4[:, :, j : j + 1], k4[:, :, j : j + 1], v4[:, :, j : j + 1], start + j, scaling)
             )
         self.next = start + T
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+    def generated(self, q4, k4, v4, position: int, scaling: float) -> torch.Tensor:
+        """Attend and commit one generated token (q4, k4, v4 [1, H, 1, d]); returns [1, Hq, d]."""
+        positions = torch.full((1, 1), position, dtype=torch.long, device=q4.device)
+        one = torch.ones(1, 1, dtype=torch.bool, device=q4.device)
+        return self.layer.attend(q4, k4, v4, one, positions, scaling)[0]
 
 
 def held_tensors(memory: RequestMemory) -> dict[str, torch.Tensor]:
