@@ -6,14 +6,16 @@ RULER samples that ``armkv eval ruler`` scored, and check its answers against th
 Each sample is rebuilt from the folder's settings (armkv's seeded generator), sent to
 ``/v1/completions`` as the token ids the evals feed (context, then question and answer prefix,
 as one prompt), greedy, as many tokens as the eval generated; an answer equal to the folder's
-output word for word passes. Prints one line a sample and a final JSON line; exit status 1 if
-any answer differs.
+output word for word passes. ``--folder`` may be given more than once (``--haystack-file``
+gives the prose folders' text); ``--output`` also writes the final JSON to a file (atomically).
+Prints one line a sample and a final JSON line; exit status 1 if any answer differs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -26,51 +28,82 @@ def post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default="http://localhost:8000")
-    p.add_argument("--folder", type=Path, required=True, help="an `armkv eval ruler` output folder")
-    p.add_argument("--samples", type=int, default=1, help="samples a (method, task, length) log to ask")
-    p.add_argument("--haystack-file", default=None, help="the prose haystack of an essay folder")
-    args = p.parse_args()
-
+def check_folder(url: str, served: str, folder: Path, config: dict, samples: int, haystack_file) -> list[dict]:
+    """Ask the server the first ``samples`` samples of each log of one eval folder."""
     from transformers import AutoTokenizer
 
     from armkv.evals import ruler
     from armkv.evals.common import SampleLog
     from armkv.tools.vllm_engine import encode, model_folder
 
-    config = json.loads((args.folder / "config.json").read_text())
     model = model_folder(None if config["model"] == "default" else config["model"])
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    words = ruler.load_essay(args.haystack_file) if args.haystack_file else None
+    words = ruler.load_essay(haystack_file) if config["haystack"] == "essay" else None
     override = None if config["haystack"] == "task" else config["haystack"]
     generator = ruler.RulerGenerator(tokenizer, config["seed"], words, None, haystack=override)
-    with urllib.request.urlopen(f"{args.url}/v1/models", timeout=60) as response:
-        served = json.loads(response.read())["data"][0]["id"]
     checked = []
-    for path in sorted(args.folder.glob("*__*__*.jsonl")):
-        for record in SampleLog(path).records[: args.samples]:
+    for path in sorted(folder.glob("*__*__*.jsonl")):
+        for record in SampleLog(path).records[:samples]:
             task, length = record["task"], int(record["length"])
             index = int(record["id"].rsplit("-", 1)[1])
             sample = generator.samples(task, length, index + 1, config.get("depths"))[index]
             ids = encode(tokenizer, sample, config["chat"])
             limit = min(ruler.tokens_to_generate(task), config.get("max_new_tokens") or 10**9)
             start = time.perf_counter()
-            answer = post(
-                f"{args.url}/v1/completions",
-                {"model": served, "prompt": ids, "max_tokens": limit, "temperature": 0},
-            )["choices"][0]["text"]
+            body = {"model": served, "prompt": ids, "max_tokens": limit, "temperature": 0}
+            answer = post(f"{url}/v1/completions", body)["choices"][0]["text"]
             seconds = time.perf_counter() - start
             equal = answer == record["output"]
             checked.append(
-                {"id": record["id"], "label": record["label"], "equal": equal, "served": answer, "seconds": seconds}
+                {
+                    "folder": str(folder),
+                    "haystack": config["haystack"],
+                    "id": record["id"],
+                    "label": record["label"],
+                    "tokens": len(ids),
+                    "equal": equal,
+                    "served": answer,
+                    "eval": record["output"],
+                    "seconds": round(seconds, 2),
+                }
             )
             print(
-                f"{record['label']} {record['id']} ({len(ids)} tokens, {seconds:.0f} s): served {answer!r}, "
-                f"eval {record['output']!r}: {'equal' if equal else 'DIFFERENT'}"
+                f"{config['haystack']} {record['label']} {record['id']} ({len(ids)} tokens, {seconds:.0f} s): "
+                f"served {answer!r}, eval {record['output']!r}: {'equal' if equal else 'DIFFERENT'}",
+                flush=True,
             )
-    print(json.dumps({"url": args.url, "model": served, "folder": str(args.folder), "checked": checked}))
+    return checked
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://localhost:8000")
+    p.add_argument(
+        "--folder", type=Path, action="append", required=True, help="an `armkv eval ruler` output folder (repeatable)"
+    )
+    p.add_argument("--samples", type=int, default=1, help="samples a (method, task, length) log to ask")
+    p.add_argument("--haystack-file", default=None, help="the prose haystack of the essay folders")
+    p.add_argument("--output", type=Path, default=None, help="also write the final JSON here")
+    args = p.parse_args()
+    configs = {}
+    for folder in args.folder:
+        if not (folder / "config.json").is_file():
+            p.error(f"{folder} holds no config.json: give an `armkv eval ruler` output folder")
+        configs[folder] = json.loads((folder / "config.json").read_text())
+        if configs[folder]["haystack"] == "essay" and not args.haystack_file:
+            p.error(f"{folder} was scored on the prose haystack: give its text with --haystack-file")
+
+    with urllib.request.urlopen(f"{args.url}/v1/models", timeout=60) as response:
+        served = json.loads(response.read())["data"][0]["id"]
+    checked = []
+    for folder, config in configs.items():
+        checked += check_folder(args.url, served, folder, config, args.samples, args.haystack_file)
+    result = {"url": args.url, "model": served, "folders": [str(f) for f in args.folder], "checked": checked}
+    print(json.dumps(result))
+    if args.output:
+        tmp = args.output.with_name(args.output.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        os.replace(tmp, args.output)
     return 0 if checked and all(c["equal"] for c in checked) else 1
 
 
