@@ -904,20 +904,26 @@ def test_fused_ring_push_equals_the_pytorch_push(kernel, sinks, window, batch, h
     assert bufs[0]._ring and bufs[1]._ring
 
 
-def test_a_stale_build_lock_is_removed_with_a_warning(tmp_path):
-    """A build lock left by a killed process (older than a build takes) would make every later
-    load wait forever: it is removed, and the warning names it; a fresh one is left alone."""
+def test_a_stale_build_lock_is_removed_with_a_warning(tmp_path, monkeypatch, capsys):
+    """A build lock left by a killed process would make every later load wait forever: a load
+    waits while it may be another process's build, and removes it, with a warning that names
+    it, once it is older than a build takes; a lock its builder removes ends the wait."""
+    import threading
     import time
 
     from armkv.memory import kernels as k
 
     lock = tmp_path / "lock"
+    k._wait_for_lock(lock)  # no lock: nothing to do
     lock.write_text("")
-    k._clear_stale_lock(lock)  # fresh: another process may be building
-    assert lock.exists()
-    old = time.time() - k.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
+    threading.Timer(0.3, lock.unlink).start()  # another process's build ends
+    start = time.monotonic()
+    k._wait_for_lock(lock, poll_s=0.05)
+    assert 0.25 < time.monotonic() - start < 10
+    assert "waiting for another process's kernel build" in capsys.readouterr().err
+
+    lock.write_text("")  # a killed build's lock: removed once stale
+    monkeypatch.setattr(k, "STALE_LOCK_S", 0.3)
     with pytest.warns(RuntimeWarning, match=f"removed {lock}"):
-        k._clear_stale_lock(lock)
+        k._wait_for_lock(lock, poll_s=0.05)
     assert not lock.exists()
-    k._clear_stale_lock(lock)  # no lock: nothing to do

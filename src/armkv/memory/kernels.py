@@ -121,7 +121,7 @@ def int4_read():
             from torch.utils.cpp_extension import _get_build_directory, load
 
             build = Path(_get_build_directory(_NAME, verbose=False))
-            _clear_stale_lock(build / "lock")
+            _wait_for_lock(build / "lock")
             if not any(build.glob(f"{_NAME}*.so")):
                 print("armkv: building the fused int4 read kernel (once per machine, about a minute)", file=sys.stderr)
             _module = load(
@@ -142,25 +142,37 @@ def int4_read():
         return _module
 
 
-STALE_LOCK_S = 600  # a build takes about a minute: a lock this old was left by a process killed mid-build
+STALE_LOCK_S = 600  # a build takes a minute or a few: a lock this old was left by a process killed mid-build
 
 
-def _clear_stale_lock(lock: Path) -> None:
-    """torch's build lock, left behind by a process killed while it built or loaded the kernel,
-    makes every later load wait forever without a word: one older than STALE_LOCK_S is
-    removed, with a warning that names it."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        lock.unlink(missing_ok=True)
-        warnings.warn(
-            f"armkv: removed {lock}, a kernel build lock {age / 60:.0f} minutes old (left by a process "
-            "stopped while it built or loaded the kernel)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+def _wait_for_lock(lock: Path, poll_s: float = 1.0) -> None:
+    """torch's build lock, left behind by a process killed while it built or loaded the kernel
+    (an engine that stops a slow step, a Ctrl-C), makes every later load wait forever without a
+    word. Wait here instead while another process may be building (saying so once), and remove a
+    lock older than STALE_LOCK_S with a warning that names it."""
+    said = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+            warnings.warn(
+                f"armkv: removed {lock}, a kernel build lock {age / 60:.0f} minutes old (left by a process "
+                "stopped while it built or loaded the kernel)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        if not said:
+            print(
+                f"armkv: waiting for another process's kernel build ({lock}; removed if it is still there "
+                f"{STALE_LOCK_S // 60} minutes after it was made)",
+                file=sys.stderr,
+            )
+            said = True
+        time.sleep(poll_s)
 
 
 def describe() -> str:
