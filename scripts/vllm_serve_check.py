@@ -5,10 +5,12 @@ RULER samples that ``armkv eval ruler`` scored, and check its answers against th
 
 Each sample is rebuilt from the folder's settings (armkv's seeded generator), sent to
 ``/v1/completions`` as the token ids the evals feed (context, then question and answer prefix,
-as one prompt), greedy, as many tokens as the eval generated; an answer equal to the folder's
-output word for word passes. ``--folder`` may be given more than once (``--haystack-file``
-gives the prose folders' text); ``--output`` also writes the final JSON to a file (atomically).
-Prints one line a sample and a final JSON line; exit status 1 if any answer differs.
+as one prompt), greedy, as many tokens as the eval generated; it passes where the answer's
+tokens, decoded as the eval decodes them, equal the folder's output word for word. ``--label``
+keeps the logs of one method (the one the server runs) where the folder holds several;
+``--folder`` may be given more than once (``--haystack-file`` gives the prose folders' text);
+``--output`` also writes the final JSON to a file (atomically). Prints one line a sample and a
+final JSON line; exit status 1 if any answer differs.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ def post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def check_folder(url: str, served: str, folder: Path, config: dict, samples: int, haystack_file) -> list[dict]:
-    """Ask the server the first ``samples`` samples of each log of one eval folder."""
+def check_folder(
+    url: str, served: str, folder: Path, config: dict, samples: int, haystack_file, label: str | None = None
+) -> list[dict]:
+    """Ask the server the first ``samples`` samples of each log of one eval folder (of ``label``'s logs)."""
     from transformers import AutoTokenizer
 
     from armkv.evals import ruler
@@ -42,7 +46,7 @@ def check_folder(url: str, served: str, folder: Path, config: dict, samples: int
     override = None if config["haystack"] == "task" else config["haystack"]
     generator = ruler.RulerGenerator(tokenizer, config["seed"], words, None, haystack=override)
     checked = []
-    for path in sorted(folder.glob("*__*__*.jsonl")):
+    for path in sorted(folder.glob(f"{label or '*'}__*__*.jsonl")):
         for record in SampleLog(path).records[:samples]:
             task, length = record["task"], int(record["length"])
             index = int(record["id"].rsplit("-", 1)[1])
@@ -50,9 +54,12 @@ def check_folder(url: str, served: str, folder: Path, config: dict, samples: int
             ids = encode(tokenizer, sample, config["chat"])
             limit = min(ruler.tokens_to_generate(task), config.get("max_new_tokens") or 10**9)
             start = time.perf_counter()
-            body = {"model": served, "prompt": ids, "max_tokens": limit, "temperature": 0}
-            answer = post(f"{url}/v1/completions", body)["choices"][0]["text"]
+            body = {"model": served, "prompt": ids, "max_tokens": limit, "temperature": 0, "return_token_ids": True}
+            choice = post(f"{url}/v1/completions", body)["choices"][0]
             seconds = time.perf_counter() - start
+            # the tokens decoded as the eval decodes them (the server's text holds back the bytes
+            # of a character its last tokens leave incomplete)
+            answer = tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
             equal = answer == record["output"]
             checked.append(
                 {
@@ -63,6 +70,7 @@ def check_folder(url: str, served: str, folder: Path, config: dict, samples: int
                     "tokens": len(ids),
                     "equal": equal,
                     "served": answer,
+                    "served_text": choice["text"],
                     "eval": record["output"],
                     "seconds": round(seconds, 2),
                 }
@@ -83,6 +91,7 @@ def main() -> int:
     )
     p.add_argument("--samples", type=int, default=1, help="samples a (method, task, length) log to ask")
     p.add_argument("--haystack-file", default=None, help="the prose haystack of the essay folders")
+    p.add_argument("--label", default=None, help="only this method's logs (its label in the folder, e.g. arm)")
     p.add_argument("--output", type=Path, default=None, help="also write the final JSON here")
     args = p.parse_args()
     configs = {}
@@ -97,7 +106,7 @@ def main() -> int:
         served = json.loads(response.read())["data"][0]["id"]
     checked = []
     for folder, config in configs.items():
-        checked += check_folder(args.url, served, folder, config, args.samples, args.haystack_file)
+        checked += check_folder(args.url, served, folder, config, args.samples, args.haystack_file, args.label)
     result = {"url": args.url, "model": served, "folders": [str(f) for f in args.folder], "checked": checked}
     print(json.dumps(result))
     if args.output:
