@@ -94,6 +94,8 @@ def test_the_server_answers_as_the_eval(runs, tmp_path):
     model, vllm_folder, _ = runs
     port = free_port()
     arm = {"method": "arm", "budget": BUDGET, "adapter": "random", "chunk": 1}  # (the eval's settings)
+    # (processes.ENV but for VLLM_ENABLE_V1_MULTIPROCESSING=0: the server runs as users start it,
+    # its engine in a process of its own)
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1")
     env["ARMKV_VLLM"] = json.dumps(arm)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port)]
